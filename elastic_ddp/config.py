@@ -1,0 +1,147 @@
+"""`TrainingConfig`: every setting of a run, and the command line generated from it.
+
+The CLI is derived from the dataclass fields, so a field, its type, its default and its help text
+live in one place (docs/configuration.md is generated from the same fields). Booleans become
+`--flag/--no-flag`. Validation happens in `__post_init__`, before any process group exists, and
+raises `ValueError` with one line naming the flag, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+MODELS = ("mini_resnet", "mlp")
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class TrainingConfig:
+    """The settings of one training run. Field names are the CLI flags (`--global_batch_size`)."""
+
+    epochs: int = _help("Epochs to train in total (a resumed run finishes the remaining ones).", default=3)
+    global_batch_size: int = _help(
+        "Samples per optimizer step, summed over all ranks: the invariant across world sizes.", default=64)
+    micro_batch_size: int = _help(
+        "Most samples one rank pushes through one forward pass; gradient accumulation steps follow "
+        "from this, the global batch and the current world size.", default=32)
+    lr: float = _help("Peak learning rate (SGD with momentum, linear warm-up then cosine decay).", default=0.05)
+    momentum: float = _help("SGD momentum.", default=0.9)
+    weight_decay: float = _help("SGD weight decay.", default=0.0)
+    warmup_steps: int = _help("Optimizer steps of linear learning-rate warm-up.", default=0)
+    seed: int = _help("Seed of the model initialisation, the data order and the augmentation.", default=0)
+    model: str = _help(f"Built-in model: {' or '.join(MODELS)} (mlp has no batch-dependent layers).",
+                       default="mini_resnet")
+    dataset_size: int = _help("Length of the built-in synthetic dataset.", default=4096)
+    drop_last: bool = _help("Drop the last global batch of an epoch when it is not full.", default=False)
+    augment: bool = _help("Random flips of the built-in images, drawn from (seed, epoch, sample index).",
+                          default=True)
+    checkpoint_dir: str = _help("Directory of the snapshots (local path).", default="checkpoints")
+    snapshot_every_steps: int = _help("Snapshot every N optimizer steps; 0: only at epoch ends.", default=50)
+    keep_last: int = _help("Snapshots kept on disk (at least 2, so a good one survives a torn write).", default=3)
+    use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
+    num_workers: int = _help("DataLoader worker processes per rank (0: load in the training process).",
+                             default=0)
+    log_interval: int = _help("Log loss and throughput every N optimizer steps (rank 0).", default=10)
+    audit_log: str | None = _help(
+        "Directory for per-rank JSON-lines audit files: one line per committed step with its sample "
+        "indices (for checking exactly-once).", default=None)
+    event_log: str | None = _help(
+        "JSON-lines event log of the run (restores, snapshots, membership); default: "
+        "CHECKPOINT_DIR/events.jsonl.", default=None)
+    collective_timeout_s: float = _help(
+        "Seconds a collective may block before the rank gives up (a frozen peer is detected within "
+        "this time).", default=60.0)
+    device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
+        _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay")
+        if not self.lr > 0:
+            raise ValueError(f"--lr: got {self.lr}; expected a positive number")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum: got {self.momentum}; expected a number in [0, 1)")
+        if self.model not in MODELS:
+            raise ValueError(f"--model: got {self.model!r}; expected one of {', '.join(MODELS)}")
+        if self.keep_last < 2:
+            raise ValueError(f"--keep_last: got {self.keep_last}; expected at least 2 (the previous good "
+                             "snapshot must survive a torn write)")
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(f"--micro_batch_size: got {self.micro_batch_size}; expected at most "
+                             f"--global_batch_size ({self.global_batch_size})")
+        if self.drop_last and self.global_batch_size > self.dataset_size:
+            raise ValueError(f"--global_batch_size: got {self.global_batch_size} with --drop_last; expected at "
+                             f"most --dataset_size ({self.dataset_size}), or no step would run")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"--collective_timeout_s: got {self.collective_timeout_s}; expected a positive number")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device: got {self.device!r}; expected auto, cpu or cuda")
+        if not self.checkpoint_dir:
+            raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch; depends on the dataset and global batch, never on the world size."""
+        full, remainder = divmod(self.dataset_size, self.global_batch_size)
+        return full + (1 if remainder and not self.drop_last else 0)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> TrainingConfig:
+        """Parse a command line; bad values exit with argparse's usage line and our one-line reason."""
+        parser = build_parser()
+        namespace = parser.parse_args(argv)
+        try:
+            return cls(**vars(namespace))
+        except ValueError as exc:
+            parser.error(str(exc))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_positive(config: TrainingConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"--{name}: got {value}; expected a positive integer")
+
+
+def _check_non_negative(config: TrainingConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 0:
+            raise ValueError(f"--{name}: got {value}; expected 0 or more")
+
+
+def _field_type(config_field: dataclasses.Field) -> type:
+    # Annotations are strings under `from __future__ import annotations`.
+    annotation = str(config_field.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return kind
+    raise TypeError(f"TrainingConfig.{config_field.name}: unsupported type {annotation}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per `TrainingConfig` field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_ddp.train",
+        description="Elastic DDP training; launch it with torchrun (see README.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for config_field in dataclasses.fields(TrainingConfig):
+        kind = _field_type(config_field)
+        flag = f"--{config_field.name}"
+        help_text = config_field.metadata["help"]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=config_field.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=config_field.default, help=help_text,
+                                metavar=config_field.name.upper())
+    return parser

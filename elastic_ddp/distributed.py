@@ -1,0 +1,108 @@
+"""Where this process sits in the job, read from the torchrun environment, and the process group.
+
+`DistributedContext.from_env()` reads what torchrun exports to each worker (RANK, WORLD_SIZE, ...);
+run outside torchrun it describes a world of one. `process_group(context, timeout)` sets up gloo
+(CPU) or nccl (CUDA) and always tears it down, also when training raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This worker's place in the current worker group. Valid for one incarnation only."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    restart_count: int = 0
+    run_id: str = "local"
+
+    @classmethod
+    def from_env(cls, device_preference: str = "auto") -> DistributedContext:
+        """Read torchrun's variables; `device_preference` is auto, cpu or cuda."""
+        rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        use_cuda = device_preference == "cuda" or (device_preference == "auto" and torch.cuda.is_available())
+        if use_cuda and not torch.cuda.is_available():
+            raise ValueError("--device: got 'cuda'; expected auto or cpu, since CUDA is not available here")
+        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            device=device,
+            backend="nccl" if use_cuda else "gloo",
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def warn_if_agent_store_shared() -> None:
+    """Name the fix when torchrun shares its rendezvous store with the workers.
+
+    With the shared store, workers restarted after a re-rendezvous read the previous round's gloo
+    addresses (pytorch/pytorch#135712). Installing elastic_ddp turns sharing off for torchrun
+    (see elastic_ddp/torchrun_plugin.py); this fires only if something turned it back on.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        logger.warning(
+            "torchrun shares its rendezvous TCPStore with the workers: restarts and joins may hang in "
+            "init_process_group. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment (the launch/ scripts do).")
+
+
+@contextlib.contextmanager
+def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[None]:
+    """Initialise the default process group for `context` and destroy it on the way out.
+
+    `timeout` bounds every collective: a peer that stops answering (frozen, partitioned) makes the
+    survivors fail after at most this long, so torchrun can re-rendezvous without it.
+    """
+    if not context.is_distributed:
+        yield
+        return
+    warn_if_agent_store_shared()
+    if context.device.type == "cuda":
+        torch.cuda.set_device(context.device)
+    dist.init_process_group(
+        backend=context.backend,
+        rank=context.rank,
+        world_size=context.world_size,
+        timeout=timeout,
+        device_id=context.device if context.device.type == "cuda" else None,
+    )
+    try:
+        yield
+    finally:
+        # After a peer died the group may be unusable; tearing it down must not mask the real error.
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.debug("destroy_process_group failed", exc_info=True)

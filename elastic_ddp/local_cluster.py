@@ -1,0 +1,205 @@
+"""Run torchrun agents on this machine as if each were a separate node, and fail them for real.
+
+Used by the local multi-node launch recipe, the tests and the chaos harness. Each `LocalNode` is
+one `torchrun` agent process with its workers; all nodes meet through the same rendezvous on
+127.0.0.1.
+
+Killing a node is harder than it looks: torchrun starts every worker in a new session, so
+`os.killpg(agent_pid, SIGKILL)` leaves the workers training on. `LocalNode.kill` therefore walks
+/proc for every descendant of the agent and signals each of their process groups (Linux only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# Rendezvous settings shipped with the launch recipes (launch/node.sh keeps the same values; a test
+# checks they agree). Why these values: docs/operations.md, "Rendezvous timing".
+RDZV_CONF = "join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
+MONITOR_INTERVAL_S = 0.5
+# Environment for every agent: see docs/failure-semantics.md (the shared TCPStore breaks restarts;
+# one thread per worker avoids oversubscribing small machines).
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it; there is a small race by nature)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(
+    *,
+    nnodes: str,
+    nproc_per_node: int,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 10,
+    rdzv_conf: str | None = RDZV_CONF,
+    monitor_interval: float | None = MONITOR_INTERVAL_S,
+    module: str = "elastic_ddp.train",
+    training_args: Sequence[str] = (),
+) -> list[str]:
+    """The argv of one torchrun agent, with the shipped rendezvous defaults unless overridden.
+
+    Pass `rdzv_conf=None` and `monitor_interval=None` to get stock torchrun behaviour.
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--rdzv_backend={rdzv_backend}",
+        f"--rdzv_endpoint={rdzv_endpoint}",
+        f"--rdzv_id={rdzv_id}",
+        f"--max_restarts={max_restarts}",
+    ]
+    if rdzv_conf:
+        command.append(f"--rdzv_conf={rdzv_conf}")
+    if monitor_interval is not None:
+        command.append(f"--monitor_interval={monitor_interval}")
+    command += ["-m", module, *training_args]
+    return command
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # the process ended while we looked
+        # The command name may contain spaces and parentheses: fields start after the last ')'.
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every live descendant of it, parents before children."""
+    children = _children_by_parent()
+    tree, frontier = [], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+    return tree
+
+
+def signal_tree(root_pid: int, sig: int) -> list[int]:
+    """Send `sig` to `root_pid`, all its descendants and all their process groups.
+
+    Returns the pids that were signalled. Processes that vanish meanwhile are ignored.
+    """
+    pids = process_tree(root_pid)
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def port_is_listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class LocalNode:
+    """One torchrun agent standing in for one machine.
+
+    The agent runs in its own session so that signals meant for the test or the harness do not
+    reach it, and so that `kill` can take down exactly this node. Output goes to `log_path`.
+    """
+
+    def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None):
+        self.name = name
+        self.command = list(command)
+        self.log_path = Path(log_path)
+        self.env = {**os.environ, **AGENT_ENV, **(env or {})}
+        self.cwd = cwd
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> LocalNode:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "node not started"
+        return self.process.pid
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def worker_pids(self) -> list[int]:
+        """The live descendants of the agent (its workers and their helpers)."""
+        return process_tree(self.pid)[1:] if self.is_running() else []
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the agent and every process under it: a lost machine when `sig` is SIGKILL."""
+        signal_tree(self.pid, sig)
+        if sig == signal.SIGKILL:
+            self.process.wait(timeout=30)
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole node: its sockets stay open, like a machine that lost its network."""
+        signal_tree(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        signal_tree(self.pid, signal.SIGCONT)
+
+    def terminate(self) -> None:
+        """SIGTERM to the agent alone, as a scheduler or a spot-instance notice would send it."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the agent to exit; return its exit code (TimeoutExpired after `timeout`)."""
+        return self.process.wait(timeout=timeout)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """Best-effort clean-up: SIGKILL whatever is left of this node."""
+        if self.process is not None and self.process.poll() is None:
+            self.kill(signal.SIGKILL)
