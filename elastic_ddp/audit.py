@@ -56,3 +56,22 @@ def surviving_samples_by_epoch(entries: list[dict]) -> dict[int, list[int]]:
         if entry["incarnation"] == newest_incarnation[entry["step"]]:
             samples[entry["epoch"]].extend(entry["samples"])
     return dict(samples)
+
+
+def exactly_once_violations(entries: list[dict], dataset_size: int, epochs: int,
+                            global_batch_size: int, drop_last: bool = False) -> list[str]:
+    """Why the surviving trajectory does not train each sample of each epoch exactly once ([] if it does)."""
+    expected_per_epoch = dataset_size - (dataset_size % global_batch_size if drop_last else 0)
+    by_epoch = surviving_samples_by_epoch(entries)
+    problems = []
+    for epoch in range(epochs):
+        samples = by_epoch.get(epoch, [])
+        repeated = len(samples) - len(set(samples))
+        outside = [s for s in set(samples) if not 0 <= s < dataset_size]
+        if repeated or outside or len(set(samples)) != expected_per_epoch:
+            problems.append(f"epoch {epoch}: {len(set(samples))} distinct samples of {expected_per_epoch} expected, "
+                            f"{repeated} repeated, {len(outside)} out of range")
+    extra = sorted(set(by_epoch) - set(range(epochs)))
+    if extra:
+        problems.append(f"samples logged for epochs {extra} beyond the {epochs} trained")
+    return problems

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _is_transient(exc: BaseException) -> bool:
 _retry_transient_io = retry(
     retry=retry_if_exception(_is_transient),
     stop=stop_after_attempt(4),
-    wait=wait_exponential_jitter(initial=0.1, max=2.0),
+    wait=wait_random_exponential(multiplier=0.1, max=2.0),
     reraise=True,
 )
 

@@ -146,11 +146,11 @@ class LocalNode:
     """
 
     def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, agent_env: dict[str, str] = AGENT_ENV):
         self.name = name
         self.command = list(command)
         self.log_path = Path(log_path)
-        self.env = {**os.environ, **AGENT_ENV, **(env or {})}
+        self.env = {**os.environ, **agent_env, **(env or {})}
         self.cwd = cwd
         self.process: subprocess.Popen | None = None
 
@@ -203,3 +203,77 @@ class LocalNode:
         """Best-effort clean-up: SIGKILL whatever is left of this node."""
         if self.process is not None and self.process.poll() is None:
             self.kill(signal.SIGKILL)
+
+
+class LocalJob:
+    """An elastic job of `LocalNode`s on 127.0.0.1 sharing one rendezvous and one run directory.
+
+    `run_dir` receives the nodes' logs, the snapshots (`ck/`), the event log (`ck/events.jsonl`)
+    and the audit log (`audit/`). With c10d, the first node added hosts the rendezvous store:
+    `add_node` waits until it listens, so that it is known which node the job cannot lose.
+    """
+
+    def __init__(self, run_dir: Path, training_args: Sequence[str], *, nnodes: str = "1:4",
+                 nproc_per_node: int = 1, rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None,
+                 run_id: str = "local-job", max_restarts: int = 20, rdzv_conf: str | None = RDZV_CONF,
+                 monitor_interval: float | None = MONITOR_INTERVAL_S, env: dict[str, str] | None = None,
+                 agent_env: dict[str, str] = AGENT_ENV):
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "ck"
+        self.audit_dir = self.run_dir / "audit"
+        self.event_log = self.checkpoint_dir / "events.jsonl"
+        self.rdzv_backend = rdzv_backend
+        self.rdzv_endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        self.env = env
+        self.agent_env = agent_env
+        self.command = torchrun_command(
+            nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=self.rdzv_endpoint, rdzv_id=run_id,
+            rdzv_backend=rdzv_backend, max_restarts=max_restarts, rdzv_conf=rdzv_conf,
+            monitor_interval=monitor_interval,
+            training_args=[*training_args, "--checkpoint_dir", str(self.checkpoint_dir),
+                           "--audit_log", str(self.audit_dir)],
+        )
+        self.nodes: list[LocalNode] = []
+
+    def add_node(self, name: str | None = None, start_timeout: float = 60) -> LocalNode:
+        name = name or f"node{len(self.nodes)}"
+        node = LocalNode(name, self.command, self.run_dir / f"{name}.log", env=self.env,
+                         cwd=self.run_dir, agent_env=self.agent_env).start()
+        self.nodes.append(node)
+        if self.rdzv_backend == "c10d" and len(self.nodes) == 1:
+            host, port = self.rdzv_endpoint.rsplit(":", 1)
+            wait_for(lambda: port_is_listening(host, int(port)) or not node.is_running(), start_timeout,
+                     f"the c10d store of {name} on {self.rdzv_endpoint}")
+        return node
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        from elastic_ddp.events import read_events
+
+        events = read_events(self.event_log)
+        return [e for e in events if kind is None or e.get("event") == kind]
+
+    def last_step(self) -> int:
+        steps = self.events("step")
+        return steps[-1]["global_step"] if steps else 0
+
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        wait_for(lambda: self.last_step() >= step, timeout, f"global step {step} in {self.event_log}", 0.05)
+
+    def wait_for_event(self, predicate: Callable[[dict], bool], timeout: float, what: str) -> dict:
+        found: list[dict] = []
+
+        def seen() -> bool:
+            found[:] = [e for e in self.events() if predicate(e)]
+            return bool(found)
+
+        wait_for(seen, timeout, what)
+        return found[-1]
+
+    def wait(self, timeout: float) -> dict[str, int]:
+        """Wait for every node's agent to exit; return {node name: exit code}."""
+        deadline = time.monotonic() + timeout
+        return {node.name: node.wait(max(0.1, deadline - time.monotonic())) for node in self.nodes}
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

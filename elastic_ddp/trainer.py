@@ -13,6 +13,8 @@ Contracts:
   optimizer step. Without one, a warm-up plus cosine schedule over all epochs is used.
 - Per-sample randomness goes through `sample_transform(sample, generator)`, whose generator is
   seeded from (seed, epoch, index), never through the global RNG.
+- `after_step(trainer)` (optional) runs on every rank after each committed optimizer step and any
+  snapshot it triggered; an exception from it ends `fit()` as a crash would.
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
@@ -81,7 +83,8 @@ class Trainer:
                  loss_fn: LossFn = per_sample_cross_entropy,
                  sample_transform: SampleTransform | None = None,
                  context: DistributedContext | None = None,
-                 log_prefix: RankPrefix | None = None):
+                 log_prefix: RankPrefix | None = None,
+                 after_step: Callable[[Trainer], None] | None = None):
         self.config = config
         self.context = context or DistributedContext.from_env(config.device)
         self.model = model.to(self.context.device)
@@ -98,6 +101,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=config.use_amp and use_cuda)
         self.store = CheckpointStore(config.checkpoint_dir, config.keep_last)
         self.log_prefix = log_prefix
+        self.after_step = after_step
         self.global_step = 0
         self.fingerprint = {
             "model": model_signature(self.model), "dataset_size": len(dataset),
@@ -210,9 +214,9 @@ class Trainer:
             self._train_epoch_remainder()
 
     def _train_epoch_remainder(self) -> None:
-        ctx, epoch = self.context, self.sampler.epoch
+        ctx = self.context
         plans = self.sampler.plan_epoch_remainder(ctx.rank, ctx.world_size, self.config.micro_batch_size)
-        batches = iter(self._loader(epoch, plans))
+        batches = iter(self._loader(self.sampler.epoch, plans))
         self.ddp_model.train()
         window = _MetricsWindow(ctx.device)
         for plan in plans:
@@ -221,9 +225,6 @@ class Trainer:
             self.sampler.advance(plan.global_samples)
             self.global_step += 1
             self._after_step(plan, window)
-        self.sampler.start_next_epoch()
-        self.events.emit("epoch_end", epoch=epoch, global_step=self.global_step)
-        self._snapshot()
 
     def _loader(self, epoch: int, plans: list[StepPlan]) -> DataLoader:
         """Batches of this rank's non-empty micro-batches, in plan order."""
@@ -274,8 +275,14 @@ class Trainer:
         if self.global_step % self.config.log_interval == 0:
             self._log_progress(plan.epoch, window)
         every = self.config.snapshot_every_steps
-        if every and self.global_step % every == 0 and not self.sampler.epoch_finished:
+        if self.sampler.epoch_finished:
+            self.sampler.start_next_epoch()
+            self.events.emit("epoch_end", epoch=plan.epoch, global_step=self.global_step)
             self._snapshot()
+        elif every and self.global_step % every == 0:
+            self._snapshot()
+        if self.after_step is not None:
+            self.after_step(self)
 
     def _log_progress(self, epoch: int, window: _MetricsWindow) -> None:
         loss, samples_per_second = window.reduce(self._distributed)

@@ -10,15 +10,18 @@ the tests talk gRPC to a real etcd. Every wait polls a condition under a deadlin
         etcd_server.endpoint                              # "127.0.0.1:PORT"
         etcd_server.restart(down_for=3.0)                 # same data dir
 
-Helpers for tests that need more: `EtcdCluster.start(tmp_path, size=3)`, `make_tls_files(dir)`,
-`enable_auth(server, password)`.
+Fixtures: `etcd_server` (fresh per test), `shared_etcd_server` (one per module; tell tests apart
+with `unique_run_id()`), `etcd_cluster` (three members). Helpers for tests that need more:
+`EtcdCluster.start(tmp_path, size=3)`, `make_tls_files(dir)`, `enable_auth(server, password)`.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +93,7 @@ class EtcdServer:
     initial_cluster: str | None = None
     auth_user: str | None = None
     auth_password: str | None = None
+    extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
 
     @property
@@ -120,7 +124,7 @@ class EtcdServer:
         ]
         if self.tls:
             command += ["--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key)]
-        return command
+        return command + list(self.extra_args)
 
     def launch(self) -> EtcdServer:
         """Start the process without waiting for it to serve (cluster members start together)."""
@@ -180,8 +184,8 @@ class EtcdServer:
         self.start(timeout)
 
 
-def single_server(root: Path, tls: TlsFiles | None = None) -> EtcdServer:
-    return EtcdServer(name="etcd0", data_dir=root / "etcd0.data", tls=tls).start()
+def single_server(root: Path, tls: TlsFiles | None = None, extra_args: tuple[str, ...] = ()) -> EtcdServer:
+    return EtcdServer(name="etcd0", data_dir=root / "etcd0.data", tls=tls, extra_args=extra_args).start()
 
 
 @dataclass
@@ -215,8 +219,11 @@ class EtcdCluster:
             for member in self.members:
                 if not member.is_running():
                     continue
-                result = member.etcdctl("endpoint", "status", "--write-out=fields", check=False)
-                if result.returncode == 0 and '"IsLeader" : true' in result.stdout:
+                result = member.etcdctl("endpoint", "status", "--write-out=json", check=False)
+                if result.returncode != 0:
+                    continue
+                status = json.loads(result.stdout)[0]["Status"]
+                if status["leader"] == status["header"]["member_id"]:
                     found.append(member)
                     return True
             return False
@@ -244,6 +251,23 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd member for a whole test module: for tests that neither stop it nor reconfigure it.
+
+    Tests sharing it keep apart by using distinct run ids (see `unique_run_id`).
+    """
+    server = single_server(tmp_path_factory.mktemp("shared-etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def unique_run_id(prefix: str = "run") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to the whole test suite: sets up .venv, then runs pytest.
+#
+#   bash tests/run.sh            # everything (about 10 minutes on 2 cores)
+#   bash tests/run.sh -m "not slow"   # unit tests only
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$repo/launch/setup.sh"
+cd "$repo"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$repo/.venv/bin/python" -m pytest -p no:cacheprovider -ra "$@"

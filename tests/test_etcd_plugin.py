@@ -1,0 +1,195 @@
+"""How torchrun finds etcd-v3, what the handler it builds does, and how bad settings are refused.
+
+The registration tests start a fresh interpreter: the entry point is read when torch's
+rendezvous package is first imported. They need elastic_ddp installed in the venv
+(`pip install -e . --no-deps`), as the setup scripts do.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+from elastic_ddp.local_cluster import free_port
+from elastic_ddp.rendezvous import EtcdUnavailableError, EtcdV3Options, create_etcd_v3_handler
+from elastic_ddp.torchrun_plugin import SHARED_STORE_OPT_OUT
+from tests.etcd_fixtures import EtcdServer, shared_etcd_server, unique_run_id  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST_RDZV = {"join_timeout": "30", "last_call_timeout": "1", "keep_alive_interval": "1",
+             "keep_alive_max_attempt": "5"}
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+
+
+def params(endpoint: str, run_id: str = "run", min_nodes: int = 1, max_nodes: int = 1, **conf: Any
+           ) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
+
+
+def test_fresh_interpreter_registers_etcd_v3() -> None:
+    result = run_python(
+        "import torch.distributed.elastic.rendezvous as r\n"
+        "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as reg\n"
+        "print(sorted(reg._registry))\n"
+        "import sys; print('etcd3' in sys.modules)\n")
+    assert result.returncode == 0, result.stderr
+    registered, etcd3_loaded = result.stdout.splitlines()
+    assert "'etcd-v3'" in registered
+    assert etcd3_loaded == "False", "loading the plugin must not import the etcd client"
+
+
+def test_etcd3_imports_without_the_protobuf_variable_and_does_not_leak_it() -> None:
+    result = run_python(
+        "import os, elastic_ddp.rendezvous\n"
+        "from google.protobuf.internal import api_implementation\n"
+        "print(api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["python", "None"]
+
+
+def test_protobuf_loaded_first_gives_a_clear_import_error() -> None:
+    result = run_python("from google.protobuf import descriptor_pb2\nimport elastic_ddp.rendezvous\n")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ImportError:") and "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in last_line
+
+
+@pytest.mark.etcd
+def test_registry_builds_a_handler_that_never_shares_the_agent_store(
+        shared_etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    monkeypatch.setenv(SHARED_STORE_OPT_OUT, "0")
+    with caplog.at_level(logging.WARNING):
+        handler = registry.create_handler(params(shared_etcd_server.endpoint, unique_run_id()))
+    assert handler.get_backend() == "etcd-v3"
+    assert handler.use_agent_store is False
+    assert f"{SHARED_STORE_OPT_OUT}=0 is ignored" in caplog.text
+
+
+@pytest.mark.etcd
+def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
+    handler = create_etcd_v3_handler(params(shared_etcd_server.endpoint, unique_run_id(), local_addr="127.0.0.1",
+                                            **FAST_RDZV))
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    # Workers start their own TCPStore at the address rank 0's agent published, not the agent's.
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+    assert handler.num_nodes_waiting() == 0
+    assert handler.shutdown()
+    assert handler.is_closed()
+
+
+@pytest.mark.etcd
+def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
+    run_id = unique_run_id()
+    handlers = [create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2, local_addr=f"127.0.0.{i + 1}",
+                                              **FAST_RDZV)) for i in range(2)]
+    infos: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda i=i: infos.__setitem__(i, handlers[i].next_rendezvous()))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=45)
+    assert sorted(info.rank for info in infos.values()) == [0, 1]
+    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos.values()}
+    rank0 = next(index for index, info in infos.items() if info.rank == 0)
+    assert masters == {(f"127.0.0.{rank0 + 1}", next(iter(masters))[1])}
+    for handler in handlers:
+        handler.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_etcd_at_start_names_every_endpoint_and_the_last_error() -> None:
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    with pytest.raises(EtcdUnavailableError) as raised:
+        create_etcd_v3_handler(params(",".join(endpoints), retry_timeout="1"))
+    message = str(raised.value)
+    assert all(endpoint in message for endpoint in endpoints)
+    assert "Connection refused" in message and "retry_timeout=1s" in message
+    assert isinstance(raised.value, RendezvousConnectionError)
+
+
+# --- --rdzv_conf validation: no etcd needed, every message names the key, value and the rule ---
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    paths = {name: tmp_path / name for name in ("ca.pem", "cert.pem", "key.pem", "password", "empty")}
+    for name, path in paths.items():
+        path.write_text("" if name == "empty" else "hunter2\n" if name == "password" else "PEM")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def test_defaults(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params(""))
+    assert options.endpoints == (("localhost", 2379),)
+    assert (options.protocol, options.read_timeout, options.retry_timeout, options.ttl) == ("http", 5.0, 30.0, 7200)
+    assert options.key_prefix == "/elastic_ddp/rendezvous"
+
+
+def test_full_configuration_is_parsed(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params(
+        "h1:1234, h2 ,[::1]:5", protocol="HTTPS", ca_cert=files["ca.pem"], cert=files["cert.pem"],
+        key=files["key.pem"], user="trainer", password_file=files["password"], read_timeout="2.5",
+        retry_timeout=60, key_prefix="/jobs/", ttl="600"))
+    assert options.endpoints == (("h1", 1234), ("h2", 2379), ("::1", 5))
+    assert (options.protocol, options.user, options.read_timeout, options.retry_timeout) == ("https", "trainer", 2.5, 60)
+    assert (options.key_prefix, options.ttl) == ("/jobs", 600)
+    assert options.password is not None and options.password.reveal() == "hunter2"
+
+
+def test_password_never_shows(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params("h", user="u", password_file=files["password"]))
+    assert "hunter2" not in repr(options) and "hunter2" not in str(options)
+    assert "hunter2" not in f"{options.password}"
+
+
+@pytest.mark.parametrize(("conf", "expected"), [
+    ({"protocol": "ftp"}, "protocol='ftp' is invalid: allowed values are http, https"),
+    ({"protocol": "https"}, "protocol='https' is invalid: https needs ca_cert"),
+    ({"ca_cert": "CA"}, "protocol='http' is invalid: ca_cert, cert and key are used only with protocol=https"),
+    ({"protocol": "https", "ca_cert": "CA", "cert": "CA"}, "cert='"),
+    ({"ca_cert": "/no/such/ca.pem", "protocol": "https"}, "ca_cert='/no/such/ca.pem' is invalid: must be the path"),
+    ({"user": "u"}, "user='u' is invalid: needs password_file"),
+    ({"password_file": "PASSWORD"}, "password_file='<set>' is invalid: needs user"),
+    ({"user": "u", "password_file": "EMPTY"}, "the file is empty"),
+    ({"read_timeout": "0"}, "read_timeout='0' is invalid: must be more than 0 seconds"),
+    ({"retry_timeout": "soon"}, "retry_timeout='soon' is invalid: must be a number of seconds"),
+    ({"retry_timeout": "inf"}, "retry_timeout='inf' is invalid: must be a finite number"),
+    ({"ttl": "1.5"}, "ttl='1.5' is invalid: must be a whole number of seconds, at least 1"),
+    ({"ttl": "0"}, "ttl='0' is invalid"),
+    ({"key_prefix": "jobs"}, "key_prefix='jobs' is invalid: must start with '/'"),
+    ({"key_prefix": "/"}, "key_prefix='/' is invalid"),
+    ({"user": " "}, "user='' is invalid: must not be empty"),
+])
+def test_bad_values_raise_one_line_value_error(files: dict[str, str], conf: dict[str, str], expected: str) -> None:
+    substitutions = {"CA": files["ca.pem"], "PASSWORD": files["password"], "EMPTY": files["empty"]}
+    conf = {key: substitutions.get(value, value) for key, value in conf.items()}
+    with pytest.raises(ValueError) as raised:
+        EtcdV3Options.from_params(params("h", **conf))
+    message = str(raised.value)
+    assert "\n" not in message and expected in message
+    assert message.startswith("rdzv_conf ")
+
+
+def test_bad_endpoint_is_named() -> None:
+    with pytest.raises(ValueError, match=r"--rdzv_endpoint='h1:2379,h2:99999' is invalid"):
+        EtcdV3Options.from_params(params("h1:2379,h2:99999"))
+
+
+def test_unknown_keys_are_warned_about_but_torch_keys_are_not(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        EtcdV3Options.from_params(params("h", ttl_s="5", timeout="900", last_call_timeout="1"))
+    assert "ignores the rdzv_conf key(s) ttl_s;" in caplog.text  # and nothing else

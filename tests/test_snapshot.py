@@ -1,0 +1,87 @@
+"""Snapshots load only as plain data, refuse foreign runs, and restore exactly."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.checkpoint import CheckpointStore
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.data import SyntheticImageDataset
+from elastic_ddp.models import build_model
+from elastic_ddp.snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, check_compatible
+from elastic_ddp.trainer import Trainer
+
+
+def small_config(tmp_path, **overrides) -> TrainingConfig:
+    settings = dict(epochs=2, dataset_size=96, global_batch_size=16, micro_batch_size=8, model="mlp",
+                    checkpoint_dir=str(tmp_path / "ck"), snapshot_every_steps=4, log_interval=100, device="cpu")
+    settings.update(overrides)
+    return TrainingConfig(**settings)
+
+
+def make_trainer(config: TrainingConfig, **kwargs) -> Trainer:
+    return Trainer(model=build_model(config.model, config.seed),
+                   dataset=SyntheticImageDataset(config.dataset_size, config.seed), config=config, **kwargs)
+
+
+def test_a_trained_snapshot_loads_with_weights_only(tmp_path):
+    config = small_config(tmp_path)
+    make_trainer(config).fit()
+    entry, data = CheckpointStore(config.checkpoint_dir).latest_valid()
+    payload = torch.load(io.BytesIO(data), weights_only=True)
+    assert payload["global_step"] == config.epochs * config.steps_per_epoch == entry.global_step
+    public = load_snapshot(config.checkpoint_dir)
+    assert {"model", "epoch", "global_step", "samples_consumed"} <= public.keys()
+    assert public["epoch"] == config.epochs and public["samples_consumed"] == 0
+
+
+class RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    buffer = io.BytesIO()
+    torch.save({"format_version": 1, "payload": RunsCodeWhenUnpickled()}, buffer, pickle_module=pickle)
+    with pytest.raises(SnapshotError, match="cannot be loaded safely with weights_only=True"):
+        Snapshot.from_bytes(buffer.getvalue(), "evil.pt")
+
+
+def test_a_checksummed_but_unsafe_snapshot_is_skipped_for_the_previous_one(tmp_path):
+    config = small_config(tmp_path, epochs=1)
+    make_trainer(config).fit()
+    store = CheckpointStore(config.checkpoint_dir, keep_last=3)
+    good_step = store.latest_valid()[0].global_step
+    buffer = io.BytesIO()
+    torch.save({"format_version": 1, "payload": RunsCodeWhenUnpickled()}, buffer)
+    store.write(good_step + 1, epoch=1, samples_consumed=0, data=buffer.getvalue())
+    assert load_snapshot(config.checkpoint_dir)["global_step"] == good_step
+
+
+def test_a_snapshot_from_another_model_is_refused_with_the_difference(tmp_path):
+    make_trainer(small_config(tmp_path, model="mlp", epochs=1)).fit()
+    other = make_trainer(small_config(tmp_path, model="mini_resnet", epochs=2))
+    with pytest.raises(IncompatibleSnapshotError, match=r"incompatible run \(model: snapshot has"):
+        other.fit()
+    assert load_snapshot(tmp_path / "ck")["epoch"] == 1, "the refused snapshot must stay"
+
+
+def test_fingerprint_differences_are_all_named():
+    snapshot = Snapshot(global_step=1, epoch=0, samples_consumed=1, model={}, optimizer={}, scheduler=None,
+                        grad_scaler=None, rng_per_rank=[], fingerprint={"seed": 1, "dataset_size": 10},
+                        world_size=1, incarnation=1, wall_time=0.0)
+    with pytest.raises(IncompatibleSnapshotError) as excinfo:
+        check_compatible(snapshot, {"seed": 2, "dataset_size": 11}, "x.pt")
+    assert "seed: snapshot has 1, this run has 2" in str(excinfo.value)
+    assert "dataset_size: snapshot has 10, this run has 11" in str(excinfo.value)
+
+
+def test_load_snapshot_on_a_directory_without_snapshots_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no valid elastic_ddp snapshot"):
+        load_snapshot(tmp_path)
