@@ -136,6 +136,8 @@ class Trainer:
             if self.writer is not None:
                 self.writer.wait()
             self.events.emit("finished", global_step=self.global_step, seconds=round(time.monotonic() - started, 3))
+            logger.info("finished: %d epochs, step %d; snapshots in %s", self.config.epochs, self.global_step,
+                        self.config.checkpoint_dir)
         finally:
             if self.writer is not None:
                 self.writer.close()
