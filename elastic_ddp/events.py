@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ class EventLog:
         self.path = Path(path)
         self.incarnation = incarnation
         self._file = None
+        self._lock = threading.Lock()  # the snapshot writer thread emits too
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -34,12 +36,15 @@ class EventLog:
         if self._file is None:
             return
         record = {"time": round(time.time(), 4), "event": event, "incarnation": self.incarnation, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        with self._lock:
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
