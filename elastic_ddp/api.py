@@ -21,4 +21,4 @@ def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if found is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no valid elastic_ddp snapshot (is it a --checkpoint_dir?)")
     entry, data = found
-    return Snapshot.from_bytes(data, str(store.directory / entry.file)).public_dict()
+    return Snapshot.from_bytes(data, store.describe(entry.file)).public_dict()

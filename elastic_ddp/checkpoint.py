@@ -1,18 +1,23 @@
-"""The snapshot store on a local (or shared) directory: atomic, durable, verified, pruned.
+"""The snapshot store: atomic, durable, verified, pruned, on a local directory or an fsspec URL.
 
-On-disk format (docs/design.md, "Snapshot format"):
+Layout (docs/snapshots.md has the full description):
 
     CHECKPOINT_DIR/
       snapshot-000000120.pt     torch.save of a Snapshot as a plain dict
       manifest.json             {"format": 1, "snapshots": [{file, global_step, epoch,
                                  samples_consumed, sha256, size_bytes, created_unix}, ...]}
 
-A write goes to a temporary file in the same directory, is flushed and fsynced, renamed over its
-final name, and the directory is fsynced; only then is the manifest (itself written the same way)
-replaced by one that lists it. A snapshot counts only once the manifest lists it and its size and
-sha256 match, so a writer killed at any moment leaves at worst a temporary file, which the next
-writer removes. Older snapshots beyond `keep_last` are dropped from the manifest and deleted only
-after a newer one is durable; a failed write never touches existing snapshots.
+A write makes the snapshot file durable first (see `storage`: rename on a local disk, one PUT on an
+object store), then replaces the manifest, written the same way, by one that lists it. A snapshot
+counts only once the manifest lists it and its size and sha256 match, so a writer killed at any
+moment leaves at worst a temporary file (removed by the next write) or an unlisted snapshot file
+(never trusted, deleted by a later write). Older snapshots beyond `keep_last` are dropped from the
+manifest and deleted only after a newer one is durable; a failed write never touches existing
+snapshots, and removes what it wrote itself.
+
+Transient I/O errors (EIO, EAGAIN, timeouts, a reset connection) are retried with bounded
+exponential back-off; errors that waiting will not heal (a full disk, a read-only mount, missing
+permission) fail at once. Either way the caller gets `SnapshotWriteError`.
 
 Not guaranteed: two jobs writing to one directory at once (one run id per directory).
 """
@@ -28,18 +33,19 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from elastic_ddp.storage import SnapshotStorage, open_storage
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
-TEMPORARY_PATTERN = re.compile(r"^\.(snapshot-\d{9}\.pt|manifest\.json)\.tmp-\d+$")
 # I/O errors worth retrying: a full disk, a read-only mount or missing permission will not heal.
-TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE}
+TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE,
+                    errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE}
 
 
 class CheckpointError(Exception):
@@ -61,58 +67,38 @@ class ManifestEntry:
     created_unix: float
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often, and how patiently, a snapshot write is retried after a transient I/O error."""
+
+    attempts: int = 4
+    max_wait_s: float = 2.0
+    first_wait_s: float = 0.1
+
+
 def snapshot_file_name(global_step: int) -> str:
     return f"snapshot-{global_step:09d}.pt"
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
-
-
-_retry_transient_io = retry(
-    retry=retry_if_exception(_is_transient),
-    stop=stop_after_attempt(4),
-    wait=wait_random_exponential(multiplier=0.1, max=2.0),
-    reraise=True,
-)
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-@_retry_transient_io
-def write_file_atomically(path: Path, data: bytes) -> None:
-    """Make `data` the content of `path` durably, or leave `path` as it was.
-
-    Writes a temporary sibling, fsyncs it, renames it over `path`, fsyncs the directory. On any
-    error the temporary file is removed and the error propagates.
-    """
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying `exc` soon may succeed (timeouts and the errnos in TRANSIENT_ERRNOS)."""
+    return isinstance(exc, TimeoutError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
 
 
 class CheckpointStore:
-    """Snapshots in one directory. Any rank may read; only one process (rank 0) may write."""
+    """Snapshots in one location. Any rank may read; only one process (rank 0) may write."""
 
-    def __init__(self, directory: str | os.PathLike, keep_last: int = 3):
+    def __init__(self, location: str | os.PathLike | SnapshotStorage, keep_last: int = 3,
+                 retry: RetryPolicy = RetryPolicy()):
         if keep_last < 2:
             raise ValueError(f"keep_last: got {keep_last}; expected at least 2")
-        self.directory = Path(directory)
+        self.storage = location if isinstance(location, SnapshotStorage) else open_storage(location)
         self.keep_last = keep_last
+        self.retry = retry
+
+    def describe(self, name: str = "") -> str:
+        """The path or URL of `name` (of the location itself when empty), for messages."""
+        return self.storage.describe(name).rstrip("/")
 
     # ----------------------------------------------------------------------------------- reading
 
@@ -126,30 +112,29 @@ class CheckpointStore:
         An unreadable manifest is reported and treated as empty: no snapshot is then trusted, and
         no file is deleted on its account (pruning only removes files a readable manifest dropped).
         """
-        path = self.directory / MANIFEST_NAME
         try:
-            document = json.loads(path.read_text())
+            document = json.loads(self.storage.read_bytes(MANIFEST_NAME))
             entries = [ManifestEntry(**entry) for entry in document["snapshots"]]
         except FileNotFoundError:
             return [], True
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.error("%s is unreadable (%s): no snapshot in %s is trusted until the next write",
-                         path, exc, self.directory)
+                         self.describe(MANIFEST_NAME), exc, self.describe())
             return [], False
         return sorted(entries, key=lambda entry: entry.global_step), True
 
     def read_verified(self, entry: ManifestEntry) -> bytes:
         """The bytes of `entry`'s file; raises CheckpointError if missing, short or corrupt."""
-        path = self.directory / entry.file
+        where = self.describe(entry.file)
         try:
-            data = path.read_bytes()
+            data = self.storage.read_bytes(entry.file)
         except OSError as exc:
-            raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+            raise CheckpointError(f"{where}: cannot be read ({exc.strerror or exc})") from exc
         if len(data) != entry.size_bytes:
-            raise CheckpointError(f"{path}: {len(data)} bytes, the manifest says {entry.size_bytes} (torn write?)")
+            raise CheckpointError(f"{where}: {len(data)} bytes, the manifest says {entry.size_bytes} (torn write?)")
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry.sha256:
-            raise CheckpointError(f"{path}: sha256 {digest[:12]}... does not match the manifest's "
+            raise CheckpointError(f"{where}: sha256 {digest[:12]}... does not match the manifest's "
                                   f"{entry.sha256[:12]}... (corrupt)")
         return data
 
@@ -165,7 +150,7 @@ class CheckpointStore:
             try:
                 data = self.read_verified(entry)
                 if accept is not None:
-                    accept(data, str(self.directory / entry.file))
+                    accept(data, self.describe(entry.file))
                 return entry, data
             except Exception as exc:  # noqa: BLE001 - any reason to reject means: try the previous one
                 logger.warning("skipping snapshot: %s; trying the previous one", exc)
@@ -173,53 +158,81 @@ class CheckpointStore:
 
     # ----------------------------------------------------------------------------------- writing
 
-    def write(self, global_step: int, epoch: int, samples_consumed: int, data: bytes) -> ManifestEntry:
+    def write(self, global_step: int, epoch: int, samples_consumed: int, data: bytes,
+              sha256: str | None = None) -> ManifestEntry:
         """Durably add a snapshot, then prune the oldest ones beyond `keep_last`.
 
-        Raises SnapshotWriteError when the snapshot could not be made durable (after bounded
-        retries of transient I/O errors); existing snapshots and the manifest are then unchanged.
+        `sha256` may be passed when the caller has just computed it (a replica that verified what it
+        received). Raises SnapshotWriteError when the snapshot could not be made durable (after
+        bounded retries of transient I/O errors); existing snapshots and the manifest are then
+        unchanged and nothing this write created is left behind.
         """
         started = time.monotonic()
         entry = ManifestEntry(
             file=snapshot_file_name(global_step), global_step=global_step, epoch=epoch,
-            samples_consumed=samples_consumed, sha256=hashlib.sha256(data).hexdigest(),
+            samples_consumed=samples_consumed, sha256=sha256 or hashlib.sha256(data).hexdigest(),
             size_bytes=len(data), created_unix=time.time(),
         )
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_temporaries()
-            write_file_atomically(self.directory / entry.file, data)
-            previous, manifest_readable = self._read_manifest()
-            # Entries at or past this step belong to a trajectory the run rolled back from.
-            previous = [e for e in previous if e.global_step < global_step]
-            kept = (previous + [entry])[-self.keep_last:]
-            self._write_manifest(kept)
+            kept, manifest_readable = self._retrying(self._write_once, entry, data)
         except OSError as exc:
             raise SnapshotWriteError(
-                f"snapshot of step {global_step} could not be written to {self.directory} "
+                f"snapshot of step {global_step} could not be written to {self.describe()} "
                 f"({exc.strerror or exc}); the previous snapshots are intact") from exc
         if manifest_readable:
             self._delete_unlisted_snapshots(keep={e.file for e in kept}, below_step=global_step)
         logger.debug("snapshot %s durable in %.3f s", entry.file, time.monotonic() - started)
         return entry
 
+    def _write_once(self, entry: ManifestEntry, data: bytes) -> tuple[list[ManifestEntry], bool]:
+        self.storage.prepare_for_writing()
+        previous, manifest_readable = self._read_manifest()
+        # Entries at or past this step belong to a trajectory the run rolled back from.
+        previous = [e for e in previous if e.global_step < entry.global_step]
+        kept = (previous + [entry])[-self.keep_last:]
+        self.storage.write_atomically(entry.file, data)
+        try:
+            self._write_manifest(kept)
+        except BaseException:
+            # Unlisted, so never trusted; but on a full disk its space is what the next write needs.
+            self._delete_quietly(entry.file)
+            raise
+        return kept, manifest_readable
+
+    def _retrying(self, function, *args):
+        policy = self.retry
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            stop=stop_after_attempt(policy.attempts),
+            wait=wait_random_exponential(multiplier=policy.first_wait_s, max=policy.max_wait_s),
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        return retrying(function, *args)
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        logger.warning("snapshot write to %s failed (%s); retrying in %.2f s (attempt %d of %d)",
+                       self.describe(), state.outcome.exception(), state.next_action.sleep,
+                       state.attempt_number + 1, self.retry.attempts)
+
     def _write_manifest(self, entries: list[ManifestEntry]) -> None:
         document = {"format": MANIFEST_FORMAT, "snapshots": [asdict(entry) for entry in entries]}
-        write_file_atomically(self.directory / MANIFEST_NAME, json.dumps(document, indent=1).encode())
+        self.storage.write_atomically(MANIFEST_NAME, json.dumps(document, indent=1).encode())
 
-    def _remove_stale_temporaries(self) -> None:
-        """Temporary files of writers that were killed mid-write (never a snapshot that counts)."""
-        for path in self.directory.iterdir():
-            if TEMPORARY_PATTERN.match(path.name):
-                logger.info("removing %s, left by an interrupted write", path)
-                path.unlink(missing_ok=True)
+    def _delete_quietly(self, name: str) -> None:
+        try:
+            self.storage.delete(name)
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", self.describe(name), exc)
 
     def _delete_unlisted_snapshots(self, keep: set[str], below_step: int) -> None:
         """Delete snapshot files older than `below_step` that the (durable) manifest no longer lists."""
-        for path in self.directory.iterdir():
-            match = SNAPSHOT_PATTERN.match(path.name)
-            if match and path.name not in keep and int(match.group(1)) < below_step:
-                try:
-                    path.unlink()
-                except OSError as exc:
-                    logger.warning("could not delete old snapshot %s: %s", path, exc)
+        try:
+            names = self.storage.list_names()
+        except OSError as exc:
+            logger.warning("could not list %s to prune old snapshots: %s", self.describe(), exc)
+            return
+        for name in names:
+            match = SNAPSHOT_PATTERN.match(name)
+            if match and name not in keep and int(match.group(1)) < below_step:
+                self._delete_quietly(name)

@@ -13,7 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from elastic_ddp.storage import is_url, open_storage
+
 MODELS = ("mini_resnet", "mlp")
+PROGRESS_MODES = ("auto", "bar", "log", "off")  # see elastic_ddp/progress.py
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -41,13 +44,28 @@ class TrainingConfig:
     drop_last: bool = _help("Drop the last global batch of an epoch when it is not full.", default=False)
     augment: bool = _help("Random flips of the built-in images, drawn from (seed, epoch, sample index).",
                           default=True)
-    checkpoint_dir: str = _help("Directory of the snapshots (local path).", default="checkpoints")
+    checkpoint_dir: str = _help(
+        "Where snapshots go: a local directory (each node's own disk is fine), or an fsspec URL such as "
+        "s3://bucket/run (needs the object-store extra; see docs/snapshots.md).", default="checkpoints")
+    snapshot_replicas: int = _help(
+        "Other nodes whose local --checkpoint_dir receives a copy of each snapshot, so that losing any "
+        "node loses no snapshot without shared storage (0: off; nothing is copied to a directory rank 0 "
+        "already writes, such as shared storage or a URL).", default=1)
+    snapshot_async: bool = _help(
+        "Write snapshots on a background thread; training waits only for a memory copy (off: training "
+        "waits for every durable write).", default=True)
     snapshot_every_steps: int = _help("Snapshot every N optimizer steps; 0: only at epoch ends.", default=50)
     keep_last: int = _help("Snapshots kept on disk (at least 2, so a good one survives a torn write).", default=3)
     use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
     num_workers: int = _help("DataLoader worker processes per rank (0: load in the training process).",
                              default=0)
     log_interval: int = _help("Log loss and throughput every N optimizer steps (rank 0).", default=10)
+    progress: str = _help(
+        f"Progress on rank 0: {', '.join(PROGRESS_MODES)} (auto: a bar per epoch when stderr is a terminal, "
+        "log lines otherwise).", default="auto")
+    tensorboard_dir: str | None = _help(
+        "Write TensorBoard scalars (loss, lr, samples/s, world size) here from rank 0; needs the "
+        "tensorboard package (pip install 'elastic_ddp[tensorboard]').", default=None)
     audit_log: str | None = _help(
         "Directory for per-rank JSON-lines audit files: one line per committed step with its sample "
         "indices (for checking exactly-once).", default=None)
@@ -61,7 +79,8 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
-        _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay")
+        _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
+                            "snapshot_replicas")
         if not self.lr > 0:
             raise ValueError(f"--lr: got {self.lr}; expected a positive number")
         if not 0 <= self.momentum < 1:
@@ -79,10 +98,14 @@ class TrainingConfig:
                              f"most --dataset_size ({self.dataset_size}), or no step would run")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"--collective_timeout_s: got {self.collective_timeout_s}; expected a positive number")
+        if self.progress not in PROGRESS_MODES:
+            raise ValueError(f"--progress: got {self.progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device: got {self.device!r}; expected auto, cpu or cuda")
         if not self.checkpoint_dir:
             raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
+        if is_url(self.checkpoint_dir):
+            open_storage(self.checkpoint_dir)  # ValueError naming the flag if the URL cannot be used here
 
     @property
     def steps_per_epoch(self) -> int:

@@ -28,6 +28,7 @@ class EventLog:
         self.incarnation = incarnation
         self._file = None
         self._lock = threading.Lock()  # the snapshot writer thread emits too
+        self._unwritable = False
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -38,13 +39,56 @@ class EventLog:
         record = {"time": round(time.time(), 4), "event": event, "incarnation": self.incarnation, **fields}
         with self._lock:
             if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
+                try:
+                    self._file.write(json.dumps(record) + "\n")
+                    self._unwritable = False
+                except OSError as exc:  # a full disk must not stop training (the snapshot path reports it)
+                    if not self._unwritable:
+                        logger.warning("event log %s cannot be written (%s): events are dropped until it can",
+                                       self.path, exc)
+                    self._unwritable = True
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError as exc:
+                    logger.warning("event log %s: last events lost (%s)", self.path, exc)
                 self._file = None
+
+
+def process_start_unix(pid: int | str = "self") -> float | None:
+    """When process `pid` started, in Unix seconds (clock-tick resolution), read from /proc.
+
+    None where /proc is missing (not Linux) or the process is gone.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    # Fields after the command name (which may hold spaces); starttime is field 22 of stat.
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class StartupTimeline:
+    """Seconds from this process's start to each named moment of a worker's start-up.
+
+    The trainer reports them in the `startup` event after its first optimizer step, so that the
+    seconds of a restart can be attributed: interpreter and `import torch`, process group,
+    building the model and data, restoring the snapshot, the first step.
+    """
+
+    def __init__(self) -> None:
+        self.process_started = process_start_unix() or time.time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """Record that `name` is done now (the first call for a name wins)."""
+        self.marks.setdefault(name, round(time.time() - self.process_started, 3))
 
 
 def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
@@ -63,6 +107,27 @@ def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[st
         except json.JSONDecodeError:
             continue
     return events
+
+
+def next_round(path: str | Path) -> int:
+    """The `round` for a new `start` event: 1 + the newest one in the log (1 for a new log).
+
+    It numbers the worker groups that started training in this run, relaunches included: one per
+    rendezvous round that reached training. (torchrun does not tell workers its own round number.)
+    """
+    path = Path(path)
+    starts = [e for e in read_events(path, TAIL_BYTES) if e.get("event") == "start"]
+    if not starts and path.exists() and path.stat().st_size > TAIL_BYTES:
+        with open(path, "rb") as handle:  # a long incarnation pushed its start out of the tail
+            for line in handle:
+                if b'"event": "start"' in line:
+                    try:
+                        starts.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue
+    if not starts:
+        return 1
+    return int(starts[-1].get("round") or len(starts)) + 1
 
 
 def work_lost(path: str | Path, restored_step: int) -> tuple[int, float] | None:

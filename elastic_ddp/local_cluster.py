@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # Rendezvous settings shipped with the launch recipes (launch/node.sh keeps the same values; a test
@@ -121,6 +122,28 @@ def signal_tree(root_pid: int, sig: int) -> list[int]:
     return pids
 
 
+@dataclass(frozen=True)
+class WorkerProcess:
+    """One training process of a node, as torchrun started it (read from /proc)."""
+
+    pid: int
+    rank: int
+    local_rank: int
+
+
+def worker_process(pid: int) -> WorkerProcess | None:
+    """The torchrun worker `pid` with the RANK and LOCAL_RANK it was started with; None if it is
+    gone or is not a torchrun worker (no RANK in its environment)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    environment = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    if b"RANK" not in environment or b"LOCAL_RANK" not in environment:
+        return None
+    return WorkerProcess(pid, int(environment[b"RANK"]), int(environment[b"LOCAL_RANK"]))
+
+
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
     """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -175,6 +198,25 @@ class LocalNode:
         """The live descendants of the agent (its workers and their helpers)."""
         return process_tree(self.pid)[1:] if self.is_running() else []
 
+    def workers(self) -> list[WorkerProcess]:
+        """The agent's live training processes with their global and local ranks, by local rank."""
+        if not self.is_running():
+            return []
+        children = _children_by_parent().get(self.pid, [])
+        found = [worker for worker in map(worker_process, children) if worker is not None]
+        return sorted(found, key=lambda worker: worker.local_rank)
+
+    def kill_worker(self, local_rank: int) -> WorkerProcess:
+        """SIGKILL the training process of `local_rank` (and its helpers); the agent lives on.
+
+        Raises LookupError when this node has no live worker of that local rank right now.
+        """
+        worker = next((w for w in self.workers() if w.local_rank == local_rank), None)
+        if worker is None:
+            raise LookupError(f"{self.name} has no live worker with local rank {local_rank}")
+        signal_tree(worker.pid, signal.SIGKILL)
+        return worker
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the agent and every process under it: a lost machine when `sig` is SIGKILL."""
         signal_tree(self.pid, sig)
@@ -211,17 +253,23 @@ class LocalJob:
     `run_dir` receives the nodes' logs, the snapshots (`ck/`), the event log (`ck/events.jsonl`)
     and the audit log (`audit/`). With c10d, the first node added hosts the rendezvous store:
     `add_node` waits until it listens, so that it is known which node the job cannot lose.
+
+    With `per_node_checkpoint_dirs`, each node gets its own `--checkpoint_dir` (`<name>-ck/`), as
+    separate machines with local disks would (same flag, different disks); the event log, which
+    is the harness's view of the run and not recovery state, then goes to `run_dir/events.jsonl`.
     """
 
     def __init__(self, run_dir: Path, training_args: Sequence[str], *, nnodes: str = "1:4",
                  nproc_per_node: int = 1, rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None,
                  run_id: str = "local-job", max_restarts: int = 20, rdzv_conf: str | None = RDZV_CONF,
                  monitor_interval: float | None = MONITOR_INTERVAL_S, env: dict[str, str] | None = None,
-                 agent_env: dict[str, str] = AGENT_ENV):
+                 agent_env: dict[str, str] = AGENT_ENV, module: str = "elastic_ddp.train",
+                 per_node_checkpoint_dirs: bool = False):
         self.run_dir = Path(run_dir)
-        self.checkpoint_dir = self.run_dir / "ck"
+        self.per_node_checkpoint_dirs = per_node_checkpoint_dirs
+        self.checkpoint_dir = self.run_dir / "ck"  # unused by the nodes with per_node_checkpoint_dirs
         self.audit_dir = self.run_dir / "audit"
-        self.event_log = self.checkpoint_dir / "events.jsonl"
+        self.event_log = (self.run_dir if per_node_checkpoint_dirs else self.checkpoint_dir) / "events.jsonl"
         self.rdzv_backend = rdzv_backend
         self.rdzv_endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
         self.env = env
@@ -229,15 +277,19 @@ class LocalJob:
         self.command = torchrun_command(
             nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=self.rdzv_endpoint, rdzv_id=run_id,
             rdzv_backend=rdzv_backend, max_restarts=max_restarts, rdzv_conf=rdzv_conf,
-            monitor_interval=monitor_interval,
+            monitor_interval=monitor_interval, module=module,
             training_args=[*training_args, "--checkpoint_dir", str(self.checkpoint_dir),
-                           "--audit_log", str(self.audit_dir)],
+                           "--audit_log", str(self.audit_dir),
+                           *(["--event_log", str(self.event_log)] if per_node_checkpoint_dirs else [])],
         )
         self.nodes: list[LocalNode] = []
 
     def add_node(self, name: str | None = None, start_timeout: float = 60) -> LocalNode:
         name = name or f"node{len(self.nodes)}"
-        node = LocalNode(name, self.command, self.run_dir / f"{name}.log", env=self.env,
+        command = self.command
+        if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
+            command = [*command, "--checkpoint_dir", str(self.node_checkpoint_dir(name))]
+        node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
                          cwd=self.run_dir, agent_env=self.agent_env).start()
         self.nodes.append(node)
         if self.rdzv_backend == "c10d" and len(self.nodes) == 1:
@@ -245,6 +297,10 @@ class LocalJob:
             wait_for(lambda: port_is_listening(host, int(port)) or not node.is_running(), start_timeout,
                      f"the c10d store of {name} on {self.rdzv_endpoint}")
         return node
+
+    def node_checkpoint_dir(self, name: str) -> Path:
+        """The `--checkpoint_dir` of node `name`."""
+        return self.run_dir / f"{name}-ck" if self.per_node_checkpoint_dirs else self.checkpoint_dir
 
     def events(self, kind: str | None = None) -> list[dict]:
         from elastic_ddp.events import read_events

@@ -9,6 +9,7 @@ Run it with plain `python -m elastic_ddp.train ...` for a single process without
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -16,16 +17,22 @@ from datetime import timedelta
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import SyntheticImageDataset, random_horizontal_flip
 from elastic_ddp.distributed import DistributedContext, process_group
+from elastic_ddp.drain import DRAIN_EXIT_CODE, DrainRequested
+from elastic_ddp.events import StartupTimeline
 from elastic_ddp.logging_setup import configure_worker_logging
 from elastic_ddp.models import build_model
 from elastic_ddp.trainer import Trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM)."""
+    startup = StartupTimeline()
+    startup.mark("imports")
     config = TrainingConfig.from_args(argv)
     context = DistributedContext.from_env(config.device)
     log_prefix = configure_worker_logging(context.rank, context.world_size)
     with process_group(context, timedelta(seconds=config.collective_timeout_s)):
+        startup.mark("process_group")
         trainer = Trainer(
             model=build_model(config.model, config.seed),
             dataset=SyntheticImageDataset(config.dataset_size, config.seed),
@@ -33,8 +40,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sample_transform=random_horizontal_flip if config.augment else None,
             context=context,
             log_prefix=log_prefix,
+            startup=startup,
         )
-        trainer.fit()
+        startup.mark("built")
+        try:
+            trainer.fit()
+        except DrainRequested as exc:
+            # Never exit 0 here: torchrun closes the rendezvous for every node when a group exits 0.
+            logging.getLogger(__name__).warning("%s; exiting with %d so that torchrun restarts the group "
+                                                "without the drained node", exc, DRAIN_EXIT_CODE)
+            return DRAIN_EXIT_CODE
     return 0
 
 

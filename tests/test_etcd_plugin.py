@@ -12,17 +12,20 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
 from elastic_ddp.local_cluster import free_port
 from elastic_ddp.rendezvous import EtcdUnavailableError, EtcdV3Options, create_etcd_v3_handler
 from elastic_ddp.torchrun_plugin import SHARED_STORE_OPT_OUT
-from tests.etcd_fixtures import EtcdServer, shared_etcd_server, unique_run_id  # noqa: F401 (a fixture)
 
+if TYPE_CHECKING:
+    from tests.etcd_fixtures import EtcdServer
+
+pytest_plugins = ["tests.etcd_fixtures"]  # the etcd fixtures
 pytestmark = pytest.mark.timeout(60)
 
 FAST_RDZV = {"join_timeout": "30", "last_call_timeout": "1", "keep_alive_interval": "1",
@@ -39,25 +42,21 @@ def params(endpoint: str, run_id: str = "run", min_nodes: int = 1, max_nodes: in
     return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
 
 
-def test_fresh_interpreter_registers_etcd_v3() -> None:
+def test_fresh_interpreter_registers_etcd_v3_and_loads_etcd3_only_when_used() -> None:
     result = run_python(
-        "import torch.distributed.elastic.rendezvous as r\n"
-        "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as reg\n"
-        "print(sorted(reg._registry))\n"
-        "import sys; print('etcd3' in sys.modules)\n")
-    assert result.returncode == 0, result.stderr
-    registered, etcd3_loaded = result.stdout.splitlines()
-    assert "'etcd-v3'" in registered
-    assert etcd3_loaded == "False", "loading the plugin must not import the etcd client"
-
-
-def test_etcd3_imports_without_the_protobuf_variable_and_does_not_leak_it() -> None:
-    result = run_python(
-        "import os, elastic_ddp.rendezvous\n"
+        "import os, sys\n"
+        "import torch.distributed.elastic.rendezvous\n"
+        "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry\n"
+        "print('etcd-v3' in registry._registry, 'etcd3' in sys.modules)\n"
+        "import elastic_ddp.rendezvous\n"
         "from google.protobuf.internal import api_implementation\n"
         "print(api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["python", "None"]
+    registered, loaded_by_plugin, implementation, leaked = result.stdout.split()
+    assert registered == "True"
+    assert loaded_by_plugin == "False", "loading the plugin must not import the etcd client"
+    assert implementation == "python", "etcd3 needs the pure-Python protobuf"
+    assert leaked == "None", "the workers must not inherit PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
 def test_protobuf_loaded_first_gives_a_clear_import_error() -> None:
@@ -69,18 +68,20 @@ def test_protobuf_loaded_first_gives_a_clear_import_error() -> None:
 
 @pytest.mark.etcd
 def test_registry_builds_a_handler_that_never_shares_the_agent_store(
-        shared_etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+        shared_etcd_server: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv(SHARED_STORE_OPT_OUT, "0")
     with caplog.at_level(logging.WARNING):
-        handler = registry.create_handler(params(shared_etcd_server.endpoint, unique_run_id()))
+        handler = registry.create_handler(params(shared_etcd_server.endpoint, run_id))
     assert handler.get_backend() == "etcd-v3"
     assert handler.use_agent_store is False
     assert f"{SHARED_STORE_OPT_OUT}=0 is ignored" in caplog.text
 
 
 @pytest.mark.etcd
-def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    handler = create_etcd_v3_handler(params(shared_etcd_server.endpoint, unique_run_id(), local_addr="127.0.0.1",
+def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_server: EtcdServer,
+                                                                   run_id: str) -> None:
+    handler = create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
                                             **FAST_RDZV))
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
@@ -92,8 +93,7 @@ def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_
 
 
 @pytest.mark.etcd
-def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    run_id = unique_run_id()
+def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: EtcdServer, run_id: str) -> None:
     handlers = [create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2, local_addr=f"127.0.0.{i + 1}",
                                               **FAST_RDZV)) for i in range(2)]
     infos: dict[int, Any] = {}
@@ -109,6 +109,25 @@ def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: Etcd
     assert masters == {(f"127.0.0.{rank0 + 1}", next(iter(masters))[1])}
     for handler in handlers:
         handler.shutdown()
+
+
+@pytest.mark.etcd
+def test_a_finished_run_id_stays_closed_until_its_keys_are_deleted(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    """As docs/etcd.md says: reuse a run id only after `etcdctl del --prefix <key_prefix>/<run_id>/`."""
+
+    def handler() -> Any:
+        return create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1", **FAST_RDZV))
+
+    finished = handler()
+    finished.next_rendezvous()
+    finished.set_closed()
+    finished.shutdown()
+    with pytest.raises(RendezvousClosedError):
+        handler().next_rendezvous()
+    shared_etcd_server.etcdctl("del", "--prefix", f"/elastic_ddp/rendezvous/{run_id}/")
+    relaunched = handler()
+    assert relaunched.next_rendezvous().rank == 0
+    relaunched.shutdown()
 
 
 @pytest.mark.timeout(30)
@@ -135,7 +154,7 @@ def files(tmp_path: Path) -> dict[str, str]:
 def test_defaults(files: dict[str, str]) -> None:
     options = EtcdV3Options.from_params(params(""))
     assert options.endpoints == (("localhost", 2379),)
-    assert (options.protocol, options.read_timeout, options.retry_timeout, options.ttl) == ("http", 5.0, 30.0, 7200)
+    assert (options.protocol, options.read_timeout, options.retry_timeout, options.ttl) == ("http", 2.0, 30.0, 7200)
     assert options.key_prefix == "/elastic_ddp/rendezvous"
 
 
@@ -145,7 +164,8 @@ def test_full_configuration_is_parsed(files: dict[str, str]) -> None:
         key=files["key.pem"], user="trainer", password_file=files["password"], read_timeout="2.5",
         retry_timeout=60, key_prefix="/jobs/", ttl="600"))
     assert options.endpoints == (("h1", 1234), ("h2", 2379), ("::1", 5))
-    assert (options.protocol, options.user, options.read_timeout, options.retry_timeout) == ("https", "trainer", 2.5, 60)
+    assert (options.protocol, options.user) == ("https", "trainer")
+    assert (options.read_timeout, options.retry_timeout) == (2.5, 60)
     assert (options.key_prefix, options.ttl) == ("/jobs", 600)
     assert options.password is not None and options.password.reveal() == "hunter2"
 
@@ -159,7 +179,8 @@ def test_password_never_shows(files: dict[str, str]) -> None:
 @pytest.mark.parametrize(("conf", "expected"), [
     ({"protocol": "ftp"}, "protocol='ftp' is invalid: allowed values are http, https"),
     ({"protocol": "https"}, "protocol='https' is invalid: https needs ca_cert"),
-    ({"ca_cert": "CA"}, "protocol='http' is invalid: ca_cert, cert and key are used only with protocol=https"),
+    ({"ca_cert": "CA"}, "ca_cert='/"),
+    ({"key": "CA", "cert": "CA"}, "is invalid: TLS files are used only with protocol=https (add protocol=https)"),
     ({"protocol": "https", "ca_cert": "CA", "cert": "CA"}, "cert='"),
     ({"ca_cert": "/no/such/ca.pem", "protocol": "https"}, "ca_cert='/no/such/ca.pem' is invalid: must be the path"),
     ({"user": "u"}, "user='u' is invalid: needs password_file"),

@@ -6,7 +6,7 @@ import multiprocessing
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch.distributed as dist
@@ -15,8 +15,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils.store import barrier
 
 from elastic_ddp.rendezvous import EtcdConnection, EtcdV3Options, EtcdV3Store
-from tests.etcd_fixtures import EtcdServer, shared_etcd_server, unique_run_id  # noqa: F401 (a fixture)
 
+if TYPE_CHECKING:
+    from tests.etcd_fixtures import EtcdServer
+
+pytest_plugins = ["tests.etcd_fixtures"]  # the etcd fixtures
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
@@ -26,8 +29,8 @@ def make_store(endpoint: str, run_id: str, timeout_s: float = 5.0, **conf: Any) 
 
 
 @pytest.fixture
-def store(shared_etcd_server: EtcdServer) -> EtcdV3Store:  # noqa: F811
-    return make_store(shared_etcd_server.endpoint, unique_run_id())
+def store(shared_etcd_server: EtcdServer, run_id: str) -> EtcdV3Store:
+    return make_store(shared_etcd_server.endpoint, run_id)
 
 
 def test_set_then_get_returns_bytes(store: EtcdV3Store) -> None:
@@ -110,9 +113,9 @@ def test_delete_key_and_num_keys(store: EtcdV3Store) -> None:
     assert store.num_keys() == 1
 
 
-def test_keys_are_namespaced_per_run_id(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
-    first = make_store(shared_etcd_server.endpoint, unique_run_id(), timeout_s=0.3)
-    second = make_store(shared_etcd_server.endpoint, unique_run_id(), timeout_s=0.3)
+def test_keys_are_namespaced_per_run_id(shared_etcd_server: EtcdServer, run_id: str) -> None:
+    first = make_store(shared_etcd_server.endpoint, f"{run_id}-first", timeout_s=0.3)
+    second = make_store(shared_etcd_server.endpoint, f"{run_id}-second", timeout_s=0.3)
     first.set("shared-name", "first")
     assert not second.check(["shared-name"])
     assert second.num_keys() == 0
@@ -143,9 +146,8 @@ def test_every_operation_through_torch_prefix_store(store: EtcdV3Store) -> None:
         prefixed.get("never")
 
 
-def test_torch_barrier_and_store_info_work_on_it(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_torch_barrier_and_store_info_work_on_it(shared_etcd_server: EtcdServer, run_id: str) -> None:
     """What the agents do with the store: publish MASTER_ADDR/PORT, then an exit barrier."""
-    run_id = unique_run_id()
     stores = [make_store(shared_etcd_server.endpoint, run_id) for _ in range(3)]
     results: dict[int, Any] = {}
 
@@ -171,9 +173,8 @@ def _add_many(endpoint: str, run_id: str, times: int, start_together: Any, queue
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_add_from_processes_gives_distinct_results(shared_etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_concurrent_add_from_processes_gives_distinct_results(shared_etcd_server: EtcdServer, run_id: str) -> None:
     processes, times = 3, 30
-    run_id = unique_run_id()
     context = multiprocessing.get_context("spawn")  # gRPC does not survive fork
     queue, start_together = context.Queue(), context.Barrier(processes)
     workers = [context.Process(target=_add_many,

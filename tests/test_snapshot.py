@@ -13,6 +13,7 @@ from elastic_ddp import load_snapshot
 from elastic_ddp.checkpoint import CheckpointStore
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import SyntheticImageDataset
+from elastic_ddp.events import read_events
 from elastic_ddp.models import build_model
 from elastic_ddp.snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, check_compatible
 from elastic_ddp.trainer import Trainer
@@ -64,12 +65,39 @@ def test_a_checksummed_but_unsafe_snapshot_is_skipped_for_the_previous_one(tmp_p
     assert load_snapshot(config.checkpoint_dir)["global_step"] == good_step
 
 
-def test_a_snapshot_from_another_model_is_refused_with_the_difference(tmp_path):
+def test_a_snapshot_from_another_model_is_refused_with_the_file_and_the_difference(tmp_path):
     make_trainer(small_config(tmp_path, model="mlp", epochs=1)).fit()
     other = make_trainer(small_config(tmp_path, model="mini_resnet", epochs=2))
-    with pytest.raises(IncompatibleSnapshotError, match=r"incompatible run \(model: snapshot has"):
+    newest = tmp_path / "ck" / "snapshot-000000006.pt"
+    with pytest.raises(IncompatibleSnapshotError, match=rf"{newest} was written by an incompatible run \(model: "):
         other.fit()
     assert load_snapshot(tmp_path / "ck")["epoch"] == 1, "the refused snapshot must stay"
+
+
+def test_a_foreign_snapshot_newer_than_ours_is_skipped_for_our_previous_one(tmp_path, caplog):
+    config = small_config(tmp_path, epochs=2)
+    with pytest.raises(Exception, match="stop"):
+        make_trainer(config, after_step=stop_at(6)).fit()
+    foreign = small_config(tmp_path / "other", epochs=2, seed=1)
+    make_trainer(foreign).fit()
+    _, foreign_bytes = CheckpointStore(foreign.checkpoint_dir).latest_valid()
+    CheckpointStore(config.checkpoint_dir).write(9, epoch=1, samples_consumed=48, data=foreign_bytes)
+
+    trainer = make_trainer(config)
+    trainer.fit()
+    foreign_file = tmp_path / "ck" / "snapshot-000000009.pt"
+    assert f"skipping snapshot: {foreign_file} was written by an incompatible run (seed: snapshot has 1, " \
+           "this run has 0)" in caplog.text
+    restores = [e for e in read_events(tmp_path / "ck" / "events.jsonl") if e["event"] == "restore"]
+    assert restores[-1]["global_step"] == 6 and restores[-1]["file"] == "snapshot-000000006.pt"
+    assert trainer.global_step == config.epochs * config.steps_per_epoch
+
+
+def stop_at(step: int):
+    def after_step(trainer):
+        if trainer.global_step == step:
+            raise RuntimeError(f"stop at {step}")
+    return after_step
 
 
 def test_fingerprint_differences_are_all_named():

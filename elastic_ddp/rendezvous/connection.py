@@ -94,6 +94,7 @@ class EtcdConnection:
     def __init__(self, options: EtcdV3Options) -> None:
         self._options = options
         self._clients: dict[int, Etcd3Client] = {}
+        self._logged_out: set[int] = set()  # endpoints whose auth token etcd no longer accepts
         self._preferred = 0
         self._lock = threading.Lock()
         self._lease_lock = threading.Lock()
@@ -164,6 +165,10 @@ class EtcdConnection:
             if client is None:
                 client = self._new_client(index)
                 self._clients[index] = client
+            elif index in self._logged_out:
+                # Log in again on the same channel: closing it would cancel other threads' calls.
+                self._authenticate(client)
+            self._logged_out.discard(index)
             return client
 
     def _new_client(self, index: int) -> Etcd3Client:
@@ -190,12 +195,6 @@ class EtcdConnection:
         answer = etcdrpc.AuthStub(client.channel).Authenticate(request, self._options.read_timeout)
         client.metadata = (("token", answer.token),)
 
-    def _forget_client(self, index: int) -> None:
-        with self._lock:
-            client = self._clients.pop(index, None)
-        if client is not None:
-            client.close()
-
     def _failure(self, index: int, what: str, exc: BaseException) -> Exception:
         """The exception to raise for `exc`: `_Retry` if another attempt may work, else the final one.
 
@@ -214,8 +213,10 @@ class EtcdConnection:
         if code in _TRANSIENT_CODES:
             self._fail_over(index)
             return _Retry(endpoint, detail)
-        if code == grpc.StatusCode.UNAUTHENTICATED or "auth store is old" in lowered:
-            self._forget_client(index)  # etcd forgot our token (a restart): log in again
+        logged_in = self._options.user is not None
+        if logged_in and (code == grpc.StatusCode.UNAUTHENTICATED or "auth store is old" in lowered):
+            with self._lock:  # etcd forgot our token (restart, --auth-token-ttl): log in again
+                self._logged_out.add(index)
             return _Retry(endpoint, detail)
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in lowered:
             with self._lease_lock:
@@ -229,7 +230,7 @@ class EtcdConnection:
             return EtcdAuthenticationError(
                 f"etcd at {endpoint}: authentication failed for user {user!r}: wrong user name or "
                 f"password (the password is read from rdzv_conf password_file)")
-        if "user name is empty" in detail:
+        if "user name is empty" in detail or code == grpc.StatusCode.UNAUTHENTICATED:
             return EtcdAuthenticationError(
                 f"etcd at {endpoint} requires authentication: set rdzv_conf user=<name> and "
                 f"password_file=<file holding the password>")

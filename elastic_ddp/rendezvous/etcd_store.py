@@ -76,7 +76,8 @@ class EtcdV3Store(Store):
 
         def write(client: Etcd3Client) -> None:
             lease = self._connection.lease_id(client)
-            puts = [client.transactions.put(self._key(k), _as_bytes(v), lease=lease) for k, v in zip(keys, values)]
+            puts = [client.transactions.put(self._key(k), _as_bytes(v), lease=lease)
+                    for k, v in zip(keys, values, strict=True)]
             client.transaction(compare=[], success=puts, failure=[])
 
         self._connection.call(f"set {len(keys)} store keys", write)
@@ -162,7 +163,7 @@ class EtcdV3Store(Store):
                 return values
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [k for k, v in zip(keys, values) if v is None]
+                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
                 raise DistStoreError(f"Timed out after {timeout.total_seconds():g} s waiting for store "
                                      f"keys {missing} under {self._prefix} in etcd")
             time.sleep(min(pause, left))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,8 @@ class EtcdV3Options:
     # etcd user, and the password read from `password_file`.
     user: str | None = None
     password: Secret | None = None
-    # Seconds one etcd request may take before it counts as failed.
-    read_timeout: float = 5.0
+    # Seconds one etcd request may take before it counts as failed (and is retried).
+    read_timeout: float = 2.0
     # Seconds an operation keeps retrying over all endpoints before it raises.
     retry_timeout: float = 30.0
     # Every key of a run lives under "<key_prefix>/<run_id>/".
@@ -115,7 +116,6 @@ class EtcdV3Options:
         )
 
 
-
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"rdzv_conf {key}={value!r} is invalid: {allowed}")
 
@@ -151,7 +151,7 @@ def _choice(config: dict[str, Any], key: str, default: str, allowed: tuple[str, 
 
 def _readable_file(config: dict[str, Any], key: str) -> str | None:
     path = _text(config, key)
-    if path is not None and not Path(path).is_file():
+    if path is not None and not (Path(path).is_file() and os.access(path, os.R_OK)):
         raise _bad(key, path, "must be the path of an existing, readable file")
     return path
 
@@ -174,8 +174,10 @@ def _check_pairs(protocol: str, ca_cert: str | None, cert: str | None, key: str 
     if protocol == "https" and ca_cert is None:
         raise _bad("protocol", protocol, "https needs ca_cert=<PEM of the CA that signed the etcd "
                                          "server certificates> (the system bundle works for a public CA)")
-    if protocol == "http" and (ca_cert or cert or key):
-        raise _bad("protocol", protocol, "ca_cert, cert and key are used only with protocol=https")
+    tls_files = {"ca_cert": ca_cert, "cert": cert, "key": key}
+    given = next(((name, path) for name, path in tls_files.items() if path is not None), None)
+    if protocol == "http" and given is not None:
+        raise _bad(*given, "TLS files are used only with protocol=https (add protocol=https)")
     if (cert is None) != (key is None):
         raise _bad("cert" if key is None else "key", cert or key, "cert and key must be given together")
     if user is not None and password is None:

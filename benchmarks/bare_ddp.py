@@ -1,0 +1,157 @@
+"""The baseline: a bare DDP training loop, as the PyTorch DDP tutorial teaches it.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m benchmarks.bare_ddp --model mlp --epochs 5
+
+(run from the repository root). It does the same work as `python -m elastic_ddp.train` with the
+same flags and `--micro_batch_size` equal to the per-rank share (no gradient accumulation): the same
+model (`elastic_ddp.models.build_model`), the same synthetic data (`SyntheticImageDataset`) with a
+random horizontal flip, SGD with momentum under the same warm-up plus cosine schedule, the same
+global batch split evenly over the same world. What it leaves out is what elastic_ddp adds:
+snapshots, the event log, the elastic sampler, per-sample seeded augmentation, restore on start.
+It uses `DistributedSampler`, so it needs a dataset size and global batch that divide evenly
+(otherwise the sampler pads and the two would not do the same work).
+
+Each rank prints one `BENCH_RESULT {json}` line at exit: its peak resident memory, and on rank 0 the
+end time of every optimizer step and the steady-state samples per second (the first epoch left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled, steady_state_samples_per_second
+from elastic_ddp.data import SyntheticImageDataset
+from elastic_ddp.models import build_model
+
+
+def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up, then cosine decay to zero: the schedule elastic_ddp's trainer uses by default.
+
+    Written out here so that the baseline imports nothing of elastic_ddp's training machinery;
+    tests/test_benchmarks.py checks the two give the same learning rates.
+    """
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class RandomHorizontalFlip(Dataset):
+    """Flips each image with probability 1/2 drawn from the global torch RNG, like torchvision."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        image, label = self.dataset[index]
+        if torch.rand(()).item() < 0.5:  # as cheap as elastic_ddp's flip decision (equal work)
+            image = image.flip(-1)
+        return image, label
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The subset of `python -m elastic_ddp.train`'s flags that a bare loop has, same names."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bare_ddp", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mini_resnet", choices=("mini_resnet", "mlp"))
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--dataset_size", type=int, default=4096)
+    parser.add_argument("--global_batch_size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight_decay", type=float, default=0.0)
+    parser.add_argument("--warmup_steps", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--augment", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--use_amp", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--num_workers", type=int, default=0)
+    parser.add_argument("--log_interval", type=int, default=10)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.global_batch_size % world_size or args.dataset_size % args.global_batch_size:
+        raise SystemExit(f"bare_ddp: --global_batch_size {args.global_batch_size} must divide --dataset_size "
+                         f"{args.dataset_size} and be divisible by the world size {world_size}")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    try:
+        step_times = run_maybe_profiled("bare_ddp", lambda: train(args, rank, world_size, device))
+    finally:
+        dist.destroy_process_group()
+    record = {"side": "bare_ddp", "rank": rank, "world_size": world_size, "peak_rss_mb": round(peak_rss_mb(), 1)}
+    if use_cuda:
+        record["peak_cuda_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    if rank == 0:
+        steps_per_epoch = args.dataset_size // args.global_batch_size
+        record["step_times"] = step_times
+        if len(step_times) > steps_per_epoch + 1:
+            record["samples_per_second"] = round(steady_state_samples_per_second(
+                step_times, args.global_batch_size, skip_steps=steps_per_epoch), 1)
+    emit_result(record)
+    return 0
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> list[float]:
+    """The loop itself; returns the end time of every optimizer step on rank 0 (empty elsewhere)."""
+    use_cuda = device.type == "cuda"
+    model = build_model(args.model, args.seed).to(device)
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    dataset = SyntheticImageDataset(args.dataset_size, args.seed)
+    if args.augment:
+        dataset = RandomHorizontalFlip(dataset)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.global_batch_size // world_size, sampler=sampler,
+                        num_workers=args.num_workers, pin_memory=use_cuda)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = warmup_cosine_schedule(optimizer, args.warmup_steps, args.epochs * len(loader))
+    autocast_dtype = torch.float16 if use_cuda else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=args.use_amp and use_cuda)
+    torch.manual_seed(args.seed + rank)  # the flips differ per rank, as they would in a tutorial script
+    step_times: list[float] = []
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        ddp_model.train()
+        for inputs, targets in loader:
+            inputs = inputs.to(device, non_blocking=use_cuda)
+            targets = targets.to(device, non_blocking=use_cuda)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=args.use_amp):
+                loss = torch.nn.functional.cross_entropy(ddp_model(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            if rank == 0:
+                step_times.append(time.time())
+                if step % args.log_interval == 0:
+                    print(f"epoch {epoch} step {step} loss {loss.item():.4f}", file=sys.stderr, flush=True)
+    return step_times
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Recovery speed: from a lost node to training again, and from a new node to training with it.
+
+    python benchmarks/recovery.py --quick            # one kill and one join per setting (about 3 min)
+    python benchmarks/recovery.py --repeats 3        # medians and spread (about 8 min)
+    python benchmarks/recovery.py --settings ours    # only the shipped settings
+
+(run from the repository root). Each repetition starts a job of three torchrun agents ("nodes")
+on 127.0.0.1 with one worker each, lets it train, SIGKILLs one node (agent and workers), waits
+for the first optimizer step of the group that continues without it, then starts a new node and
+waits for the first step of the group that includes it (world 2 -> 3, below --nnodes' maximum of
+4, so torchrun's last-call wait applies, as it does on a real cluster that is not full).
+
+Two settings are measured in the same run, alternating, on the same machine:
+- `ours`: what the launch scripts ship (`elastic_ddp.local_cluster.RDZV_CONF`, `MONITOR_INTERVAL_S`);
+- `stock`: torchrun's defaults (no --rdzv_conf, --monitor_interval 0.1).
+Both use the same training (`elastic_ddp.train`) and environment (`AGENT_ENV`: one thread per
+worker, the agent-shared store off), so the difference is the launch settings alone.
+
+Times are taken from the event log (`step` and `startup` events: wall-clock seconds) and the
+agents' logs (LOGLEVEL=INFO), and split into phases: the agents notice the failure, the
+rendezvous completes, the worker processes start and import, the process group forms, the model
+and data are built, the snapshot is restored, the first step is done.
+
+`measure(settings, repeats, run_root)` returns the raw numbers; `run_all`-style runners call it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.chaos.events import EventFollower, WorkerGroup
+from elastic_ddp.local_cluster import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S},
+    "stock": {"rdzv_conf": None, "monitor_interval": None},
+}
+TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
+                 "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
+                 "--log_interval", "100"]
+NODES = 3
+# glog-style lines of torchrun's loggers: "I1121 19:27:26.876000 15122 path.py:123] message"
+AGENT_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] (.*)$")
+PHASES = ("imports", "process_group", "built", "restored", "first_step")
+
+
+def agent_log(node: LocalNode) -> list[tuple[float, str]]:
+    """(Unix time, message) of each torchrun log line of `node` (local time, this year)."""
+    year = datetime.now().year
+    lines = []
+    for line in node.log_text().splitlines():
+        match = AGENT_LINE.match(line)
+        if match:
+            month, day, hour, minute, second, message = match.groups()
+            moment = datetime(year, int(month), int(day), int(hour), int(minute)).timestamp() + float(second)
+            lines.append((moment, message))
+    return lines
+
+
+def first_after(lines: list[tuple[float, str]], moment: float, needle: str) -> float | None:
+    return next((when for when, message in lines if when >= moment and needle in message), None)
+
+
+def _wait_for_group(events: EventFollower, after: float, predicate, timeout: float, what: str) -> WorkerGroup:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events.poll()
+        for group in events.groups_since(after):
+            if group.first_step is not None and predicate(group):
+                return group
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _phases(group: WorkerGroup, events: EventFollower, origin: float) -> dict[str, float]:
+    """Seconds from `origin` to the new worker process's start and to each start-up mark."""
+    startup = next((e for e in events.of_kind("startup") if e["incarnation"] == group.incarnation), None)
+    if startup is None:
+        return {}
+    phases = {"worker_process_started": round(startup["process_started"] - origin, 2)}
+    for name in PHASES:
+        if name in startup["seconds"]:
+            phases[name] = round(startup["process_started"] + startup["seconds"][name] - origin, 2)
+    return phases
+
+
+def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str, Any]:
+    """One kill and one join under `setting`; seconds and their phases."""
+    job = LocalJob(run_dir, TRAINING_ARGS, nnodes="1:4", run_id=f"recovery-{setting}",
+                   agent_env={**AGENT_ENV, "LOGLEVEL": "INFO"}, **SETTINGS[setting])
+    events = EventFollower(job.event_log)
+    try:
+        for index in range(NODES):
+            job.add_node(f"node{index}")
+        _wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
+        job.wait_for_step(events.newest_step() + 30, timeout)
+
+        killed_at = time.time()
+        job.nodes[-1].kill()
+        resumed = _wait_for_group(events, killed_at, lambda g: True, timeout, "training after the kill")
+        survivor = agent_log(job.nodes[0])
+        kill = {"seconds": round(resumed.first_step["time"] - killed_at, 2),
+                "agent_noticed": _since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
+                "rendezvous_complete": _since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
+                **_phases(resumed, events, killed_at)}
+
+        job.wait_for_step(resumed.first_step["global_step"] + 30, timeout)
+        joined_at = time.time()
+        joiner = job.add_node("joiner")
+        grown = _wait_for_group(events, joined_at, lambda g: joiner.pid in g.agent_pids, timeout,
+                                "training with the new node")
+        joiner_log = agent_log(joiner)
+        join = {"seconds": round(grown.first_step["time"] - joined_at, 2),
+                "joiner_waiting": _since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
+                "rendezvous_complete": _since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
+                **_phases(grown, events, joined_at)}
+        return {"setting": setting, "kill": kill, "join": join}
+    finally:
+        job.stop()
+
+
+def _since(moment: float | None, origin: float) -> float | None:
+    return None if moment is None else round(moment - origin, 2)
+
+
+def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str, Any]]:
+    """`repeats` rounds; each round measures every setting once (interleaved, so that a busy
+    machine affects all settings alike). Returns one record per measurement."""
+    records = []
+    for repeat in range(repeats):
+        for setting in settings:
+            record = measure_once(setting, run_root / f"{setting}-{repeat}")
+            records.append(record)
+            print(f"{setting} #{repeat + 1}: kill -> training {record['kill']['seconds']:.1f} s, "
+                  f"join -> training {record['join']['seconds']:.1f} s", file=sys.stderr, flush=True)
+    return records
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per setting and event (kill, join): median, min and max of the seconds and of each phase."""
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for setting in dict.fromkeys(r["setting"] for r in records):
+        summary[setting] = {}
+        for event in ("kill", "join"):
+            keys = dict.fromkeys(key for r in records if r["setting"] == setting for key in r[event])
+            summary[setting][event] = {}
+            for key in keys:
+                values = [r[event][key] for r in records if r["setting"] == setting and r[event].get(key) is not None]
+                if values:
+                    summary[setting][event][key] = {"median": round(statistics.median(values), 2),
+                                                    "min": min(values), "max": max(values), "n": len(values)}
+    return summary
+
+
+def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
+    for event, title in (("kill", "SIGKILL of 1 of 3 nodes -> first step without it"),
+                         ("join", "new node started -> first step with it (world 2 -> 3)")):
+        print(f"\n{title} (seconds after the event; median [min-max] over n runs)")
+        settings = list(summary)
+        keys = list(dict.fromkeys(key for s in settings for key in summary[s][event]))
+        print(f"  {'':24}" + "".join(f"{s:>22}" for s in settings))
+        for key in keys:
+            cells = []
+            for setting in settings:
+                cell = summary[setting][event].get(key)
+                cells.append(f"{cell['median']:6.2f} [{cell['min']:.2f}-{cell['max']:.2f}] n={cell['n']}"
+                             if cell else "-")
+            print(f"  {key:24}" + "".join(f"{c:>22}" for c in cells))
+        if "ours" in summary and "stock" in summary:
+            ours, stock = summary["ours"][event]["seconds"]["median"], summary["stock"][event]["seconds"]["median"]
+            print(f"  stock / ours: {stock / ours:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="One repetition (same as --repeats 1).")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--json", type=Path, help="Also write the raw records and the summary here.")
+    args = parser.parse_args(argv)
+    repeats = 1 if args.quick else args.repeats
+    with tempfile.TemporaryDirectory(prefix="recovery-") as root:
+        records = measure(args.settings, repeats, Path(root))
+    summary = summarise(records)
+    print_table(summary)
+    if args.json:
+        args.json.write_text(json.dumps({"records": records, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Same model as an uninterrupted run: compare a chaotic run with a single-process reference.
+
+    reference = run_reference("runs/chaos/reference", training_args)
+    result = compare_runs(reference, "runs/chaos/ck")
+
+`run_reference` trains the same configuration in one process, without torchrun and without
+faults. `compare_runs` compares the final parameters and the loss of every optimizer step of the
+surviving trajectory (the newest incarnation's `progress` event per step; train with
+`--log_interval 1` to have one per step).
+
+Why a tolerance and not bit equality: each rank sums its share of the global batch and the
+all-reduce adds the ranks' sums, so the order of the fp32 additions in every gradient depends on the
+world size (and resuming changes nothing else: a restore is bit-exact). Each step then rounds
+differently, by about fp32's unit roundoff (6e-8) relative to the gradient, and the differences
+compound over the steps of the run. `DEFAULT_PARAMETER_TOLERANCE` and `DEFAULT_LOSS_TOLERANCE`
+are set from what that amounts to for the built-in MLP over a few hundred steps
+(docs/failure-semantics.md, "Same model as an uninterrupted run"): two orders of magnitude below
+any real divergence (a skipped or repeated batch moves parameters by about lr x gradient, ~1e-3),
+two above the measured fp32 noise.
+
+Not comparable this way: models with batch-dependent layers (BatchNorm: per-rank statistics), and
+runs whose randomness does not come from (seed, epoch, sample index).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_ddp.api import load_snapshot
+from elastic_ddp.events import read_events
+
+# Largest |reference - chaotic| of any parameter element, relative to the largest |parameter| of
+# its tensor; and the largest absolute difference of a per-step mean loss.
+DEFAULT_PARAMETER_TOLERANCE = 1e-5
+DEFAULT_LOSS_TOLERANCE = 1e-5
+# torchrun's variables: a reference run must not believe it is part of a job.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """How far a chaotic run ended from the uninterrupted reference."""
+
+    parameter_difference: float  # max over tensors of max|a - b| / max|a|
+    worst_parameter: str
+    loss_difference: float  # max over steps of |loss_a - loss_b|
+    worst_loss_step: int | None
+    steps_compared: int
+    missing_steps: list[int]  # steps with a loss in the reference but not in the chaotic run
+
+    def within(self, parameter_tolerance: float = DEFAULT_PARAMETER_TOLERANCE,
+               loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> bool:
+        return (self.parameter_difference <= parameter_tolerance and self.loss_difference <= loss_tolerance
+                and not self.missing_steps)
+
+    def describe(self) -> str:
+        return (f"parameters differ by at most {self.parameter_difference:.2e} (relative, in {self.worst_parameter}); "
+                f"loss by at most {self.loss_difference:.2e} (step {self.worst_loss_step}) over "
+                f"{self.steps_compared} steps" + (f"; {len(self.missing_steps)} steps without a loss"
+                                                  if self.missing_steps else ""))
+
+
+def run_reference(run_dir: str | Path, training_args: Sequence[str], module: str = "elastic_ddp.train",
+                  timeout: float = 600) -> Path:
+    """Train `training_args` in one process with no faults; return its checkpoint directory."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run_dir / "ck"
+    env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(run_dir / "reference.log", "ab") as log:
+        subprocess.run([sys.executable, "-m", module, *training_args, "--checkpoint_dir", str(checkpoint_dir)],
+                       stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=True)
+    return checkpoint_dir
+
+
+def surviving_losses(checkpoint_dir: str | Path) -> dict[int, float]:
+    """Loss per global step of the trajectory that survived: the newest incarnation's value wins."""
+    losses: dict[int, tuple[int, float]] = {}
+    for event in read_events(Path(checkpoint_dir) / "events.jsonl"):
+        if event.get("event") == "progress":
+            step, incarnation = event["global_step"], event["incarnation"]
+            if step not in losses or incarnation >= losses[step][0]:
+                losses[step] = (incarnation, event["loss"])
+    return {step: loss for step, (_, loss) in losses.items()}
+
+
+def compare_runs(reference_dir: str | Path, chaotic_dir: str | Path) -> Equivalence:
+    """Compare the newest snapshots' parameters and the per-step losses of two runs."""
+    reference, chaotic = load_snapshot(reference_dir)["model"], load_snapshot(chaotic_dir)["model"]
+    if reference.keys() != chaotic.keys():
+        raise ValueError(f"{chaotic_dir} holds another model than {reference_dir}")
+    worst_name, worst = "", 0.0
+    for name, expected in reference.items():
+        expected, actual = expected.double(), chaotic[name].double()
+        scale = expected.abs().max().clamp(min=1e-12)
+        difference = float((expected - actual).abs().max() / scale)
+        if difference >= worst:
+            worst_name, worst = name, difference
+    expected_losses, actual_losses = surviving_losses(reference_dir), surviving_losses(chaotic_dir)
+    common = sorted(set(expected_losses) & set(actual_losses))
+    loss_differences = {step: abs(expected_losses[step] - actual_losses[step]) for step in common}
+    worst_step = max(loss_differences, key=loss_differences.get, default=None)
+    return Equivalence(
+        parameter_difference=worst, worst_parameter=worst_name,
+        loss_difference=loss_differences[worst_step] if worst_step is not None else 0.0,
+        worst_loss_step=worst_step, steps_compared=len(common),
+        missing_steps=sorted(set(expected_losses) - set(actual_losses)))
+

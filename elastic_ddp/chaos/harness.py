@@ -1,0 +1,425 @@
+"""The chaos harness: run an elastic job of local nodes, break it as a plan says, check the promises.
+
+    harness = ChaosHarness("runs/chaos", ["--model", "mlp", "--epochs", "3"], random_plan(7, total_steps=300))
+    report = harness.run()
+    print(report.summary())
+
+Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.local_cluster.LocalNode`) with real
+gloo workers; faults are real signals. The harness follows the plan (elastic_ddp/chaos/plan.py),
+reading triggers from the run's event log, never guessing with sleeps; then it waits for the job to
+finish within a deadline and checks what elastic_ddp promises (docs/failure-semantics.md):
+
+- the run finishes, and its final global step is exactly epochs x steps per epoch;
+- the audit log shows every sample of every epoch exactly once in the surviving trajectory;
+- every restore used a snapshot whose write had completed, with the checksum that write recorded;
+
+and it measures, per fault, the seconds from the fault to the first optimizer step of the group
+that continued without the node (or, for a join, with it).
+
+Where the rendezvous store lives matters. With `store="standalone"` (the default) the c10d store
+runs in a process of its own (elastic_ddp/chaos/store.py) and every node can be killed, rank 0's
+included. With `store="node"` the first node hosts it, as with plain torchrun, and symbolic targets
+never pick that node: killing it ends the job (trap 5 in the docs). With `rdzv_backend="etcd-v3"`
+pass the etcd endpoints as `rdzv_endpoint`.
+
+Not done here: faults on the store itself, network partitions other than a frozen node, and any
+check of the model's numbers (see elastic_ddp/chaos/equivalence.py for that).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.audit import exactly_once_violations, read_entries
+from elastic_ddp.chaos.events import EventFollower
+from elastic_ddp.chaos.plan import REMOVING_ACTIONS, Fault, FaultPlan, PlanError
+from elastic_ddp.config import TrainingConfig, build_parser
+from elastic_ddp.events import read_events
+from elastic_ddp.local_cluster import (AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
+                                       port_is_listening, wait_for)
+
+logger = logging.getLogger(__name__)
+
+STORES = ("standalone", "node")
+POLL_SECONDS = 0.005
+
+
+class JobEnded(Exception):
+    """Every agent has exited: no later fault can fire."""
+
+
+class DeadlineExceeded(Exception):
+    """The run took longer than the harness's deadline."""
+
+
+@dataclass
+class FaultRecord:
+    """What happened to one fault of the plan."""
+
+    index: int
+    description: str
+    fault: dict[str, Any]
+    fired: bool = False
+    fired_at: float | None = None  # Unix seconds
+    seconds_into_run: float | None = None
+    step_when_fired: int | None = None  # newest global step in the event log at that moment
+    node: str | None = None
+    pid: int | None = None  # the agent's, or the worker's for kill_worker
+    held_rank0: bool | None = None
+    snapshot_step: int | None = None  # for on_event=snapshot_captured: the snapshot being written
+    during_snapshot_write: bool | None = None  # its write had not completed when the kill landed
+    recovery_seconds: float | None = None  # to the first step of the next group (with the joiner)
+    not_fired_because: str | None = None
+
+
+@dataclass
+class ChaosReport:
+    """The outcome of one chaos run; `problems` is empty when every promise held."""
+
+    run_dir: str
+    plan: dict[str, Any]
+    faults: list[FaultRecord]
+    expected_final_step: int
+    final_step: int | None
+    exactly_once_problems: list[str]
+    restores: list[dict[str, Any]]
+    interrupted_snapshot_writes: list[int]
+    world_sizes: list[int]
+    exit_codes: dict[str, int | None]
+    seconds: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def summary(self) -> str:
+        lines = [f"chaos run in {self.run_dir}: {'OK' if self.ok else 'FAILED'} in {self.seconds:.1f} s",
+                 f"  world sizes: {' -> '.join(map(str, self.world_sizes))}"]
+        for record in self.faults:
+            if not record.fired:
+                lines.append(f"  [{record.index}] {record.description}: NOT FIRED ({record.not_fired_because})")
+                continue
+            details = [f"t={record.seconds_into_run:.1f}s", f"step {record.step_when_fired}"]
+            if record.node:
+                details.append(record.node + (" (rank 0)" if record.held_rank0 else ""))
+            if record.during_snapshot_write is not None:
+                details.append(f"snapshot {record.snapshot_step} "
+                               f"{'interrupted mid-write' if record.during_snapshot_write else 'already written'}")
+            if record.recovery_seconds is not None:
+                details.append(f"training again after {record.recovery_seconds:.1f} s")
+            lines.append(f"  [{record.index}] {record.description}: {', '.join(details)}")
+        lines.append(f"  final step {self.final_step} (expected {self.expected_final_step}); "
+                     f"exactly once: {'yes' if not self.exactly_once_problems else 'NO'}; "
+                     f"{len(self.restores)} restores, all verified: "
+                     f"{'yes' if all(r['matches_a_completed_write'] for r in self.restores) else 'NO'}")
+        lines += [f"  problem: {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+
+def expected_final_step(training_args: Sequence[str]) -> tuple[TrainingConfig, int]:
+    """The run's config (elastic_ddp flags; others are ignored) and epochs x steps per epoch."""
+    namespace, _ = build_parser().parse_known_args(list(training_args))
+    config = TrainingConfig(**vars(namespace))
+    return config, config.epochs * config.steps_per_epoch
+
+
+class ChaosHarness:
+    """Plays a `FaultPlan` against a local elastic job (see module docs)."""
+
+    def __init__(self, run_dir: str | Path, training_args: Sequence[str], plan: FaultPlan, *,
+                 nproc_per_node: int = 1, store: str = "standalone", rdzv_backend: str = "c10d",
+                 rdzv_endpoint: str | None = None, rdzv_conf: str | None = RDZV_CONF,
+                 monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = AGENT_ENV,
+                 module: str = "elastic_ddp.train", deadline_s: float = 600, max_restarts: int = 100,
+                 run_id: str = "chaos"):
+        if store not in STORES:
+            raise ValueError(f"store: got {store!r}; expected one of {', '.join(STORES)}")
+        self.run_dir = Path(run_dir)
+        self.training_args = list(training_args)
+        self.plan = plan
+        self.config, self.expected_steps = expected_final_step(training_args)
+        self.deadline_s = deadline_s
+        self.standalone_store = rdzv_backend == "c10d" and store == "standalone"
+        if self.standalone_store:
+            rdzv_conf = f"{rdzv_conf},is_host=false" if rdzv_conf else "is_host=false"
+        self.job = LocalJob(self.run_dir, training_args, nnodes=plan.nnodes, nproc_per_node=nproc_per_node,
+                            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
+                            max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
+                            agent_env=agent_env, module=module)
+        self.nproc_per_node = nproc_per_node
+        self.store_host: str | None = None if self.standalone_store or rdzv_backend != "c10d" else "node0"
+        self.store_process: subprocess.Popen | None = None
+        self.events = EventFollower(self.job.event_log)
+        self.rng = random.Random(plan.seed)
+        self.state: dict[str, str] = {}  # node name -> live, killed, terminated, frozen
+        self.started_at = 0.0
+        self._deadline = 0.0
+
+    # ------------------------------------------------------------------------------ running
+
+    def run(self) -> ChaosReport:
+        """Start the job, play the plan, wait for the end, check; always cleans up its processes."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.time()
+        self._deadline = time.monotonic() + self.deadline_s
+        records = [FaultRecord(i, fault.describe(), _fault_dict(fault)) for i, fault in enumerate(self.plan.faults)]
+        problems: list[str] = []
+        try:
+            self._start_store()
+            for _ in range(self.plan.initial_nodes):
+                self._add_node()
+            self._play(records)
+            self._wait_for_the_end(problems)
+        except DeadlineExceeded as exc:
+            problems.append(str(exc))
+        finally:
+            self.stop()
+        return self._report(records, problems)
+
+    def stop(self) -> None:
+        """SIGKILL every node still running and the standalone store."""
+        for node in self.job.nodes:
+            if self.state.get(node.name) == "frozen" and node.is_running():
+                node.thaw()  # a stopped process does not die of SIGKILL until it runs again on some kernels
+            node.stop()
+        if self.store_process is not None and self.store_process.poll() is None:
+            self.store_process.kill()
+            self.store_process.wait(timeout=30)
+
+    def _start_store(self) -> None:
+        if not self.standalone_store:
+            return
+        host, port = self.job.rdzv_endpoint.rsplit(":", 1)
+        log = open(self.run_dir / "store.log", "ab")
+        self.store_process = subprocess.Popen([sys.executable, "-m", "elastic_ddp.chaos.store", self.job.rdzv_endpoint],
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        wait_for(lambda: port_is_listening(host, int(port)) or self.store_process.poll() is not None, 60,
+                 f"the standalone c10d store on {self.job.rdzv_endpoint}")
+        if self.store_process.poll() is not None:
+            raise RuntimeError(f"the standalone c10d store exited; see {self.run_dir / 'store.log'}")
+
+    def _add_node(self) -> LocalNode:
+        node = self.job.add_node(f"node{len(self.job.nodes)}")
+        self.state[node.name] = "live"
+        return node
+
+    def _play(self, records: list[FaultRecord]) -> None:
+        since, joiner = self.started_at, None
+        for fault, record in zip(self.plan.faults, records):
+            try:
+                fire = self._wait_for_trigger(fault, since, joiner)
+            except JobEnded:
+                for later in records[record.index:]:
+                    later.not_fired_because = "the job had ended"
+                return
+            fire(record)
+            since = record.fired_at
+            joiner = self.job.nodes[-1].pid if fault.action == "add_node" else None
+            logger.info("fault %d fired: %s on %s at step %s", record.index, record.description, record.node,
+                        record.step_when_fired)
+
+    def _check_time_and_liveness(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise DeadlineExceeded(f"the run did not finish within {self.deadline_s:.0f} s")
+        if not any(node.is_running() for node in self.job.nodes if self.state[node.name] in ("live", "terminated")):
+            raise JobEnded()
+
+    def _wait_for_trigger(self, fault: Fault, since: float, joiner: int | None) -> Callable[[FaultRecord], None]:
+        """Poll the event log until `fault` may fire and its target is known; return the firing."""
+        seen_event = len(self.events.events)
+        while True:
+            self._check_time_and_liveness()
+            self.events.poll()
+            triggered, event = self._triggered(fault, since, joiner, seen_event)
+            if triggered:
+                fire = self._resolve(fault, event)
+                if fire is not None:
+                    return fire
+            time.sleep(POLL_SECONDS)
+
+    def _triggered(self, fault: Fault, since: float, joiner: int | None,
+                   seen_event: int) -> tuple[bool, dict[str, Any] | None]:
+        groups = self.events.groups.values()
+        if fault.settle:
+            groups = [g for g in self.events.groups_since(since) if joiner is None or joiner in g.agent_pids]
+            if not any(g.first_step is not None for g in groups):
+                return False, None
+        if fault.at_seconds is not None and time.time() - self.started_at < fault.at_seconds:
+            return False, None
+        incarnations = {g.incarnation for g in groups}
+        if fault.at_step is not None and fault.on_event is None:
+            if not any(g.newest_step and g.newest_step["global_step"] >= fault.at_step for g in groups):
+                return False, None
+        if fault.on_event is not None:
+            for event in self.events.events[seen_event:]:
+                if (event.get("event") == fault.on_event and event.get("incarnation") in incarnations
+                        and event.get("global_step", 0) >= (fault.at_step or 0)):
+                    return True, event
+            return False, None
+        return True, None
+
+    # ---------------------------------------------------------------------------- targeting
+
+    def _candidates(self) -> list[LocalNode]:
+        """Live nodes a symbolic target may pick: never the store host; in the group if possible."""
+        live = [n for n in self.job.nodes if self.state[n.name] == "live" and n.is_running()
+                and n.name != self.store_host]
+        group = self.events.newest_group()
+        in_group = [n for n in live if group is not None and n.pid in group.agent_pids]
+        return in_group or live
+
+    def _target(self, fault: Fault) -> LocalNode | None:
+        if fault.target == "rank0":
+            for node in self.job.nodes:
+                if self.state[node.name] == "live" and any(w.rank == 0 for w in node.workers()):
+                    if node.name == self.store_host:
+                        raise PlanError(f"{fault.describe()}: rank 0 runs on {node.name}, which hosts the c10d "
+                                        "store; use store=standalone (or etcd-v3) to kill rank 0's node")
+                    return node
+            return None  # between groups: no rank 0 right now
+        candidates = self._candidates()
+        if fault.target == "random":
+            return self.rng.choice(candidates) if candidates else None
+        if fault.target in ("newest", "oldest"):
+            if not candidates:
+                return None
+            return candidates[-1] if fault.target == "newest" else candidates[0]
+        named = next((n for n in self.job.nodes if n.name == fault.target), None)
+        if named is None:
+            raise PlanError(f"{fault.describe()}: no node is named {fault.target!r} (nodes: "
+                            f"{', '.join(n.name for n in self.job.nodes)})")
+        return named
+
+    def _resolve(self, fault: Fault, event: dict[str, Any] | None) -> Callable[[FaultRecord], None] | None:
+        if fault.action == "add_node":
+            if sum(self.state[n.name] == "live" for n in self.job.nodes) >= self.plan.max_nodes:
+                raise PlanError(f"{fault.describe()}: the job already has max_nodes={self.plan.max_nodes} nodes")
+            return lambda record: self._fire(record, fault, None, event)
+        node = self._target(fault)
+        if node is None:
+            return None
+        if fault.action == "kill_worker":
+            if not node.workers():
+                return None  # its workers are being restarted: wait for them
+        elif fault.action == "thaw_node":
+            if self.state[node.name] != "frozen":
+                raise PlanError(f"{fault.describe()}: {node.name} is not frozen")
+        elif self.state[node.name] != "live":
+            raise PlanError(f"{fault.describe()}: {node.name} is {self.state[node.name]}")
+        return lambda record: self._fire(record, fault, node, event)
+
+    # ------------------------------------------------------------------------------- firing
+
+    def _fire(self, record: FaultRecord, fault: Fault, node: LocalNode | None, event: dict[str, Any] | None) -> None:
+        if node is not None:
+            record.held_rank0 = any(w.rank == 0 for w in node.workers())
+        if event is not None and event.get("event") == "snapshot_captured":
+            record.snapshot_step = event["global_step"]
+            self.events.poll()
+            record.during_snapshot_write = not any(
+                e.get("global_step") == record.snapshot_step and e.get("incarnation") == event["incarnation"]
+                for e in self.events.of_kind("snapshot"))
+        record.step_when_fired = self.events.newest_step()
+        record.fired_at = time.time()
+        if fault.action == "add_node":
+            node = self._add_node()
+            record.pid = node.pid
+        elif fault.action == "kill_node":
+            node.kill()
+            self.state[node.name] = "killed"
+        elif fault.action == "kill_worker":
+            workers = node.workers()
+            local_rank = fault.worker if fault.worker is not None else self.rng.choice(workers).local_rank
+            if local_rank >= self.nproc_per_node:
+                raise PlanError(f"{fault.describe()}: worker {local_rank}, but nodes run {self.nproc_per_node}")
+            record.pid = node.kill_worker(local_rank).pid
+        elif fault.action == "terminate_node":
+            node.terminate()
+            self.state[node.name] = "terminated"
+        elif fault.action == "freeze_node":
+            node.freeze()
+            self.state[node.name] = "frozen"
+        elif fault.action == "thaw_node":
+            node.thaw()
+            self.state[node.name] = "live"
+        record.fired = True
+        record.node = node.name
+        record.pid = record.pid or node.pid
+        record.seconds_into_run = round(record.fired_at - self.started_at, 3)
+
+    # ---------------------------------------------------------------------------- finishing
+
+    def _wait_for_the_end(self, problems: list[str]) -> None:
+        """Wait for every live or draining agent to exit; frozen nodes are then killed."""
+        while any(node.is_running() for node in self.job.nodes if self.state[node.name] in ("live", "terminated")):
+            if time.monotonic() > self._deadline:
+                raise DeadlineExceeded(f"the run did not finish within {self.deadline_s:.0f} s")
+            time.sleep(0.1)
+        for node in self.job.nodes:
+            if self.state[node.name] == "frozen" and node.is_running():
+                logger.info("%s is still frozen at the end: killing it", node.name)
+                node.thaw()
+                node.kill()
+
+    def _report(self, records: list[FaultRecord], problems: list[str]) -> ChaosReport:
+        events = read_events(self.job.event_log)
+        self.events.poll()
+        groups = sorted(self.events.groups.values(), key=lambda g: g.started)
+        for record in records:
+            if record.fired:
+                record.recovery_seconds = _recovery_seconds(record, groups)
+        written = {(e["global_step"], e["sha256"]) for e in events if e.get("event") == "snapshot"}
+        restores = [{"global_step": e["global_step"], "sha256": e["sha256"], "verified": e.get("verified"),
+                     "matches_a_completed_write": bool(e.get("verified")) and (e["global_step"], e["sha256"]) in written,
+                     "previous_world_size": e.get("previous_world_size"), "world_size": e.get("world_size"),
+                     "lost_steps": e.get("lost_steps"), "lost_seconds": e.get("lost_seconds")}
+                    for e in events if e.get("event") == "restore"]
+        captured = {(e["incarnation"], e["global_step"]) for e in events if e.get("event") == "snapshot_captured"}
+        completed = {(e["incarnation"], e["global_step"]) for e in events if e.get("event") == "snapshot"}
+        interrupted = sorted(step for incarnation, step in captured - completed)
+        finished = [e["global_step"] for e in events if e.get("event") == "finished"]
+        final_step = max(finished) if finished else None
+        exactly_once = exactly_once_violations(read_entries(self.job.audit_dir), self.config.dataset_size,
+                                               self.config.epochs, self.config.global_batch_size,
+                                               self.config.drop_last)
+        if final_step != self.expected_steps:
+            problems.append(f"final step {final_step}, expected {self.expected_steps}")
+        problems += [f"exactly once: {problem}" for problem in exactly_once]
+        problems += [f"restore of step {r['global_step']} (sha256 {r['sha256'][:12]}...) matches no completed "
+                     "snapshot write" for r in restores if not r["matches_a_completed_write"]]
+        problems += [f"fault {r.index} ({r.description}) did not fire: {r.not_fired_because}"
+                     for r in records if not r.fired]
+        return ChaosReport(
+            run_dir=str(self.run_dir), plan=self.plan.to_dict(), faults=records,
+            expected_final_step=self.expected_steps, final_step=final_step, exactly_once_problems=exactly_once,
+            restores=restores, interrupted_snapshot_writes=interrupted,
+            world_sizes=[g.start["world_size"] for g in groups],
+            exit_codes={node.name: node.process.poll() for node in self.job.nodes},
+            seconds=round(time.time() - self.started_at, 1), problems=problems)
+
+
+def _recovery_seconds(record: FaultRecord, groups: list) -> float | None:
+    """Seconds from the fault to the first step of the first group that reflects it."""
+    after = [g for g in groups if g.started >= record.fired_at and g.first_step is not None]
+    if record.fault["action"] == "add_node":
+        after = [g for g in after if record.pid in g.agent_pids]
+    elif record.fault["action"] not in (*REMOVING_ACTIONS, "kill_worker"):
+        return None
+    return round(after[0].first_step["time"] - record.fired_at, 3) if after else None
+
+
+def _fault_dict(fault: Fault) -> dict[str, Any]:
+    return {key: value for key, value in asdict(fault).items() if value is not None}

@@ -1,0 +1,103 @@
+"""Draining a node on SIGTERM: every rank agrees, a final snapshot is made durable, all ranks exit.
+
+This is how a node leaves a running job on purpose (a spot-instance notice, a scheduler taking the
+machine back): send SIGTERM to that node's torchrun agent. The agent forwards SIGTERM to its
+workers and SIGKILLs them if they are still alive `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds later
+(torch's default: 30). Because it ends on a signal, the agent does NOT close the rendezvous, so the
+other nodes can go on without it (docs/failure-semantics.md, "Draining a node").
+
+In the worker, `DrainSignal` turns SIGTERM into a flag. At every optimizer-step boundary the ranks
+agree on the flags with a one-element all-reduce (MAX) that is started at one boundary and read at
+the next, so it overlaps a whole step and costs no waiting; ranks therefore learn of a SIGTERM one
+or two steps after it arrived. Once they agree, the trainer writes a final snapshot, waits until it
+is durable and raises `DrainRequested` on every rank. `python -m elastic_ddp.train` then exits
+with `DRAIN_EXIT_CODE`: never 0, because a worker group that exits 0 makes its agent close the
+rendezvous for every node (torch's `launch_agent` calls `rdzv_handler.shutdown()` on success).
+The other nodes' agents see a failed group and restart it in a new rendezvous round without the
+drained node; the restore then loses no step.
+
+Not guaranteed: a SIGTERM that arrives before training starts (while importing or restoring) is
+acted on only at the first step boundary, and one that the agent escalates to SIGKILL before the
+snapshot is durable leaves the previous periodic snapshot as the newest. SIGTERM sent to a worker
+instead of its agent is handled the same way, but that node's agent then restarts its workers and
+the node stays in the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# EX_TEMPFAIL from sysexits.h: "try again later". Any non-zero code keeps the rendezvous open.
+DRAIN_EXIT_CODE = 75
+
+
+class DrainRequested(Exception):
+    """A rank got SIGTERM: the group stopped at a step boundary after its final snapshot.
+
+    Raised by `Trainer.fit()` on every rank. Exit non-zero when you catch it (see module docs).
+    """
+
+
+class DrainSignal:
+    """SIGTERM as a flag, and the group-wide agreement on it at step boundaries."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.requested_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        # Runs in the main thread between bytecodes: only record, act at the next step boundary.
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+
+    @contextlib.contextmanager
+    def catching_sigterm(self) -> Iterator[None]:
+        """Within the block, SIGTERM sets the flag instead of ending the process (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: SIGTERM will end this process without a final snapshot")
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def agreed(self) -> bool:
+        """Whether any rank had asked to drain by the previous boundary. Collective: call it at
+        every step boundary on every rank, in the same order as the other collectives."""
+        if not dist.is_initialized():
+            return self.requested
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=self.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return agreed
+
+    def finish(self) -> None:
+        """Complete the vote in flight (every rank calls this once its last step is done)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            work.wait()
+
+    def seconds_since_request(self) -> float | None:
+        return None if self.requested_at is None else round(time.monotonic() - self.requested_at, 3)

@@ -1,0 +1,216 @@
+"""Where snapshot files live: a local directory (the default) or any fsspec URL.
+
+`SnapshotStorage` is the small surface the `CheckpointStore` needs: read a named file, make a named
+file's content durable all-or-nothing with the storage's own atomic primitive, list names, delete.
+The manifest, checksums, retries and pruning live in the store, above this line.
+
+- `LocalDirectoryStorage` (a path, or a `file://` URL): temporary sibling, fsync, rename over the
+  final name, fsync of the directory. A writer killed at any moment leaves at worst a temporary
+  file, which `prepare_for_writing` removes before the next write.
+- `FsspecStorage` (`s3://`, `gs://`, `az://`, `memory://`, ...): one `pipe_file` per file, which
+  object stores turn into a single PUT (or a multipart upload that becomes visible only when it is
+  completed). There is no rename and no temporary object: readers see the old object or the new
+  one, never a part. Needs `pip install fsspec` plus the protocol's package (s3fs, gcsfs, adlfs).
+
+Not guaranteed: atomicity on filesystems whose rename is not atomic (some FUSE mounts), and
+durability on object stores beyond what the store acknowledges for a completed PUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# A temporary file of LocalDirectoryStorage: ".<final name>.tmp-<pid>".
+TEMPORARY_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
+IDENTITY_NAME = ".store-id"
+OBJECT_STORE_HINT = "pip install 'elastic_ddp[object-store]' and the protocol's package (s3fs, gcsfs, adlfs)"
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether `location` names a storage by URL (`scheme://...`) rather than a local path."""
+    return "://" in str(location)
+
+
+def open_storage(location: str | os.PathLike) -> SnapshotStorage:
+    """The storage for a `--checkpoint_dir` value: a local path, `file://` URL or fsspec URL.
+
+    Raises ValueError when the URL's protocol cannot be used here (fsspec or its driver missing).
+    """
+    text = str(location)
+    if not is_url(text):
+        return LocalDirectoryStorage(Path(text))
+    if text.startswith("file://"):
+        # fsspec's local pipe_file writes in place; rename is the local filesystem's atomic primitive.
+        return LocalDirectoryStorage(Path(text[len("file://"):]))
+    return FsspecStorage(text)
+
+
+class SnapshotStorage(ABC):
+    """Named files in one place, written all-or-nothing. Any process may read; one may write."""
+
+    @abstractmethod
+    def describe(self, name: str) -> str:
+        """The path or URL of `name`, for messages."""
+
+    @abstractmethod
+    def read_bytes(self, name: str) -> bytes:
+        """The content of `name`; FileNotFoundError when it does not exist, OSError on I/O errors."""
+
+    @abstractmethod
+    def write_atomically(self, name: str, data: bytes) -> None:
+        """Make `data` the durable content of `name`, or raise and leave `name` as it was."""
+
+    @abstractmethod
+    def list_names(self) -> list[str]:
+        """Names of the files present ([] when the location does not exist yet)."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove `name`; a missing file is not an error."""
+
+    @abstractmethod
+    def identity(self) -> str:
+        """A string that two processes get alike exactly when they see the same files."""
+
+    def prepare_for_writing(self) -> None:
+        """Create the location if needed and clear what interrupted writes left; see subclasses."""
+
+    @property
+    def local_directory(self) -> Path | None:
+        """The local directory behind this storage, or None for remote storage."""
+        return None
+
+
+class LocalDirectoryStorage(SnapshotStorage):
+    """Files in a local directory (or one on a POSIX shared filesystem), written by rename."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def describe(self, name: str) -> str:
+        return str(self.directory / name)
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.directory / name).read_bytes()
+
+    def write_atomically(self, name: str, data: bytes) -> None:
+        """See base class. Temporary sibling, fsync, rename, fsync of the directory."""
+        path = self.directory / name
+        temporary = path.with_name(f".{name}.tmp-{os.getpid()}")
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        _fsync_directory(self.directory)
+
+    def list_names(self) -> list[str]:
+        try:
+            return os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+
+    def delete(self, name: str) -> None:
+        (self.directory / name).unlink(missing_ok=True)
+
+    def identity(self) -> str:
+        """See base class. A random id kept in the directory, so a shared directory reads alike
+        on every machine and two local disks never do (inode numbers could collide)."""
+        path = self.directory / IDENTITY_NAME
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{IDENTITY_NAME}.tmp-{os.getpid()}")
+        temporary.write_text(uuid.uuid4().hex)
+        try:
+            os.link(temporary, path)  # create-if-absent with its content: the first writer wins
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink(missing_ok=True)
+        return path.read_text().strip()
+
+    def prepare_for_writing(self) -> None:
+        """See base class. Removes temporary files of writers that were killed mid-write."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for name in self.list_names():
+            if TEMPORARY_PATTERN.match(name):
+                logger.info("removing %s, left by an interrupted write", self.directory / name)
+                (self.directory / name).unlink(missing_ok=True)
+
+    @property
+    def local_directory(self) -> Path:
+        return self.directory
+
+
+class FsspecStorage(SnapshotStorage):
+    """Files under an fsspec URL; each write is one `pipe_file` (a single PUT on object stores)."""
+
+    def __init__(self, url: str):
+        try:
+            import fsspec
+        except ImportError as exc:
+            raise ValueError(f"--checkpoint_dir: got {url!r}; expected a local path, or fsspec installed for "
+                             f"URLs ({OBJECT_STORE_HINT})") from exc
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"--checkpoint_dir: got {url!r}; expected a local path or a URL whose fsspec driver "
+                             f"is installed ({exc}; {OBJECT_STORE_HINT})") from exc
+        self.url = url.rstrip("/")
+        self.root = root.rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def describe(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.fs.cat_file(self._path(name))
+
+    def write_atomically(self, name: str, data: bytes) -> None:
+        """See base class. One `pipe_file`: object stores make the object visible only once complete."""
+        self.fs.pipe_file(self._path(name), data)
+
+    def list_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.root)  # listings may be cached; pruning needs the truth
+        try:
+            paths = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [path.rstrip("/").rsplit("/", 1)[-1] for path in paths]
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def identity(self) -> str:
+        return self.url
+
+    def prepare_for_writing(self) -> None:
+        """See base class. Object stores have no directories and no temporary objects to clear."""
+        self.fs.makedirs(self.root, exist_ok=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,136 @@
+"""Fault plans, the event-log follower and the drain vote, without any agent (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastic_ddp.chaos.events import EventFollower
+from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError, random_plan
+from elastic_ddp.drain import DrainSignal
+from elastic_ddp.local_cluster import LocalNode, wait_for, worker_process
+
+
+def test_a_plan_survives_a_json_round_trip(tmp_path):
+    plan = FaultPlan((Fault("kill_node", "rank0", at_step=40, on_event="snapshot_captured"),
+                      Fault("add_node", at_seconds=12.5, settle=False),
+                      Fault("kill_worker", "node1", at_step=60, worker=1),
+                      Fault("terminate_node", "newest", at_step=80)),
+                     initial_nodes=3, min_nodes=1, max_nodes=4, seed=9)
+    plan.save(tmp_path / "plan.json")
+    assert FaultPlan.load(tmp_path / "plan.json") == plan
+    assert plan.nnodes == "1:4"
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"faults": [{"action": "explode"}]}, "fault action: got 'explode'"),
+    ({"faults": [{"action": "kill_node", "when": 3}]}, "unknown keys ['when']"),
+    ({"faults": [{"action": "add_node", "worker": 1}]}, "only kill_worker takes it"),
+    ({"faults": [], "initial_nodes": 5}, "initial_nodes: got 5"),
+    ({"faults": [], "min_nodes": 3, "max_nodes": 2}, "min_nodes/max_nodes: got 3/2"),
+    ({"fault": []}, '"faults" list'),
+])
+def test_a_bad_plan_is_refused_with_the_reason(document, message):
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        FaultPlan.from_dict(document)
+
+
+def test_an_unreadable_plan_file_names_the_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="plan.json: cannot be read as JSON"):
+        FaultPlan.load(path)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_plans_hold_every_kind_of_fault_within_the_node_bounds(seed):
+    plan = random_plan(seed, total_steps=400, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4)
+    assert plan == random_plan(seed, total_steps=400, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4)
+    assert len(plan.faults) >= 8
+    kinds = {(f.action, f.target, f.on_event) for f in plan.faults}
+    assert ("kill_node", "random", None) in kinds
+    assert ("kill_node", "rank0", None) in kinds
+    assert ("kill_node", "rank0", "snapshot_captured") in kinds
+    assert any(f.action == "kill_worker" for f in plan.faults)
+    assert any(f.action == "add_node" and f.at_step is not None for f in plan.faults)
+    nodes = plan.initial_nodes
+    for fault in plan.faults:
+        nodes += {"add_node": 1, "kill_node": -1}.get(fault.action, 0)
+        assert plan.min_nodes <= nodes <= plan.max_nodes, plan.faults
+    steps = [f.at_step for f in plan.faults if f.at_step is not None]
+    assert steps == sorted(steps) and 40 <= steps[0] and steps[-1] <= 320
+
+
+def test_a_random_plan_needs_room_for_its_faults():
+    with pytest.raises(PlanError, match="too few steps"):
+        random_plan(0, total_steps=20, faults=8)
+
+
+def test_the_follower_reads_only_complete_new_lines(tmp_path):
+    log = tmp_path / "events.jsonl"
+    follower = EventFollower(log)
+    assert follower.poll() == []
+    start = {"time": 10.0, "event": "start", "incarnation": 1, "world_size": 2,
+             "ranks": [{"rank": 0, "agent_pid": 100}, {"rank": 1, "agent_pid": 200}]}
+    step = {"time": 11.0, "event": "step", "incarnation": 1, "global_step": 1}
+    with open(log, "w") as handle:
+        handle.write(json.dumps(start) + "\n" + json.dumps(step)[:20])  # the step line is half written
+    assert [e["event"] for e in follower.poll()] == ["start"]
+    with open(log, "a") as handle:
+        handle.write(json.dumps(step)[20:] + "\n" + "{torn\n")
+    assert [e["event"] for e in follower.poll()] == ["step"]
+    group = follower.groups[1]
+    assert group.agent_pids == {100, 200} and group.first_step["global_step"] == 1
+    assert follower.newest_step() == 1 and follower.groups_since(10.5) == []
+
+
+def test_sigterm_becomes_a_flag_and_the_handler_is_put_back():
+    drain = DrainSignal(torch.device("cpu"))
+    before = signal.getsignal(signal.SIGTERM)
+    with drain.catching_sigterm():
+        assert not drain.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert drain.agreed()  # without a process group, this process alone decides
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert drain.seconds_since_request() >= 0
+
+
+def test_workers_are_found_with_their_ranks_from_proc(tmp_path):
+    """`LocalNode.workers()` reads RANK/LOCAL_RANK from /proc: here with a stand-in agent that,
+    like torchrun, starts its worker in a session of its own with torchrun's variables."""
+    agent = ("import subprocess, sys, os, time; "
+             "env = dict(os.environ, RANK='3', LOCAL_RANK='1'); "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env=env, "
+             "start_new_session=True).wait(); time.sleep(60)")
+    node = LocalNode("fake", [sys.executable, "-c", agent], tmp_path / "fake.log")
+    node.start()
+    try:
+        wait_for(lambda: bool(node.workers()), 30, "the stand-in worker")
+        [worker] = node.workers()
+        assert (worker.rank, worker.local_rank) == (3, 1)
+        assert worker_process(node.pid) is None  # the agent itself is not a worker
+        killed = node.kill_worker(1)
+        assert killed.pid == worker.pid
+        wait_for(lambda: not node.workers(), 30, "the worker to die")
+        assert node.is_running()  # the agent lives on
+        with pytest.raises(LookupError):
+            node.kill_worker(0)
+    finally:
+        node.stop()
+
+
+def test_the_chaos_cli_explains_itself_and_refuses_bad_input(tmp_path):
+    help_text = subprocess.run([sys.executable, "-m", "elastic_ddp.chaos", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "--random" in help_text and "--plan" in help_text and "--compare" in help_text
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"faults": [{"action": "explode"}]}))
+    result = subprocess.run([sys.executable, "-m", "elastic_ddp.chaos", "--plan", str(bad), "--run-dir",
+                             str(tmp_path / "run"), "--", "--model", "mlp"], capture_output=True, text=True)
+    assert result.returncode == 2 and "fault action: got 'explode'" in result.stderr

@@ -1,0 +1,172 @@
+"""`elastic-ddp report` on a real recorded run: two torchrun nodes, one SIGKILLed mid-run.
+
+The summary's numbers are checked against the event log read independently here; the plot against
+the PNG format (signature, size) and its pixels (the failure is marked in the failure colour).
+The same run shows the nodes' progress as plain log lines (their output goes to files) and the
+restore as one readable line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ddp import cli
+from elastic_ddp.events import read_events
+from elastic_ddp.local_cluster import LocalJob
+from elastic_ddp.report import ReportError, load_history
+from tests.conftest import node_logs
+
+pytestmark = pytest.mark.timeout(300)
+
+EPOCHS, DATASET, BATCH = 2, 4096, 64
+STEPS = EPOCHS * DATASET // BATCH
+TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET), "--global_batch_size",
+                 str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "5", "--log_interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory) -> LocalJob:
+    """A finished run with one node lost: world 2 (perhaps after a join), then world 1."""
+    job = LocalJob(tmp_path_factory.mktemp("recorded") / "job", TRAINING_ARGS, nproc_per_node=1)
+    try:
+        host = job.add_node("host")
+        lost = job.add_node("lost")
+        start = job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 2, 150, "world size 2")
+        # Kill once this group has a snapshot, so that there is a restore to report.
+        job.wait_for_event(lambda e: e["event"] == "snapshot" and e["incarnation"] == start["incarnation"], 60,
+                           "a snapshot in world size 2")
+        lost.kill()
+        assert host.wait(timeout=200) == 0, node_logs(job)
+    finally:
+        job.stop()
+    return job
+
+
+def report_json(run_dir: Path, capsys, *extra: str) -> dict:
+    assert cli.main(["report", str(run_dir), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_the_summary_numbers_match_the_event_log(recorded_run, capsys, tmp_path):
+    summary = report_json(recorded_run.checkpoint_dir, capsys, "--no-plot")
+    events = read_events(recorded_run.event_log)
+    of = lambda kind: [e for e in events if e["event"] == kind]  # noqa: E731
+
+    incarnations = list(dict.fromkeys(e["incarnation"] for e in events))
+    assert summary["incarnations"] == len(incarnations) >= 2
+    assert summary["finished"] and summary["final_step"] == of("step")[-1]["global_step"] == STEPS
+    assert summary["epochs_completed"] == EPOCHS
+    assert summary["duration_seconds"] == pytest.approx(events[-1]["time"] - events[0]["time"], abs=1e-3)
+    assert [w["world_size"] for w in summary["world_sizes"]] == [
+        next(e["world_size"] for e in of("start") if e["incarnation"] == i) for i in incarnations]
+
+    restores = of("restore")
+    assert summary["restores"] == len(restores) == len(incarnations) - 1
+    assert summary["lost_steps_total"] == sum(r["lost_steps"] for r in restores)
+    lost = [t for t in summary["transitions"] if t["kind"] == "node lost"]
+    assert len(lost) == 1 and (lost[0]["from_world_size"], lost[0]["to_world_size"]) == (2, 1)
+    assert summary["failures"] == 1
+    kill_restore = restores[-1]
+    assert lost[0]["resumed_from_step"] == kill_restore["global_step"]
+    assert lost[0]["lost_steps"] == kill_restore["lost_steps"]
+    assert lost[0]["downtime_seconds"] > 0
+
+    snapshots = of("snapshot")
+    assert summary["snapshots"]["count"] == len(snapshots)
+    assert summary["snapshots"]["size_bytes_max"] == max(s["size_bytes"] for s in snapshots)
+    assert summary["snapshots"]["write_seconds_max"] == pytest.approx(max(s["write_seconds"] for s in snapshots))
+    rates = [p["samples_per_second"] for p in of("progress")]
+    assert summary["throughput"]["samples_per_second_median"] == pytest.approx(statistics.median(rates), abs=0.05)
+    assert summary["loss"]["last"] == of("progress")[-1]["loss"]
+
+
+@pytest.mark.slow
+def test_the_report_command_prints_the_story_and_draws_a_real_png(recorded_run):
+    from elastic_ddp.report_plot import KIND_COLORS, PLOT_SIZE_PX
+
+    console_script = Path(sys.executable).with_name("elastic-ddp")
+    # The run directory above CHECKPOINT_DIR: the report finds ck/events.jsonl itself.
+    result = subprocess.run([str(console_script), "report", str(recorded_run.run_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    snapshots = [e for e in read_events(recorded_run.event_log) if e["event"] == "snapshot"]
+    assert f"step {STEPS}; {EPOCHS} epochs completed" in text
+    assert "node lost: world 2 -> 1, resumed from step" in text
+    assert f"Snapshots    {len(snapshots)} written" in text
+    png = recorded_run.checkpoint_dir / "report.png"
+    assert f"Plot         {png}" in text
+
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == PLOT_SIZE_PX
+    image = pytest.importorskip("matplotlib.image").imread(png)
+    assert image.shape[:2] == (PLOT_SIZE_PX[1], PLOT_SIZE_PX[0])
+    red = tuple(int(KIND_COLORS["node lost"][i:i + 2], 16) / 255 for i in (1, 3, 5))
+    failure_pixels = ((abs(image[:, :, :3] - red) < 0.02).all(axis=2)).sum()
+    assert failure_pixels > 200, "the lost node is not marked in the plot"
+
+
+@pytest.mark.slow
+def test_nodes_log_plain_progress_lines_and_the_restore_in_one_line(recorded_run):
+    logs = "\n".join(node.log_text() for node in recorded_run.nodes)
+    assert "\r" not in logs  # files get log lines, never a bar
+    assert f"epoch 1/{EPOCHS}, step 2/{DATASET // BATCH} of the epoch: loss" in logs
+    restore = next(e for e in reversed(read_events(recorded_run.event_log)) if e["event"] == "restore")
+    assert (f"node lost: world 2 -> 1, resumed from step {restore['global_step']} (epoch {restore['epoch'] + 1}/"
+            f"{EPOCHS}), lost {restore['lost_steps']} step") in logs
+
+
+@pytest.mark.slow
+def test_inspect_on_the_recorded_run_finds_the_final_snapshot(recorded_run, capsys):
+    assert cli.main(["inspect", str(recorded_run.checkpoint_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"newest valid: step {STEPS}" in out
+    assert "BAD" not in out
+
+
+def test_report_errors_name_the_path_and_what_was_expected(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    for path, message in ((tmp_path / "missing", "no such file or directory"),
+                          (tmp_path, "not an elastic_ddp run directory"),
+                          (tmp_path / "notes.txt", "holds no elastic_ddp events")):
+        assert cli.main(["report", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"elastic-ddp report: error: {path}") and message in err, err
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "events.jsonl").write_text("")
+    with pytest.raises(ReportError, match="several event logs"):
+        load_history(tmp_path)
+
+
+def test_a_report_without_matplotlib_prints_the_summary_and_exits_3(tmp_path, capsys, monkeypatch):
+    log = tmp_path / "events.jsonl"
+    log.write_text(json.dumps({"time": 1.0, "event": "start", "incarnation": 1, "world_size": 2}) + "\n"
+                   + json.dumps({"time": 2.0, "event": "step", "incarnation": 1, "global_step": 1, "epoch": 0}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert cli.main(["report", str(tmp_path)]) == 3
+    captured = capsys.readouterr()
+    assert "Progress     step 1; 0 epochs completed" in captured.out
+    assert "no plot: matplotlib is not installed: pip install 'elastic_ddp[report]'" in captured.err
+
+
+@pytest.mark.timeout(60)
+def test_every_command_has_help_with_an_example():
+    for command in ([], ["report"], ["inspect"], ["chaos"]):
+        result = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", *command, "--help"], capture_output=True,
+                                text=True, timeout=60)
+        if command == ["chaos"] and "the chaos harness is not available" in result.stderr:
+            pytest.skip("elastic_ddp.chaos.cli is not in this tree yet")
+        assert result.returncode == 0, result.stderr
+        assert "example" in result.stdout and "elastic-ddp " in result.stdout, (command, result.stdout)
+    assert "exit status" in subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "--help"], capture_output=True,
+                                           text=True, timeout=60).stdout
