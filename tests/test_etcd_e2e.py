@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tests.etcd_fixtures import EtcdServer
 
 pytest_plugins = ["tests.etcd_fixtures"]  # the etcd fixtures
-pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 
 BATCH, EPOCHS = 64, 3
 AGENT_ENV = {"OMP_NUM_THREADS": "1"}  # torchrun's defaults otherwise
