@@ -12,7 +12,8 @@ It uses `DistributedSampler`, so it needs a dataset size and global batch that d
 (otherwise the sampler pads and the two would not do the same work).
 
 Each rank prints one `BENCH_RESULT {json}` line at exit: its peak resident memory, and on rank 0 the
-end time of every optimizer step and the steady-state samples per second (the first epoch left out).
+wall and CPU time at the end of every optimizer step and the steady-state samples per second (the
+first epoch left out).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     try:
-        step_times = run_maybe_profiled("bare_ddp", lambda: train(args, rank, world_size, device))
+        step_times, cpu_times = run_maybe_profiled("bare_ddp", lambda: train(args, rank, world_size, device))
     finally:
         dist.destroy_process_group()
     record = {"side": "bare_ddp", "rank": rank, "world_size": world_size, "peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -106,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         steps_per_epoch = args.dataset_size // args.global_batch_size
         record["step_times"] = step_times
+        record["cpu_times"] = cpu_times
         if len(step_times) > steps_per_epoch + 1:
             record["samples_per_second"] = round(steady_state_samples_per_second(
                 step_times, args.global_batch_size, skip_steps=steps_per_epoch), 1)
@@ -113,8 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> list[float]:
-    """The loop itself; returns the end time of every optimizer step on rank 0 (empty elsewhere)."""
+def train(args: argparse.Namespace, rank: int, world_size: int,
+          device: torch.device) -> tuple[list[float], list[float]]:
+    """The loop itself. Returns, on rank 0 (empty lists elsewhere), the wall time (`time.time()`) and
+    the process CPU time (`time.process_time()`) at the end of every optimizer step."""
     use_cuda = device.type == "cuda"
     model = build_model(args.model, args.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
@@ -131,6 +135,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     scaler = torch.amp.GradScaler("cuda", enabled=args.use_amp and use_cuda)
     torch.manual_seed(args.seed + rank)  # the flips differ per rank, as they would in a tutorial script
     step_times: list[float] = []
+    cpu_times: list[float] = []
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -148,9 +153,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             step += 1
             if rank == 0:
                 step_times.append(time.time())
+                cpu_times.append(time.process_time())
                 if step % args.log_interval == 0:
                     print(f"epoch {epoch} step {step} loss {loss.item():.4f}", file=sys.stderr, flush=True)
-    return step_times
+    return step_times, cpu_times
 
 
 if __name__ == "__main__":

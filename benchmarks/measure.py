@@ -67,6 +67,18 @@ def parse_results(text: str) -> list[dict[str, Any]]:
     return records
 
 
+def steady_state_cpu_ms_per_step(cpu_times: Sequence[float], skip_steps: int) -> float:
+    """Process CPU milliseconds (all threads) per step over the same window as the rate.
+
+    `cpu_times[k]` is `time.process_time()` when step k+1 was done. Less sensitive than wall time
+    to other load on the machine, so it shows a per-step overhead even when throughput is noisy.
+    """
+    if len(cpu_times) < skip_steps + 2:
+        raise ValueError(f"{len(cpu_times)} steps recorded; need more than {skip_steps + 1}")
+    start = cpu_times[skip_steps - 1] if skip_steps else cpu_times[0]
+    return 1000 * (cpu_times[-1] - start) / (len(cpu_times) - max(skip_steps, 1))
+
+
 def steady_state_samples_per_second(step_times: Sequence[float], samples_per_step: int, skip_steps: int) -> float:
     """Samples per second from the end of step `skip_steps` to the end of the last step.
 

@@ -1,7 +1,7 @@
 """Recovery speed: from a lost node to training again, and from a new node to training with it.
 
-    python benchmarks/recovery.py --quick            # one kill and one join per setting (about 3 min)
-    python benchmarks/recovery.py --repeats 3        # medians and spread (about 8 min)
+    python benchmarks/recovery.py --quick            # one kill and one join per setting (about 4 min)
+    python benchmarks/recovery.py --repeats 3        # medians and spread (about 12 min)
     python benchmarks/recovery.py --settings ours    # only the shipped settings
 
 (run from the repository root). Each repetition starts a job of three torchrun agents ("nodes")
@@ -10,11 +10,14 @@ for the first optimizer step of the group that continues without it, then starts
 waits for the first step of the group that includes it (world 2 -> 3, below --nnodes' maximum of
 4, so torchrun's last-call wait applies, as it does on a real cluster that is not full).
 
-Two settings are measured in the same run, alternating, on the same machine:
-- `ours`: what the launch scripts ship (`elastic_ddp.local_cluster.RDZV_CONF`, `MONITOR_INTERVAL_S`);
-- `stock`: torchrun's defaults (no --rdzv_conf, --monitor_interval 0.1).
-Both use the same training (`elastic_ddp.train`) and environment (`AGENT_ENV`: one thread per
-worker, the agent-shared store off), so the difference is the launch settings alone.
+Three settings are measured in the same run, interleaved, on the same machine:
+- `ours`: what launch/node.sh ships: `python -m elastic_ddp.launcher` (torchrun with workers forked
+  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.local_cluster;
+- `ours-cold`: the same rendezvous settings with plain torchrun (`python -m torch.distributed.run`),
+  to separate what the settings and what the warm workers contribute;
+- `stock`: plain torchrun with its defaults (no --rdzv_conf, --monitor_interval 0.1).
+All use the same training (`elastic_ddp.train`) and environment (`AGENT_ENV`: one thread per
+worker, the agent-shared store off), so the differences are the launch settings alone.
 
 Times are taken from the event log (`step` and `startup` events: wall-clock seconds) and the
 agents' logs (LOGLEVEL=INFO), and split into phases: the agents notice the failure, the
@@ -38,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ddp.chaos.events import EventFollower, WorkerGroup
-from elastic_ddp.local_cluster import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode
+from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, STOCK_LAUNCHER, LocalJob,
+                                       LocalNode)
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S},
-    "stock": {"rdzv_conf": None, "monitor_interval": None},
+    "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
+    "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
+    "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
 }
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
                  "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
@@ -175,9 +180,10 @@ def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
                 cells.append(f"{cell['median']:6.2f} [{cell['min']:.2f}-{cell['max']:.2f}] n={cell['n']}"
                              if cell else "-")
             print(f"  {key:24}" + "".join(f"{c:>22}" for c in cells))
-        if "ours" in summary and "stock" in summary:
-            ours, stock = summary["ours"][event]["seconds"]["median"], summary["stock"][event]["seconds"]["median"]
-            print(f"  stock / ours: {stock / ours:.1f}x")
+        if "ours" in summary:
+            ours = summary["ours"][event]["seconds"]["median"]
+            for other in (s for s in summary if s != "ours"):
+                print(f"  {other} / ours: {summary[other][event]['seconds']['median'] / ours:.1f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

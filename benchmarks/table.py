@@ -90,7 +90,7 @@ HEADER = ("benchmark", "figure", "elastic_ddp", "baseline", "vs", "ratio", "targ
 
 
 def render_markdown(rows: Sequence[Row], unavailable: Sequence[tuple[str, str]] = ()) -> str:
-    """A markdown table of `rows`, then one line per (benchmark, reason) that could not run."""
+    """A markdown table of `rows`, then one line per (benchmark, reason) that gave no figures."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(" --- " for _ in HEADER) + "|"]
     for row in rows:
         met = row.target_met()
@@ -103,5 +103,5 @@ def render_markdown(rows: Sequence[Row], unavailable: Sequence[tuple[str, str]] 
                  format_cell(row.baseline), row.baseline_name, ratio, target, count)
         lines.append("| " + " | ".join(cells) + " |")
     for benchmark, reason in unavailable:
-        lines.append(f"| {benchmark} | not available yet: {reason} | | | | | | |")
+        lines.append(f"| {benchmark} | {reason} | | | | | | |")
     return "\n".join(lines)

@@ -36,7 +36,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/throughput.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.measure import PROFILE_DIR_ENV, parse_results, steady_state_samples_per_second  # noqa: E402
+from benchmarks.measure import (PROFILE_DIR_ENV, parse_results, steady_state_cpu_ms_per_step,  # noqa: E402
+                                steady_state_samples_per_second)
 from benchmarks.table import Row, render_markdown  # noqa: E402
 from elastic_ddp.events import read_events  # noqa: E402
 from elastic_ddp.local_cluster import AGENT_ENV, free_port, signal_tree, torchrun_command  # noqa: E402
@@ -79,6 +80,7 @@ QUICK_WORKLOADS = (Workload("mini_resnet", epochs=3, dataset_size=512), Workload
 @dataclass(frozen=True)
 class RunResult:
     samples_per_second: float
+    cpu_ms_per_step: float  # rank 0's process CPU time per step, over the same window
     peak_rss_mb: float  # the largest over all ranks
     seconds: float  # wall time of the whole torchrun job, start-up included
 
@@ -121,8 +123,8 @@ def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: in
 def run_bare(workload: Workload, run_dir: Path, timeout: float, profile_dir: Path | None = None) -> RunResult:
     records, seconds = run_torchrun("benchmarks.bare_ddp", workload.shared_args(), run_dir, workload.world_size,
                                     timeout, profile_dir)
-    step_times = next(record["step_times"] for record in records if record["rank"] == 0)
-    return _result(workload, step_times, records, seconds)
+    rank0 = next(record for record in records if record["rank"] == 0)
+    return _result(workload, rank0["step_times"], rank0["cpu_times"], records, seconds)
 
 
 def run_elastic(workload: Workload, snapshot_every_steps: int, run_dir: Path, timeout: float,
@@ -134,16 +136,20 @@ def run_elastic(workload: Workload, snapshot_every_steps: int, run_dir: Path, ti
                                     profile_dir)
     steps = sorted((e for e in read_events(checkpoint_dir / "events.jsonl") if e["event"] == "step"),
                    key=lambda e: e["global_step"])
-    return _result(workload, [e["time"] for e in steps], records, seconds)
+    cpu_times = next(record["cpu_times"] for record in records if record["rank"] == 0)
+    return _result(workload, [e["time"] for e in steps], cpu_times, records, seconds)
 
 
-def _result(workload: Workload, step_times: list[float], records: list[dict], seconds: float) -> RunResult:
+def _result(workload: Workload, step_times: list[float], cpu_times: list[float], records: list[dict],
+            seconds: float) -> RunResult:
     expected_steps = workload.epochs * workload.steps_per_epoch
-    if len(step_times) != expected_steps:
-        raise BenchmarkRunError(f"{workload}: {len(step_times)} step times recorded, expected {expected_steps}")
-    samples_per_second = steady_state_samples_per_second(step_times, workload.global_batch_size,
-                                                         skip_steps=workload.steps_per_epoch)
-    return RunResult(samples_per_second, max(record["peak_rss_mb"] for record in records), seconds)
+    if not len(step_times) == len(cpu_times) == expected_steps:
+        raise BenchmarkRunError(f"{workload}: {len(step_times)} step times and {len(cpu_times)} CPU times "
+                                f"recorded, expected {expected_steps}")
+    skip = workload.steps_per_epoch
+    return RunResult(steady_state_samples_per_second(step_times, workload.global_batch_size, skip_steps=skip),
+                     steady_state_cpu_ms_per_step(cpu_times, skip_steps=skip),
+                     max(record["peak_rss_mb"] for record in records), seconds)
 
 
 def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, timeout: float = 900,
@@ -166,7 +172,8 @@ def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, tim
                     elastic[(workload.model, side)].append(result)
                 if progress is not None:
                     progress(f"throughput {workload.model} {side} #{repetition + 1}: "
-                             f"{result.samples_per_second:.0f} samples/s, {result.peak_rss_mb:.0f} MiB, "
+                             f"{result.samples_per_second:.0f} samples/s, {result.cpu_ms_per_step:.2f} CPU ms/step, "
+                             f"{result.peak_rss_mb:.0f} MiB, "
                              f"{result.seconds:.1f} s")
     return _rows(workloads, bare, elastic)
 
@@ -180,6 +187,11 @@ def _rows(workloads: Sequence[Workload], bare: dict[str, list[RunResult]],
                             [r.samples_per_second for r in elastic[(workload.model, mode)]],
                             [r.samples_per_second for r in bare[workload.model]], "bare DDP",
                             target=TARGETS[mode], note=_describe(workload)))
+        for mode in SNAPSHOT_MODES:
+            rows.append(Row("throughput", f"{workload.model}, {mode}: CPU ms per step, rank 0",
+                            [r.cpu_ms_per_step for r in elastic[(workload.model, mode)]],
+                            [r.cpu_ms_per_step for r in bare[workload.model]], "bare DDP",
+                            note="all threads; robust to other load"))
     default_mode = "snapshots every 50 steps"
     for workload in workloads:
         rows.append(Row("memory", f"{workload.model}: peak RSS per worker, MiB",

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,21 @@ class DistributedContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def agent_pid() -> int:
+    """The pid of the torchrun agent that started this worker (this process's parent, or its
+    grandparent when the worker was forked from a multiprocessing fork server, as
+    `python -m elastic_ddp.launcher` does)."""
+    parent = os.getppid()
+    try:
+        command = Path(f"/proc/{parent}/cmdline").read_bytes()
+        if b"multiprocessing.forkserver" in command:
+            stat = Path(f"/proc/{parent}/stat").read_text()
+            return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        pass  # no /proc (not Linux): the parent is the best answer
+    return parent
 
 
 def warn_if_agent_store_shared() -> None:

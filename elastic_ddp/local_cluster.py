@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 # Rendezvous settings shipped with the launch recipes (launch/node.sh keeps the same values; a test
@@ -28,6 +27,10 @@ MONITOR_INTERVAL_S = 0.5
 # Environment for every agent: see docs/failure-semantics.md (the shared TCPStore breaks restarts;
 # one thread per worker avoids oversubscribing small machines).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+# The agent program: torchrun with workers forked from a warm fork server (elastic_ddp/launcher.py);
+# STOCK_LAUNCHER is plain torchrun.
+LAUNCHER = "elastic_ddp.launcher"
+STOCK_LAUNCHER = "torch.distributed.run"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,13 +52,15 @@ def torchrun_command(
     monitor_interval: float | None = MONITOR_INTERVAL_S,
     module: str = "elastic_ddp.train",
     training_args: Sequence[str] = (),
+    launcher: str = LAUNCHER,
 ) -> list[str]:
     """The argv of one torchrun agent, with the shipped rendezvous defaults unless overridden.
 
-    Pass `rdzv_conf=None` and `monitor_interval=None` to get stock torchrun behaviour.
+    Pass `rdzv_conf=None`, `monitor_interval=None` and `launcher=STOCK_LAUNCHER` to get stock
+    torchrun behaviour.
     """
     command = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", launcher,
         f"--nnodes={nnodes}",
         f"--nproc_per_node={nproc_per_node}",
         f"--rdzv_backend={rdzv_backend}",
@@ -122,28 +127,6 @@ def signal_tree(root_pid: int, sig: int) -> list[int]:
     return pids
 
 
-@dataclass(frozen=True)
-class WorkerProcess:
-    """One training process of a node, as torchrun started it (read from /proc)."""
-
-    pid: int
-    rank: int
-    local_rank: int
-
-
-def worker_process(pid: int) -> WorkerProcess | None:
-    """The torchrun worker `pid` with the RANK and LOCAL_RANK it was started with; None if it is
-    gone or is not a torchrun worker (no RANK in its environment)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    environment = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    if b"RANK" not in environment or b"LOCAL_RANK" not in environment:
-        return None
-    return WorkerProcess(pid, int(environment[b"RANK"]), int(environment[b"LOCAL_RANK"]))
-
-
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
     """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -198,25 +181,6 @@ class LocalNode:
         """The live descendants of the agent (its workers and their helpers)."""
         return process_tree(self.pid)[1:] if self.is_running() else []
 
-    def workers(self) -> list[WorkerProcess]:
-        """The agent's live training processes with their global and local ranks, by local rank."""
-        if not self.is_running():
-            return []
-        children = _children_by_parent().get(self.pid, [])
-        found = [worker for worker in map(worker_process, children) if worker is not None]
-        return sorted(found, key=lambda worker: worker.local_rank)
-
-    def kill_worker(self, local_rank: int) -> WorkerProcess:
-        """SIGKILL the training process of `local_rank` (and its helpers); the agent lives on.
-
-        Raises LookupError when this node has no live worker of that local rank right now.
-        """
-        worker = next((w for w in self.workers() if w.local_rank == local_rank), None)
-        if worker is None:
-            raise LookupError(f"{self.name} has no live worker with local rank {local_rank}")
-        signal_tree(worker.pid, signal.SIGKILL)
-        return worker
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the agent and every process under it: a lost machine when `sig` is SIGKILL."""
         signal_tree(self.pid, sig)
@@ -264,7 +228,7 @@ class LocalJob:
                  run_id: str = "local-job", max_restarts: int = 20, rdzv_conf: str | None = RDZV_CONF,
                  monitor_interval: float | None = MONITOR_INTERVAL_S, env: dict[str, str] | None = None,
                  agent_env: dict[str, str] = AGENT_ENV, module: str = "elastic_ddp.train",
-                 per_node_checkpoint_dirs: bool = False):
+                 per_node_checkpoint_dirs: bool = False, launcher: str = LAUNCHER):
         self.run_dir = Path(run_dir)
         self.per_node_checkpoint_dirs = per_node_checkpoint_dirs
         self.checkpoint_dir = self.run_dir / "ck"  # unused by the nodes with per_node_checkpoint_dirs
@@ -277,7 +241,7 @@ class LocalJob:
         self.command = torchrun_command(
             nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=self.rdzv_endpoint, rdzv_id=run_id,
             rdzv_backend=rdzv_backend, max_restarts=max_restarts, rdzv_conf=rdzv_conf,
-            monitor_interval=monitor_interval, module=module,
+            monitor_interval=monitor_interval, module=module, launcher=launcher,
             training_args=[*training_args, "--checkpoint_dir", str(self.checkpoint_dir),
                            "--audit_log", str(self.audit_dir),
                            *(["--event_log", str(self.event_log)] if per_node_checkpoint_dirs else [])],

@@ -428,7 +428,7 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
     snapshots = summary.snapshots
     if snapshots["count"]:
         size = format_bytes(snapshots["size_bytes_max"])
-        if snapshots["size_bytes_min"] != snapshots["size_bytes_max"]:
+        if format_bytes(snapshots["size_bytes_min"]) != size:
             size = f"{format_bytes(snapshots['size_bytes_min'])}-{size}"
         lines.append(f"Snapshots    {snapshots['count']} written, {size} each; write {snapshots['write_seconds_mean']:.3f} s "
                      f"mean, {snapshots['write_seconds_max']:.3f} s max; training blocked "
@@ -440,7 +440,7 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
         lines.append(f"             {plural(snapshots['failed'], 'snapshot write')} FAILED (the previous ones were kept; "
                      "see the snapshot_failed events)")
     if summary.restart_seconds:
-        stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in summary.restart_seconds.items())
+        stages = ", ".join(f"{stage.replace('_', ' ')} {seconds:.1f} s" for stage, seconds in summary.restart_seconds.items())
         lines.append(f"Restarts     median seconds from a restarted worker's process start: {stages}")
     throughput = summary.throughput
     if throughput["samples_per_second_median"] is not None:

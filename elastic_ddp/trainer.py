@@ -46,7 +46,7 @@ from elastic_ddp.audit import AuditLog
 from elastic_ddp.checkpoint import CheckpointStore, ManifestEntry
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import EpochSampleView, SampleTransform
-from elastic_ddp.distributed import DistributedContext
+from elastic_ddp.distributed import DistributedContext, agent_pid
 from elastic_ddp.drain import DrainRequested, DrainSignal
 from elastic_ddp.events import EventLog, StartupTimeline, next_round, work_lost
 from elastic_ddp.logging_setup import RankPrefix
@@ -174,7 +174,7 @@ class Trainer:
     def _announce_start(self) -> None:
         """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""
         ctx = self.context
-        mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": os.getppid(),
+        mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": agent_pid(),
                 "group_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": ctx.local_rank}
         ranks = [mine]
         if self._distributed:

@@ -7,7 +7,8 @@
 # Each node logs to RUN_LOGS/nodeN.log [runs/local-logs]. While it runs, add a node from another
 # shell with the same RDZV_ENDPOINT and RDZV_ID:
 #   RDZV_ENDPOINT=127.0.0.1:29400 RDZV_ID=local bash launch/node.sh --epochs 3 --checkpoint_dir runs/local
-# or kill one (kill the agent *and* its workers: they run in their own sessions).
+# or kill one as a machine dies, the agent *and* its workers (they run in their own sessions):
+#   agent=$(cat runs/local-logs/node1.pid); kill -KILL $(pgrep -P "$agent") "$agent"
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 nodes="${NODES:-2}"
@@ -28,6 +29,7 @@ trap cleanup INT TERM
 for ((i = 0; i < nodes; i++)); do
   bash "$here/node.sh" "$@" >"$logs/node$i.log" 2>&1 &
   pids+=($!)
+  echo "$!" >"$logs/node$i.pid"  # the agent's pid (node.sh execs torchrun); its workers are its children
   if ((i == 0)); then
     # The first node hosts the c10d store: wait until it listens before the others dial in.
     for _ in $(seq 600); do

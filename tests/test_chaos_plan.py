@@ -14,7 +14,6 @@ import torch
 from elastic_ddp.chaos.events import EventFollower
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError, random_plan
 from elastic_ddp.drain import DrainSignal
-from elastic_ddp.local_cluster import LocalNode, wait_for, worker_process
 
 
 def test_a_plan_survives_a_json_round_trip(tmp_path):
@@ -99,30 +98,6 @@ def test_sigterm_becomes_a_flag_and_the_handler_is_put_back():
         assert drain.agreed()  # without a process group, this process alone decides
     assert signal.getsignal(signal.SIGTERM) is before
     assert drain.seconds_since_request() >= 0
-
-
-def test_workers_are_found_with_their_ranks_from_proc(tmp_path):
-    """`LocalNode.workers()` reads RANK/LOCAL_RANK from /proc: here with a stand-in agent that,
-    like torchrun, starts its worker in a session of its own with torchrun's variables."""
-    agent = ("import subprocess, sys, os, time; "
-             "env = dict(os.environ, RANK='3', LOCAL_RANK='1'); "
-             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env=env, "
-             "start_new_session=True).wait(); time.sleep(60)")
-    node = LocalNode("fake", [sys.executable, "-c", agent], tmp_path / "fake.log")
-    node.start()
-    try:
-        wait_for(lambda: bool(node.workers()), 30, "the stand-in worker")
-        [worker] = node.workers()
-        assert (worker.rank, worker.local_rank) == (3, 1)
-        assert worker_process(node.pid) is None  # the agent itself is not a worker
-        killed = node.kill_worker(1)
-        assert killed.pid == worker.pid
-        wait_for(lambda: not node.workers(), 30, "the worker to die")
-        assert node.is_running()  # the agent lives on
-        with pytest.raises(LookupError):
-            node.kill_worker(0)
-    finally:
-        node.stop()
 
 
 def test_the_chaos_cli_explains_itself_and_refuses_bad_input(tmp_path):

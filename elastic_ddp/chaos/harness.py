@@ -29,7 +29,9 @@ check of the model's numbers (see elastic_ddp/chaos/equivalence.py for that).
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -43,8 +45,8 @@ from elastic_ddp.chaos.events import EventFollower
 from elastic_ddp.chaos.plan import REMOVING_ACTIONS, Fault, FaultPlan, PlanError
 from elastic_ddp.config import TrainingConfig, build_parser
 from elastic_ddp.events import read_events
-from elastic_ddp.local_cluster import (AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
-                                       port_is_listening, wait_for)
+from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
+                                       port_is_listening, signal_tree, wait_for)
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +145,7 @@ class ChaosHarness:
                  rdzv_endpoint: str | None = None, rdzv_conf: str | None = RDZV_CONF,
                  monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = AGENT_ENV,
                  module: str = "elastic_ddp.train", deadline_s: float = 600, max_restarts: int = 100,
-                 run_id: str = "chaos"):
+                 run_id: str = "chaos", launcher: str = LAUNCHER):
         if store not in STORES:
             raise ValueError(f"store: got {store!r}; expected one of {', '.join(STORES)}")
         self.run_dir = Path(run_dir)
@@ -157,7 +159,7 @@ class ChaosHarness:
         self.job = LocalJob(self.run_dir, training_args, nnodes=plan.nnodes, nproc_per_node=nproc_per_node,
                             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
                             max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
-                            agent_env=agent_env, module=module)
+                            agent_env=agent_env, module=module, launcher=launcher)
         self.nproc_per_node = nproc_per_node
         self.store_host: str | None = None if self.standalone_store or rdzv_backend != "c10d" else "node0"
         self.store_process: subprocess.Popen | None = None
@@ -281,10 +283,22 @@ class ChaosHarness:
         in_group = [n for n in live if group is not None and n.pid in group.agent_pids]
         return in_group or live
 
+    def _live_workers(self, node: LocalNode) -> list[dict[str, Any]]:
+        """The newest group's ranks that run on `node` and are alive (from the `start` event:
+        workers forked by elastic_ddp.launcher carry no RANK in /proc/PID/environ)."""
+        group = self.events.newest_group()
+        if group is None or not node.is_running():
+            return []
+        return [rank for rank in group.start.get("ranks") or []
+                if rank["agent_pid"] == node.pid and _alive(rank["pid"])]
+
+    def _holds_rank0(self, node: LocalNode) -> bool:
+        return any(rank["rank"] == 0 for rank in self._live_workers(node))
+
     def _target(self, fault: Fault) -> LocalNode | None:
         if fault.target == "rank0":
             for node in self.job.nodes:
-                if self.state[node.name] == "live" and any(w.rank == 0 for w in node.workers()):
+                if self.state[node.name] == "live" and self._holds_rank0(node):
                     if node.name == self.store_host:
                         raise PlanError(f"{fault.describe()}: rank 0 runs on {node.name}, which hosts the c10d "
                                         "store; use store=standalone (or etcd-v3) to kill rank 0's node")
@@ -312,7 +326,7 @@ class ChaosHarness:
         if node is None:
             return None
         if fault.action == "kill_worker":
-            if not node.workers():
+            if not self._live_workers(node):
                 return None  # its workers are being restarted: wait for them
         elif fault.action == "thaw_node":
             if self.state[node.name] != "frozen":
@@ -325,7 +339,7 @@ class ChaosHarness:
 
     def _fire(self, record: FaultRecord, fault: Fault, node: LocalNode | None, event: dict[str, Any] | None) -> None:
         if node is not None:
-            record.held_rank0 = any(w.rank == 0 for w in node.workers())
+            record.held_rank0 = self._holds_rank0(node)
         if event is not None and event.get("event") == "snapshot_captured":
             record.snapshot_step = event["global_step"]
             self.events.poll()
@@ -341,11 +355,14 @@ class ChaosHarness:
             node.kill()
             self.state[node.name] = "killed"
         elif fault.action == "kill_worker":
-            workers = node.workers()
-            local_rank = fault.worker if fault.worker is not None else self.rng.choice(workers).local_rank
-            if local_rank >= self.nproc_per_node:
-                raise PlanError(f"{fault.describe()}: worker {local_rank}, but nodes run {self.nproc_per_node}")
-            record.pid = node.kill_worker(local_rank).pid
+            workers = self._live_workers(node)
+            local_rank = fault.worker if fault.worker is not None else self.rng.choice(workers)["local_rank"]
+            worker = next((w for w in workers if w["local_rank"] == local_rank), None)
+            if worker is None:
+                raise PlanError(f"{fault.describe()}: {node.name} has no worker of local rank {local_rank} "
+                                f"(nodes run {self.nproc_per_node})")
+            signal_tree(worker["pid"], signal.SIGKILL)
+            record.pid = worker["pid"]
         elif fault.action == "terminate_node":
             node.terminate()
             self.state[node.name] = "terminated"
@@ -419,6 +436,16 @@ def _recovery_seconds(record: FaultRecord, groups: list) -> float | None:
     elif record.fault["action"] not in (*REMOVING_ACTIONS, "kill_worker"):
         return None
     return round(after[0].first_step["time"] - record.fired_at, 3) if after else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fault_dict(fault: Fault) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""`python -m elastic_ddp.launcher`: torchrun, with worker processes that start warm.
+
+    python -m elastic_ddp.launcher --nnodes=1:4 --nproc_per_node=2 --rdzv_backend=c10d \\
+        --rdzv_endpoint=HOST:29400 --rdzv_id=job1 --max_restarts=10 -m elastic_ddp.train --epochs 10
+
+It takes exactly torchrun's arguments and runs torchrun's own agent (launch/node.sh uses it). The
+one difference is how workers start. After every failure or join, torchrun starts each worker as
+a new `python -m MODULE` process, which imports torch (1.3-2 s on a small CPU, several times that
+when all workers of a machine start at once) and, at the first `torch.optim` call, torch._dynamo
+(another 1.4-1.6 s). Here the agent first starts a multiprocessing fork server that imports
+torch, torch._dynamo and elastic_ddp's trainer once, while the agent is still in the rendezvous;
+torchrun then forks every worker from it (`--start-method forkserver`) and the worker runs
+`MODULE` with `runpy`, as `python -m MODULE` would. docs/failure-semantics.md ("Recovery speed")
+has the measured difference.
+
+Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
+exit codes and logs are torchrun's. `--no-python`, `--run-path` and script paths are passed to
+torchrun unchanged (cold start).
+
+Limits: the modules in `ELASTIC_DDP_PRELOAD` (comma-separated; default `PRELOAD`) are imported in
+the fork server, so they must not start threads or initialise CUDA when imported (torch does
+neither); your training module itself is imported in each worker, after the fork. OpenMP reads
+OMP_NUM_THREADS when torch is imported, that is in the fork server: each worker therefore applies
+the OMP_NUM_THREADS that torchrun gives it with `torch.set_num_threads`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "elastic_ddp.trainer")
+PRELOAD_VARIABLE = "ELASTIC_DDP_PRELOAD"
+
+
+def run_module(module: str, *argv: str) -> None:
+    """Worker entry point: run `module` as `python -m module *argv` would, in this process."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def warm_arguments(argv: list[str]) -> list[str] | None:
+    """torchrun arguments that run `-m MODULE` through `run_module`, or None to leave argv alone.
+
+    `-m MODULE` becomes `--run-path MODULE` (torchrun then calls its `run_script_path`, which
+    `main` points at `run_module`), and `--start-method forkserver` is added unless given.
+    """
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv)
+    if not args.module or args.no_python or args.run_path:
+        return None
+    script_at = len(argv) - len(args.training_script_args) - 1
+    if argv[script_at] != args.training_script or argv[script_at - 1] not in ("-m", "--module"):
+        return None  # an unusual spelling (e.g. -mMODULE): leave it to torchrun
+    options = [a for a in argv[:script_at - 1]]
+    if not any(a.startswith(("--start-method", "--start_method")) for a in options):
+        options.append("--start-method=forkserver")
+    return [*options, "--run-path", args.training_script, *args.training_script_args]
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, importing the preload modules while the rendezvous runs."""
+    preload = os.environ.get(PRELOAD_VARIABLE)
+    modules = [m for m in preload.split(",") if m] if preload is not None else list(PRELOAD)
+    multiprocessing.set_forkserver_preload(modules)
+    multiprocessing.forkserver.ensure_running()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warm = warm_arguments(argv)
+    if warm is not None:
+        # torchrun's --run-path entry point, pointed at runpy.run_module instead of run_path.
+        torchrun.run_script_path = run_module
+        start_fork_server()
+        argv = warm
+    torchrun.main(argv)
+
+
+if __name__ == "__main__":
+    main()
