@@ -59,19 +59,19 @@ class EventLog:
 
 
 def process_start_unix(pid: int | str = "self") -> float | None:
-    """When process `pid` started, in Unix seconds (clock-tick resolution), read from /proc.
+    """When process `pid` started, in Unix seconds (to the kernel's clock tick, 10 ms), from /proc.
 
     None where /proc is missing (not Linux) or the process is gone.
     """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    # Fields after the command name (which may hold spaces); starttime is field 22 of stat.
-    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    now = time.time()
+    # Fields after the command name (which may hold spaces); starttime (ticks after boot) is field 22.
+    started_after_boot = int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return now - (uptime - started_after_boot)
 
 
 class StartupTimeline:

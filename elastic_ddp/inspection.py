@@ -131,12 +131,12 @@ def format_inspection(inspection: CheckpointInspection, now: float | None = None
         newest = inspection.newest_valid
         for snapshot in inspection.snapshots:
             world = str(snapshot.world_size) if snapshot.world_size is not None else "-"
-            status = ("ok" + (" (loads)" if loaded else " (checksum)")) if snapshot.valid else f"BAD: {snapshot.problem}"
+            status = f"ok ({'loads' if loaded else 'checksum'})" if snapshot.valid else f"BAD: {snapshot.problem}"
             if snapshot is newest:
                 status += "  <- a restart resumes here"
+            age = format_duration(max(0.0, now - snapshot.created_unix)) + " ago"
             lines.append(f"  {snapshot.global_step:>9}  {snapshot.epoch:>5}  {snapshot.samples_consumed:>9}  "
-                         f"{format_bytes(snapshot.size_bytes):>9}  {format_duration(max(0.0, now - snapshot.created_unix)) + ' ago':>13}  "
-                         f"{world:>5}  {status}")
+                         f"{format_bytes(snapshot.size_bytes):>9}  {age:>13}  {world:>5}  {status}")
     for name in inspection.unlisted_snapshot_files:
         lines.append(f"  {name}: not in the manifest (a write that did not complete); never restored, "
                      "deleted by a later snapshot")

@@ -107,10 +107,17 @@ class Replication:
         if replicas == 0 or not (context.is_distributed and dist.is_initialized()):
             return cls()
         receiver = None
-        if context.local_rank == 0 and context.rank != 0 and store.storage.local_directory is not None:
-            receiver = ReplicaReceiver.listen(store)
+        try:
+            store_id = store.storage.identity()
+        except OSError as exc:  # e.g. a read-only directory: this node can hold no replica
+            logger.warning("checkpoint directory %s has no identity (%s); this node will hold no replica",
+                           store.describe(), exc)
+            store_id = f"unidentified-{secrets.token_hex(8)}"
+        else:
+            if context.local_rank == 0 and context.rank != 0 and store.storage.local_directory is not None:
+                receiver = ReplicaReceiver.listen(store)
         me = Member(rank=context.rank, group_rank=int(os.environ.get("GROUP_RANK", 0)),
-                    local_rank=context.local_rank, store_id=store.storage.identity(),
+                    local_rank=context.local_rank, store_id=store_id,
                     receiver=receiver.address if receiver else None,
                     token=secrets.token_hex(16) if context.rank == 0 else "")
         members: list[Any] = [None] * context.world_size
@@ -135,12 +142,19 @@ class Replication:
         nodes = sorted(target.group_rank for target in targets)
         on_event("replication", replicas=replicas, target_nodes=nodes,
                  target_ranks=[target.rank for target in targets])
-        if len(targets) < replicas:
-            logger.warning("snapshots get %d of the %d replicas asked for (--snapshot_replicas): only %d other "
-                           "node(s) with a checkpoint directory of their own", len(targets), replicas,
-                           len(targets))
-        elif targets:
+        source = members[0]
+        other_directories = {m.store_id for m in members if m.group_rank != source.group_rank} - {source.store_id}
+        if targets:
             logger.info("snapshots are replicated to the checkpoint directory of node(s) %s", nodes)
+        if len(targets) < min(replicas, len(other_directories)):
+            logger.warning("snapshots get %d of the %d replicas asked for (--snapshot_replicas): the other nodes "
+                           "could not open a port for them (see their logs)", len(targets), replicas)
+        elif not other_directories:
+            logger.info("no snapshot replicas: no other node has a checkpoint directory of its own "
+                        "(a single node, or shared storage)")
+        elif len(other_directories) < replicas:
+            logger.info("%d snapshot replica(s) of the %d asked for: only %d other node(s) right now",
+                        len(targets), replicas, len(other_directories))
 
     def offer(self, entry: ManifestEntry, data: bytes) -> None:
         """Rank 0: replicate this durable snapshot (returns at once)."""

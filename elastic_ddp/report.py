@@ -337,7 +337,8 @@ def _throughput_numbers(progress: list[dict[str, Any]]) -> dict[str, Any]:
             by_world.setdefault(int(point["world_size"]), []).append(float(point["samples_per_second"]))
     return {
         "samples_per_second_median": round(statistics.median(rates), 1) if rates else None,
-        "by_world_size": {str(world): round(statistics.median(values), 1) for world, values in sorted(by_world.items())},
+        "by_world_size": {str(world): round(statistics.median(values), 1)
+                          for world, values in sorted(by_world.items())},
     }
 
 
@@ -423,31 +424,36 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
         + f" over {plural(summary.incarnations, 'incarnation')}",
     ]
     lines += [f"  at {format_clock(t['at_seconds'])}  {describe_transition(t)}" for t in summary.transitions]
-    lines.append(f"Work lost    {plural(summary.lost_steps_total, 'step')} ({summary.lost_seconds_total:.1f} s of training "
+    lines.append(f"Work lost    {plural(summary.lost_steps_total, 'step')} "
+                 f"({summary.lost_seconds_total:.1f} s of training "
                  f"redone); {summary.downtime_seconds_total:.1f} s without training between failure and resume")
     snapshots = summary.snapshots
     if snapshots["count"]:
         size = format_bytes(snapshots["size_bytes_max"])
         if format_bytes(snapshots["size_bytes_min"]) != size:
             size = f"{format_bytes(snapshots['size_bytes_min'])}-{size}"
-        lines.append(f"Snapshots    {snapshots['count']} written, {size} each; write {snapshots['write_seconds_mean']:.3f} s "
+        lines.append(f"Snapshots    {snapshots['count']} written, {size} each; "
+                     f"write {snapshots['write_seconds_mean']:.3f} s "
                      f"mean, {snapshots['write_seconds_max']:.3f} s max; training blocked "
                      f"{1000 * (snapshots['blocked_seconds_mean'] or 0):.1f} ms mean, "
                      f"{1000 * (snapshots['blocked_seconds_max'] or 0):.1f} ms max")
     else:
         lines.append("Snapshots    none written")
     if snapshots["failed"]:
-        lines.append(f"             {plural(snapshots['failed'], 'snapshot write')} FAILED (the previous ones were kept; "
+        lines.append(f"             {plural(snapshots['failed'], 'snapshot write')} FAILED "
+                     "(the previous ones were kept; "
                      "see the snapshot_failed events)")
     if summary.restart_seconds:
-        stages = ", ".join(f"{stage.replace('_', ' ')} {seconds:.1f} s" for stage, seconds in summary.restart_seconds.items())
+        stages = ", ".join(f"{stage.replace('_', ' ')} {seconds:.1f} s"
+                           for stage, seconds in summary.restart_seconds.items())
         lines.append(f"Restarts     median seconds from a restarted worker's process start: {stages}")
     throughput = summary.throughput
     if throughput["samples_per_second_median"] is not None:
         per_world = ", ".join(f"world {world}: {rate:,.0f}" for world, rate in throughput["by_world_size"].items())
         lines.append(f"Throughput   {throughput['samples_per_second_median']:,.0f} samples/s median ({per_world})")
     if summary.other_events:
-        lines.append("Other events " + ", ".join(f"{kind} x{count}" for kind, count in sorted(summary.other_events.items())))
+        lines.append("Other events " + ", ".join(f"{kind} x{count}"
+                                                 for kind, count in sorted(summary.other_events.items())))
     if plot_path:
         lines.append(f"Plot         {plot_path}")
     return "\n".join(lines)

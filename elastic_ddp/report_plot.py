@@ -30,7 +30,11 @@ LOSS_COLOR = "#1b3a6b"
 ROLLED_BACK_COLOR = "#9aa3ad"
 KIND_COLORS = {"node lost": "#c62828", "node drained": "#8e24aa", "restart": "#ef6c00", "node joined": "#1565c0",
                "relaunch after finish": "#6d6d6d"}
-LABEL_MIN_FRACTION = 0.09
+MAX_MARKED_POINTS = 400
+NICE_SECONDS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+                172800, 604800)
+LABEL_MIN_FRACTION = 0.09  # of the x range: narrower world-size segments get no label
+LABEL_WIDTH = 0.25  # of the x range, about: transition labels that would overlap are stacked
 WORLD_PALETTE = ["#2e7d32", "#6a1b9a", "#00838f", "#f9a825", "#ad1457", "#4e342e", "#283593", "#558b2f"]
 
 
@@ -43,16 +47,16 @@ def _matplotlib():
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter, MultipleLocator
     except ImportError as exc:
         raise PlotUnavailable("matplotlib is not installed: pip install 'elastic_ddp[report]' "
                               "(or pass --no-plot)") from exc
-    return Figure, Line2D, Patch, FuncFormatter
+    return Figure, Line2D, Patch, FuncFormatter, MultipleLocator
 
 
 def render_plot(history: RunHistory, output: str | Path) -> Path:
     """Draw `history` into the PNG `output` (PLOT_SIZE_PX pixels); return its path."""
-    Figure, Line2D, Patch, FuncFormatter = _matplotlib()
+    Figure, Line2D, Patch, FuncFormatter, MultipleLocator = _matplotlib()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure = Figure(figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI), dpi=PLOT_DPI)
@@ -66,17 +70,24 @@ def render_plot(history: RunHistory, output: str | Path) -> Path:
         axes[axis_kind] = (loss, throughput, band)
 
     plot = _RunPlot(history, world_colors(history))
-    plot.draw_step_column(*axes["step"])
-    plot.draw_time_column(*axes["time"], clock=FuncFormatter(lambda value, _: format_clock(value)))
+    plot.draw_step_column(*axes["step"], step_format=FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    plot.draw_time_column(*axes["time"], clock=FuncFormatter(lambda value, _: format_clock(value)),
+                          locator=MultipleLocator)
     _titles(figure, history)
     _legend(figure, plot, Line2D, Patch)
     figure.savefig(output, dpi=PLOT_DPI, facecolor="white")
     return output
 
 
+def _tick_interval(duration: float) -> float:
+    """A round number of seconds that puts 4 to 10 ticks on the time axis."""
+    return next((seconds for seconds in NICE_SECONDS if duration / seconds <= 8), NICE_SECONDS[-1])
+
+
 def world_colors(history: RunHistory) -> dict[int | None, str]:
     sizes = sorted({i.world_size for i in history.incarnations if i.world_size is not None})
-    colors: dict[int | None, str] = {size: WORLD_PALETTE[index % len(WORLD_PALETTE)] for index, size in enumerate(sizes)}
+    colors: dict[int | None, str] = {size: WORLD_PALETTE[index % len(WORLD_PALETTE)]
+                                     for index, size in enumerate(sizes)}
     colors[None] = "#777777"
     return colors
 
@@ -99,6 +110,9 @@ class _RunPlot:
             resume_after[incarnation.incarnation] = lowest
             lowest = min(lowest, incarnation.resumed_from_step)
         self.kept_until = resume_after
+        # Markers help read a few dozen points and turn thousands into a smear.
+        self.markers = {"marker": "o", "markersize": 2.5} if len(history.progress) <= MAX_MARKED_POINTS else {}
+        self._labels: dict[int, list[tuple[tuple[float, float], int]]] = {}
         self.series: list[dict[str, Any]] = []
         for incarnation in incarnations:
             points = [p for p in history.progress if p["incarnation"] == incarnation.incarnation]
@@ -112,16 +126,16 @@ class _RunPlot:
 
     # ---------------------------------------------------------------------------------- columns
 
-    def draw_step_column(self, loss_axis, throughput_axis, band_axis) -> None:
+    def draw_step_column(self, loss_axis, throughput_axis, band_axis, step_format) -> None:
         for series in self.series:
             for key, style in (("rolled_back", {"color": ROLLED_BACK_COLOR, "linestyle": "--", "alpha": 0.9}),
                                ("kept", {"color": LOSS_COLOR})):
                 points = series[key]
                 steps = [p["global_step"] for p in points]
                 loss_axis.plot(steps, [p["loss"] for p in points], linewidth=1.6, **style)
-                throughput_axis.plot(steps, [p["samples_per_second"] for p in points], marker="o", markersize=2.5,
-                                     linewidth=1.0, color=series["color"] if key == "kept" else ROLLED_BACK_COLOR,
-                                     alpha=1.0 if key == "kept" else 0.7)
+                throughput_axis.plot(steps, [p["samples_per_second"] for p in points], linewidth=1.0,
+                                     color=series["color"] if key == "kept" else ROLLED_BACK_COLOR,
+                                     alpha=1.0 if key == "kept" else 0.7, **self.markers)
         for transition in self.transitions:
             self._mark_lost_work(transition, (loss_axis, throughput_axis, band_axis))
         max_step = max(1, self.max_step)
@@ -131,9 +145,10 @@ class _RunPlot:
             if end > start:
                 self._band_segment(band_axis, start, end, incarnation.world_size, span=max_step)
         self._mark_snapshots(band_axis, lambda event: event["global_step"])
+        band_axis.xaxis.set_major_formatter(step_format)
         self._finish_axes(loss_axis, throughput_axis, band_axis, "global step")
 
-    def draw_time_column(self, loss_axis, throughput_axis, band_axis, clock) -> None:
+    def draw_time_column(self, loss_axis, throughput_axis, band_axis, clock, locator) -> None:
         for series in self.series:
             for key in ("kept", "rolled_back"):
                 points = series[key]
@@ -141,8 +156,8 @@ class _RunPlot:
                 color = LOSS_COLOR if key == "kept" else ROLLED_BACK_COLOR
                 loss_axis.plot(seconds, [p["loss"] for p in points], linewidth=1.6, color=color,
                                linestyle="-" if key == "kept" else "--")
-                throughput_axis.plot(seconds, [p["samples_per_second"] for p in points], marker="o", markersize=2.5,
-                                     linewidth=1.0, color=series["color"] if key == "kept" else ROLLED_BACK_COLOR)
+                throughput_axis.plot(seconds, [p["samples_per_second"] for p in points], linewidth=1.0,
+                                     color=series["color"] if key == "kept" else ROLLED_BACK_COLOR, **self.markers)
         for transition in self.transitions:
             self._mark_downtime(transition, (loss_axis, throughput_axis, band_axis))
         for incarnation in self.history.incarnations:
@@ -151,6 +166,7 @@ class _RunPlot:
                                span=self.duration)
         self._mark_snapshots(band_axis, lambda event: event["time"] - self.started)
         band_axis.xaxis.set_major_formatter(clock)
+        band_axis.xaxis.set_major_locator(locator(_tick_interval(self.duration)))
         self._finish_axes(loss_axis, throughput_axis, band_axis, "time since the run started")
         self._label_transitions(loss_axis)
 
@@ -175,7 +191,7 @@ class _RunPlot:
         text = (f"{transition.kind}\n{transition.before.world_size}\u2192{transition.after.world_size}, "
                 f"resumed at {resumed}\n{plural(transition.lost_steps, 'step')} redone")
         x = max(reached, resumed)
-        _annotate_top(axes[0], text, x, x / max(1, self.max_step), color)
+        self._annotate_top(axes[0], text, x, x / max(1, self.max_step), color)
 
     def _mark_downtime(self, transition: Transition, axes: Sequence[Any]) -> None:
         color = KIND_COLORS[transition.kind]
@@ -192,7 +208,20 @@ class _RunPlot:
             if transition.kind != "relaunch after finish":
                 text += f", {transition.downtime:.0f} s down"
             x = transition.failed_at - self.started
-            _annotate_top(axis, text, x, x / self.duration, color)
+            self._annotate_top(axis, text, x, x / self.duration, color)
+
+    def _annotate_top(self, axis, text: str, x: float, fraction: float, color: str) -> None:
+        """A label at the top of `axis` beside the line at `x`: to its right, or to its left near the
+        right edge, so that it stays inside the figure; moved down below earlier labels close by."""
+        right_side = fraction < 0.75
+        extent = (fraction, fraction + LABEL_WIDTH) if right_side else (fraction - LABEL_WIDTH, fraction)
+        placed = self._labels.setdefault(id(axis), [])  # (extent, level) of the labels already there
+        taken = {level for (start, end), level in placed if start < extent[1] and extent[0] < end}
+        level = min(set(range(len(placed) + 1)) - taken)
+        placed.append((extent, level))
+        axis.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"),
+                      xytext=(4 if right_side else -4, -4 - 34 * level), textcoords="offset points", fontsize=8,
+                      color=color, va="top", ha="left" if right_side else "right", fontweight="bold")
 
     def _band_segment(self, axis, start: float, end: float, world_size: int | None, span: float) -> None:
         color = self.colors.get(world_size, self.colors[None])
@@ -221,20 +250,12 @@ class _RunPlot:
                 axis.spines[side].set_visible(False)
 
 
-def _annotate_top(axis, text: str, x: float, fraction: float, color: str) -> None:
-    """A label at the top of `axis` beside the line at `x`: to its right, or to its left near the
-    right edge, so that it stays inside the figure."""
-    right_side = fraction < 0.75
-    axis.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(4 if right_side else -4, -4),
-                  textcoords="offset points", fontsize=8, color=color, va="top", ha="left" if right_side else "right",
-                  fontweight="bold")
-
-
 def _titles(figure, history: RunHistory) -> None:
     summary = summarise(history)
     state = "finished" if summary.finished else "not finished"
-    figure.text(0.06, 0.955, f"Run {summary.run_id or ''}: {state} at step {summary.final_step}, "
-                f"{summary.epochs_completed} epochs in {format_duration(summary.duration_seconds)}",
+    name = f"Run {summary.run_id}" if summary.run_id else "Run"
+    figure.text(0.06, 0.955, f"{name}: {state} at step {summary.final_step}, "
+                f"{plural(summary.epochs_completed, 'epoch')} in {format_duration(summary.duration_seconds)}",
                 fontsize=15, fontweight="bold", ha="left")
     snapshots = summary.snapshots
     size = format_bytes(snapshots["size_bytes_max"]) if snapshots["size_bytes_max"] else "-"
@@ -250,8 +271,10 @@ def _titles(figure, history: RunHistory) -> None:
 
 
 def _legend(figure, plot: _RunPlot, Line2D, Patch) -> None:
-    handles = [Line2D([], [], color=LOSS_COLOR, linewidth=1.6, label="loss (kept)"),
-               Line2D([], [], color=ROLLED_BACK_COLOR, linewidth=1.6, linestyle="--", label="rolled back, redone")]
+    handles = [Line2D([], [], color=LOSS_COLOR, linewidth=1.6, label="loss")]
+    if any(series["rolled_back"] for series in plot.series):
+        handles.append(Line2D([], [], color=ROLLED_BACK_COLOR, linewidth=1.6, linestyle="--",
+                              label="rolled back, redone"))
     handles += [Line2D([], [], color=color, marker="o", markersize=4, linewidth=1.0, label=f"samples/s, world {size}")
                 for size, color in plot.colors.items() if size is not None]
     kinds = {t.kind for t in plot.transitions}
@@ -265,5 +288,6 @@ def _legend(figure, plot: _RunPlot, Line2D, Patch) -> None:
     if plot.history.snapshot_failures:
         handles.append(Line2D([], [], color="#c62828", marker="x", markersize=7, linestyle="none",
                               label="snapshot write failed"))
-    figure.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), frameon=False, fontsize=9,
+    columns = len(handles) if len(handles) <= 7 else (len(handles) + 1) // 2
+    figure.legend(handles=handles, loc="lower center", ncol=columns, frameon=False, fontsize=9,
                   bbox_to_anchor=(0.5, 0.005))

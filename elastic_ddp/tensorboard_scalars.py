@@ -11,7 +11,7 @@ goes on without scalars.
 After a restore, the writer opens with `purge_step` = the restored step + 1, so TensorBoard hides
 the points of the steps that were rolled back and redone: each curve shows the surviving
 trajectory. Not guaranteed: points of the last few seconds before a SIGKILL (the writer flushes
-every FLUSH_SECONDS).
+every FLUSH_SECONDS). A directory that cannot be written is warned about, like a missing package.
 """
 
 from __future__ import annotations
@@ -53,5 +53,10 @@ def open_scalars(directory: str | Path | None, resumed_from_step: int) -> Tensor
                        "'elastic_ddp[tensorboard]'); no scalars are written, the event log still is", directory)
         return None
     purge_step = resumed_from_step + 1 if resumed_from_step else None
-    writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step, flush_secs=FLUSH_SECONDS)
+    try:
+        writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step, flush_secs=FLUSH_SECONDS)
+    except OSError as exc:  # scalars are worth a warning, never a crashed (and restarted) job
+        logger.warning("--tensorboard_dir %s: cannot be written (%s); no scalars are written", directory,
+                       exc.strerror or exc)
+        return None
     return TensorBoardScalars(writer)

@@ -253,6 +253,8 @@ class Trainer:
             source_rank=restored.source_rank, file=restored.entry.file if restored.entry else None,
             previous_world_size=snapshot.world_size, world_size=self.context.world_size,
             lost_steps=lost_steps, lost_seconds=lost_seconds)
+        if self.log_prefix is not None:
+            self.log_prefix.step = snapshot.global_step
         self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
                                        snapshot.world_size, self.context.world_size, lost_steps, lost_seconds)
 

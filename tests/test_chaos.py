@@ -42,8 +42,8 @@ def assert_promises_kept(report) -> None:
 
 @pytest.mark.timeout(420)
 def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
-    args = training_args(epochs=3, dataset_size=6144)  # 288 steps
-    plan = random_plan(seed=2024, total_steps=288, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4)
+    args = training_args(epochs=3, dataset_size=12288)  # 576 steps: a join needs a few seconds of them
+    plan = random_plan(seed=2024, total_steps=576, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4)
     harness, report = play(tmp_path, args, plan, deadline_s=390)
     print(report.summary())
     assert_promises_kept(report)

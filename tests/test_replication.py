@@ -107,20 +107,22 @@ def external_store():
     del store
 
 
-def node_holding_rank_0(job: LocalJob) -> LocalNode:
-    holders = [node for node in job.nodes if any(worker.rank == 0 for worker in node.workers())]
-    assert len(holders) == 1, f"rank 0 found on {[n.name for n in holders]}"
-    return holders[0]
+def node_holding_rank_0(job: LocalJob, start: dict) -> LocalNode:
+    """The node whose agent started rank 0 of the worker group that `start` announced."""
+    [rank_0] = [rank for rank in start["ranks"] if rank["rank"] == 0]
+    [holder] = [node for node in job.nodes if node.pid == rank_0["agent_pid"]]
+    return holder
 
 
 def kill_rank_0_node_after_a_replica(job: LocalJob, nodes: int) -> tuple[LocalNode, dict]:
     """Kill the node holding rank 0 right after a snapshot reached its replica; return it and the
     newest snapshot it had replicated."""
-    job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == nodes, 120,
-                       f"a worker group of {nodes} nodes")
+    start = job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == nodes, 120,
+                               f"a worker group of {nodes} nodes")
     replicated = job.wait_for_event(lambda e: e["event"] == "snapshot_replicated" and e["global_step"] >= EVERY,
                                     120, "a replicated snapshot")
-    victim = node_holding_rank_0(job)
+    assert replicated["incarnation"] == start["incarnation"]
+    victim = node_holding_rank_0(job, start)
     victim.kill()
     replicated = [e for e in job.events("snapshot_replicated") if e["incarnation"] == replicated["incarnation"]][-1]
     return victim, replicated
@@ -137,7 +139,7 @@ def assert_resumed_from_the_newest_surviving_snapshot(job: LocalJob, victim: Loc
     assert restore["global_step"] >= replicated["global_step"] >= EVERY
     assert restore["sha256"] == written[restore["global_step"]]["sha256"], "not the snapshot rank 0 wrote"
     assert restore["verified"] and restore["lost_steps"] is not None
-    assert not any(w.rank == 0 for w in victim.workers())
+    assert not victim.is_running()
     return restore
 
 

@@ -23,7 +23,7 @@ from tests.kill_loop_writer import DURABLE_LOG, KEEP_LAST
 
 REPO = Path(__file__).resolve().parent.parent
 # Until this many writes and kills, or this many seconds (a loaded machine gets fewer): about 30 s on 2 cores.
-ENOUGH_WRITES, ENOUGH_KILLS, MAX_SECONDS = 300, 100, 25.0
+ENOUGH_WRITES, ENOUGH_KILLS, MAX_SECONDS = 300, 100, 20.0
 MAX_KILL_DELAY_S = 0.3
 
 
