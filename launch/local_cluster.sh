@@ -41,6 +41,13 @@ for ((i = 0; i < nodes; i++)); do
 done
 echo "local_cluster: $nodes nodes on $RDZV_ENDPOINT (logs in $logs); following node0:" >&2
 tail -n +1 -f "$logs/node0.log" --pid="${pids[0]}" | grep --line-buffered -E "INFO|ERROR|WARNING" || true
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit "$status"
+# The job succeeded if a node finished it; nodes killed by a signal on purpose (exit > 128) do not
+# make it fail, but any node that failed on its own does.
+finished=0 failed=0
+for pid in "${pids[@]}"; do
+  code=0
+  wait "$pid" || code=$?
+  if ((code == 0)); then finished=1; elif ((code <= 128)); then failed=$code; fi
+done
+if ((failed)); then exit "$failed"; fi
+((finished)) || { echo "local_cluster: no node finished the job (all were killed)" >&2; exit 1; }
