@@ -152,7 +152,7 @@ def _result(workload: Workload, step_times: list[float], cpu_times: list[float],
                      max(record["peak_rss_mb"] for record in records), seconds)
 
 
-def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, timeout: float = 900,
+def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, timeout: float = 600,
             progress: Callable[[str], None] | None = None, profile_dir: Path | None = None) -> list[Row]:
     """Interleaved runs of every workload; throughput rows per snapshot cadence, then memory rows."""
     bare: dict[str, list[RunResult]] = {w.model: [] for w in workloads}

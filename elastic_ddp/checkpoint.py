@@ -33,6 +33,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
@@ -167,14 +168,40 @@ class CheckpointStore:
         bounded retries of transient I/O errors); existing snapshots and the manifest are then
         unchanged and nothing this write created is left behind.
         """
+        digest = sha256 or hashlib.sha256(data).hexdigest()
+
+        def write_file(name: str) -> tuple[str, int]:
+            self.storage.write_atomically(name, data)
+            return digest, len(data)
+
+        return self._write(global_step, epoch, samples_consumed, write_file)
+
+    def write_serialized(self, global_step: int, epoch: int, samples_consumed: int,
+                         serialize: Callable[[BinaryIO], None]) -> ManifestEntry:
+        """Like `write`, with the content written by `serialize(file)` and hashed on its way.
+
+        On a local directory it goes straight into the temporary file: no copy of the whole
+        snapshot is held in memory, and the GIL is released for every chunk's hashing and write.
+        `serialize` is called again if a transient error makes the write start over.
+        """
+        def write_file(name: str) -> tuple[str, int]:
+            hashing: list[_HashingWriter] = []
+
+            def produce(file: BinaryIO) -> None:
+                hashing.append(_HashingWriter(file))
+                serialize(hashing[-1])
+
+            self.storage.write_stream_atomically(name, produce)
+            return hashing[-1].hexdigest(), hashing[-1].size
+
+        return self._write(global_step, epoch, samples_consumed, write_file)
+
+    def _write(self, global_step: int, epoch: int, samples_consumed: int,
+               write_file: Callable[[str], tuple[str, int]]) -> ManifestEntry:
         started = time.monotonic()
-        entry = ManifestEntry(
-            file=snapshot_file_name(global_step), global_step=global_step, epoch=epoch,
-            samples_consumed=samples_consumed, sha256=sha256 or hashlib.sha256(data).hexdigest(),
-            size_bytes=len(data), created_unix=time.time(),
-        )
         try:
-            kept, manifest_readable = self._retrying(self._write_once, entry, data)
+            entry, kept, manifest_readable = self._retrying(
+                self._write_once, global_step, epoch, samples_consumed, write_file)
         except OSError as exc:
             raise SnapshotWriteError(
                 f"snapshot of step {global_step} could not be written to {self.describe()} "
@@ -184,20 +211,24 @@ class CheckpointStore:
         logger.debug("snapshot %s durable in %.3f s", entry.file, time.monotonic() - started)
         return entry
 
-    def _write_once(self, entry: ManifestEntry, data: bytes) -> tuple[list[ManifestEntry], bool]:
+    def _write_once(self, global_step: int, epoch: int, samples_consumed: int,
+                    write_file: Callable[[str], tuple[str, int]]) -> tuple[ManifestEntry, list[ManifestEntry], bool]:
         self.storage.prepare_for_writing()
         previous, manifest_readable = self._read_manifest()
+        name = snapshot_file_name(global_step)
+        sha256, size_bytes = write_file(name)
+        entry = ManifestEntry(file=name, global_step=global_step, epoch=epoch, samples_consumed=samples_consumed,
+                              sha256=sha256, size_bytes=size_bytes, created_unix=time.time())
         # Entries at or past this step belong to a trajectory the run rolled back from.
-        previous = [e for e in previous if e.global_step < entry.global_step]
+        previous = [e for e in previous if e.global_step < global_step]
         kept = (previous + [entry])[-self.keep_last:]
-        self.storage.write_atomically(entry.file, data)
         try:
             self._write_manifest(kept)
         except BaseException:
             # Unlisted, so never trusted; but on a full disk its space is what the next write needs.
-            self._delete_quietly(entry.file)
+            self._delete_quietly(name)
             raise
-        return kept, manifest_readable
+        return entry, kept, manifest_readable
 
     def _retrying(self, function, *args):
         policy = self.retry
@@ -236,3 +267,24 @@ class CheckpointStore:
             match = SNAPSHOT_PATTERN.match(name)
             if match and name not in keep and int(match.group(1)) < below_step:
                 self._delete_quietly(name)
+
+
+class _HashingWriter:
+    """A write-only binary file that hashes and counts what it passes on to `target`."""
+
+    def __init__(self, target: BinaryIO):
+        self._target = target
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._sha256.update(data)  # releases the GIL for all but tiny chunks
+        written = self._target.write(data)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def hexdigest(self) -> str:
+        return self._sha256.hexdigest()

@@ -248,7 +248,9 @@ class LocalJob:
         )
         self.nodes: list[LocalNode] = []
 
-    def add_node(self, name: str | None = None, start_timeout: float = 60) -> LocalNode:
+    def add_node(self, name: str | None = None, start_timeout: float = 60, hosts_store: bool = True) -> LocalNode:
+        """Start one more agent. With c10d the first one hosts the store and this waits until it
+        listens, unless `hosts_store` is False (the store runs elsewhere, see elastic_ddp.chaos.store)."""
         name = name or f"node{len(self.nodes)}"
         command = self.command
         if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
@@ -256,7 +258,7 @@ class LocalJob:
         node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
                          cwd=self.run_dir, agent_env=self.agent_env).start()
         self.nodes.append(node)
-        if self.rdzv_backend == "c10d" and len(self.nodes) == 1:
+        if self.rdzv_backend == "c10d" and len(self.nodes) == 1 and hosts_store:
             host, port = self.rdzv_endpoint.rsplit(":", 1)
             wait_for(lambda: port_is_listening(host, int(port)) or not node.is_running(), start_timeout,
                      f"the c10d store of {name} on {self.rdzv_endpoint}")

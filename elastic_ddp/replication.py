@@ -134,7 +134,7 @@ class Replication:
         if context.rank == 0:
             cls._announce(members, targets, replicas, on_event)
             if targets:
-                replicator = SnapshotReplicator(targets, token, on_event)
+                replicator = SnapshotReplicator(store, targets, token, on_event)
         return cls(receiver, replicator, active=bool(targets))
 
     @staticmethod
@@ -156,10 +156,10 @@ class Replication:
             logger.info("%d snapshot replica(s) of the %d asked for: only %d other node(s) right now",
                         len(targets), replicas, len(other_directories))
 
-    def offer(self, entry: ManifestEntry, data: bytes) -> None:
-        """Rank 0: replicate this durable snapshot (returns at once)."""
+    def offer(self, entry: ManifestEntry) -> None:
+        """Rank 0: replicate this durable snapshot of rank 0's store (returns at once)."""
         if self.replicator is not None:
-            self.replicator.offer(entry, data)
+            self.replicator.offer(entry)
 
     def finish(self, timeout: float) -> None:
         """End of training, all ranks: rank 0 waits up to `timeout` s for the last snapshot to
@@ -178,28 +178,34 @@ class Replication:
 
 
 class SnapshotReplicator:
-    """Rank 0's sender thread: the newest durable snapshot goes to every target, one at a time."""
+    """Rank 0's sender thread: the newest durable snapshot goes to every target, one at a time.
 
-    def __init__(self, targets: list[Member], token: str, on_event: EventCallback, attempts: int = 3):
+    The file is read back from `store` when it is sent (from the page cache, as a rule), so
+    nothing waiting to be sent holds a copy of a snapshot in memory.
+    """
+
+    def __init__(self, store: CheckpointStore, targets: list[Member], token: str, on_event: EventCallback,
+                 attempts: int = 3):
+        self.store = store
         self.targets = targets
         self.token = token
         self.on_event = on_event
         self.attempts = attempts
         self.superseded = 0
-        self._pending: tuple[ManifestEntry, bytes] | None = None
+        self._pending: ManifestEntry | None = None
         self._busy = False
         self._closed = False
         self._condition = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="snapshot-replicator", daemon=True)
         self._thread.start()
 
-    def offer(self, entry: ManifestEntry, data: bytes) -> None:
+    def offer(self, entry: ManifestEntry) -> None:
         with self._condition:
             if self._pending is not None:
                 self.superseded += 1
                 logger.info("replication of step %d superseded by step %d before it was sent",
-                            self._pending[0].global_step, entry.global_step)
-            self._pending = (entry, data)
+                            self._pending.global_step, entry.global_step)
+            self._pending = entry
             self._condition.notify_all()
 
     def drain(self, timeout: float) -> bool:
@@ -222,16 +228,23 @@ class SnapshotReplicator:
                     return
                 job, self._pending, self._busy = self._pending, None, True
             try:
-                self._replicate(*job)
+                self._replicate(job)
             except Exception:  # noqa: BLE001 - a bug here must not end replication silently
-                logger.exception("replication of step %d failed unexpectedly", job[0].global_step)
+                logger.exception("replication of step %d failed unexpectedly", job.global_step)
             finally:
                 with self._condition:
                     self._busy = False
                     self._condition.notify_all()
 
-    def _replicate(self, entry: ManifestEntry, data: bytes) -> None:
+    def _replicate(self, entry: ManifestEntry) -> None:
         started = time.monotonic()
+        try:
+            data = self.store.storage.read_bytes(entry.file)
+        except OSError as exc:  # pruned or replaced meanwhile: a newer snapshot is on its way
+            logger.warning("snapshot of step %d NOT replicated: %s cannot be read (%s)", entry.global_step,
+                           self.store.describe(entry.file), exc)
+            self.on_event("replication_failed", global_step=entry.global_step, node=None, error=str(exc))
+            return
         delivered = []
         for target in self.targets:
             try:

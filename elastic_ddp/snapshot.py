@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import random
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -51,8 +51,13 @@ class Snapshot:
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save(asdict(self), buffer)
+        self.write_to(buffer)
         return buffer.getvalue()
+
+    def write_to(self, file: BinaryIO) -> None:
+        """Serialise into a writable binary file (torch.save of a plain dict of the fields)."""
+        # Not dataclasses.asdict: it deep-copies every tensor (a second copy of the whole state).
+        torch.save({field_.name: getattr(self, field_.name) for field_ in fields(self)}, file)
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> Snapshot:

@@ -2,8 +2,10 @@
 
 At a snapshot point the training thread calls `SnapshotWriter.submit(capture)`: `capture` copies
 the state into the writer's reusable `StagingBuffers` (CPU memory; pinned, non-blocking copies for
-CUDA tensors), and one background thread then serialises the copy, checksums it and hands it to the
-`CheckpointStore`, which makes it durable (retrying transient I/O errors, bounded).
+CUDA tensors), and one background thread then serialises the copy through the `CheckpointStore`,
+which hashes it on its way to storage and makes it durable (retrying transient I/O errors, bounded).
+On a local disk the serialised bytes go straight into the file: no second copy of the state is
+held in memory, and the GIL is released while each chunk is hashed and written.
 
 When the next snapshot point arrives while a write is still in flight, `submit` WAITS for that
 write to finish before copying (it never skips): the bound on lost work (one snapshot interval)
@@ -30,7 +32,7 @@ from elastic_ddp.snapshot import Snapshot, StagingBuffers
 
 logger = logging.getLogger(__name__)
 
-WrittenCallback = Callable[[ManifestEntry, bytes, float], None]  # entry, file content, seconds
+WrittenCallback = Callable[[ManifestEntry, float], None]  # entry, seconds the background write took
 FailedCallback = Callable[[int, str], None]  # global step, reason
 Capture = Callable[[StagingBuffers], Snapshot]
 
@@ -95,19 +97,20 @@ class SnapshotWriter:
             self.wait()
 
     def _write_snapshot(self, snapshot: Snapshot) -> None:
-        started = time.monotonic()
-        try:
-            self.staging.wait_until_copied()
-            data = snapshot.to_bytes()
-        except Exception:  # a bug must not kill the writer thread silently
-            self._report_failure(snapshot.global_step, "serialising it failed", exc_info=True)
-            return
-        self._write_bytes(snapshot.global_step, snapshot.epoch, snapshot.samples_consumed, data, started)
+        def serialize(file) -> None:
+            self.staging.wait_until_copied()  # device-to-host copies still landing (CUDA)
+            snapshot.write_to(file)
+
+        self._write(snapshot.global_step, time.monotonic(), self.store.write_serialized, snapshot.global_step,
+                    snapshot.epoch, snapshot.samples_consumed, serialize)
 
     def _write_bytes(self, global_step: int, epoch: int, samples_consumed: int, data: bytes,
                      started: float) -> None:
+        self._write(global_step, started, self.store.write, global_step, epoch, samples_consumed, data)
+
+    def _write(self, global_step: int, started: float, write: Callable[..., ManifestEntry], *args) -> None:
         try:
-            entry = self.store.write(global_step, epoch, samples_consumed, data)
+            entry = write(*args)
         except SnapshotWriteError as exc:
             self._report_failure(global_step, str(exc))
             return
@@ -116,7 +119,7 @@ class SnapshotWriter:
             return
         self.last_written = entry
         if self.on_written is not None:
-            _call_safely(self.on_written, entry, data, time.monotonic() - started)
+            _call_safely(self.on_written, entry, time.monotonic() - started)
 
     def _report_failure(self, global_step: int, reason: str, exc_info: bool = False) -> None:
         self.failed_writes += 1

@@ -18,12 +18,15 @@ durability on object stores beyond what the store acknowledges for a completed P
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,15 @@ class SnapshotStorage(ABC):
     def write_atomically(self, name: str, data: bytes) -> None:
         """Make `data` the durable content of `name`, or raise and leave `name` as it was."""
 
+    def write_stream_atomically(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
+        """Like `write_atomically`, the content being what `produce(file)` writes into `file`.
+
+        This default gathers it in memory first; a local directory streams it to disk.
+        """
+        buffer = io.BytesIO()
+        produce(buffer)
+        self.write_atomically(name, buffer.getvalue())
+
     @abstractmethod
     def list_names(self) -> list[str]:
         """Names of the files present ([] when the location does not exist yet)."""
@@ -102,12 +114,16 @@ class LocalDirectoryStorage(SnapshotStorage):
 
     def write_atomically(self, name: str, data: bytes) -> None:
         """See base class. Temporary sibling, fsync, rename, fsync of the directory."""
+        self.write_stream_atomically(name, lambda file: file.write(data))
+
+    def write_stream_atomically(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
+        """See base class. `produce` writes straight into the temporary file, unbuffered (each
+        write is one system call that releases the GIL, and no copy of the content is kept)."""
         path = self.directory / name
         temporary = path.with_name(f".{name}.tmp-{os.getpid()}")
         try:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-                handle.flush()
+            with open(temporary, "wb", buffering=0) as handle:
+                produce(_WriteAll(handle))
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
         except BaseException:
@@ -206,6 +222,24 @@ class FsspecStorage(SnapshotStorage):
     def prepare_for_writing(self) -> None:
         """See base class. Object stores have no directories and no temporary objects to clear."""
         self.fs.makedirs(self.root, exist_ok=True)
+
+
+class _WriteAll:
+    """An unbuffered file whose `write` returns only once all of its argument is written (a raw
+    file may write less, for instance just before a disk fills up)."""
+
+    def __init__(self, raw: BinaryIO):
+        self._raw = raw
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += self._raw.write(view[written:])
+        return written
+
+    def flush(self) -> None:
+        """Nothing is buffered here."""
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -241,7 +241,7 @@ class Trainer:
             self.writer.submit_serialized(snapshot.global_step, snapshot.epoch, snapshot.samples_consumed,
                                           restored.data)
         else:
-            self.replication.offer(restored.entry, restored.data)
+            self.replication.offer(restored.entry)
 
     def _announce_restore(self, restored: RestoredSnapshot) -> None:
         snapshot = restored.snapshot
@@ -405,10 +405,10 @@ class Trainer:
             world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time(),
         )
 
-    def _on_snapshot_written(self, entry: ManifestEntry, data: bytes, write_seconds: float) -> None:
+    def _on_snapshot_written(self, entry: ManifestEntry, write_seconds: float) -> None:
         self.events.emit("snapshot", global_step=entry.global_step, epoch=entry.epoch, file=entry.file,
                          sha256=entry.sha256, size_bytes=entry.size_bytes, write_seconds=round(write_seconds, 4))
-        self.replication.offer(entry, data)
+        self.replication.offer(entry)
 
     def _on_snapshot_failed(self, global_step: int, reason: str) -> None:
         self.events.emit("snapshot_failed", global_step=global_step, error=reason)

@@ -16,6 +16,9 @@
 #   RDZV_CONF       torchrun --rdzv_conf (timeouts, heartbeats, etcd TLS/auth keys)
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.5]
+#   LAUNCHER        the agent program: elastic_ddp.launcher (torchrun whose workers are forked
+#                   warm, see docs/failure-semantics.md) or torch.distributed.run (plain torchrun)
+#                   [elastic_ddp.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]
 set -euo pipefail
@@ -27,6 +30,7 @@ fi
 # Keep these in step with elastic_ddp/local_cluster.py (tests/test_launch.py checks they agree).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.5
+DEFAULT_LAUNCHER=elastic_ddp.launcher
 
 nnodes="${NNODES:-1:4}"
 nproc="${NPROC_PER_NODE:-1}"
@@ -36,10 +40,15 @@ run_id="${RDZV_ID:-elastic-ddp}"
 max_restarts="${MAX_RESTARTS:-10}"
 rdzv_conf="${RDZV_CONF:-$DEFAULT_RDZV_CONF}"
 monitor_interval="${MONITOR_INTERVAL:-$DEFAULT_MONITOR_INTERVAL}"
+launcher="${LAUNCHER:-$DEFAULT_LAUNCHER}"
 
 case "$backend" in
   c10d|etcd-v3) ;;
   *) echo "launch/node.sh: RDZV_BACKEND: got '$backend'; expected c10d or etcd-v3" >&2; exit 2 ;;
+esac
+case "$launcher" in
+  elastic_ddp.launcher|torch.distributed.run) ;;
+  *) echo "launch/node.sh: LAUNCHER: got '$launcher'; expected elastic_ddp.launcher or torch.distributed.run" >&2; exit 2 ;;
 esac
 if ! [[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]]; then
   echo "launch/node.sh: NNODES: got '$nnodes'; expected N or MIN:MAX, e.g. 1:4" >&2; exit 2
@@ -52,7 +61,7 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m "$launcher" \
   --nnodes="$nnodes" --nproc_per_node="$nproc" \
   --rdzv_backend="$backend" --rdzv_endpoint="$endpoint" --rdzv_id="$run_id" \
   --rdzv_conf="$rdzv_conf" --max_restarts="$max_restarts" --monitor_interval="$monitor_interval" \

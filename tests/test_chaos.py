@@ -44,7 +44,7 @@ def assert_promises_kept(report) -> None:
 def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
     args = training_args(epochs=3, dataset_size=12288)  # 576 steps: a join needs a few seconds of them
     plan = random_plan(seed=2024, total_steps=576, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4)
-    harness, report = play(tmp_path, args, plan, deadline_s=390)
+    harness, report = play(tmp_path, args, plan, deadline_s=380)
     print(report.summary())
     assert_promises_kept(report)
     fired = [r for r in report.faults if r.fired]
@@ -71,7 +71,7 @@ def test_kills_and_joins_end_with_the_same_model_as_an_uninterrupted_run(tmp_pat
         Fault("kill_node", "random", settle=False),
         Fault("add_node", at_step=125),
     ), initial_nodes=4, min_nodes=1, max_nodes=4, seed=5)
-    harness, report = play(tmp_path, args, plan)
+    harness, report = play(tmp_path, args, plan, deadline_s=300)
     print(report.summary())
     assert_promises_kept(report)
     assert {1, 4} <= set(report.world_sizes), report.world_sizes
@@ -92,7 +92,7 @@ def test_a_frozen_node_is_left_behind_within_the_collective_timeout(tmp_path):
     timeout_s = 5
     args = training_args(2, 4096, "--collective_timeout_s", str(timeout_s))
     plan = FaultPlan((Fault("freeze_node", "newest", at_step=30),), initial_nodes=3, min_nodes=1, max_nodes=4)
-    harness, report = play(tmp_path, args, plan)
+    harness, report = play(tmp_path, args, plan, deadline_s=240)
     print(report.summary())
     assert_promises_kept(report)
     frozen = report.faults[0]
@@ -107,7 +107,7 @@ def test_a_frozen_node_is_left_behind_within_the_collective_timeout(tmp_path):
 def test_sigterm_drains_a_node_with_a_final_snapshot_and_the_rest_go_on(tmp_path):
     args = training_args(2, 4096)
     plan = FaultPlan((Fault("terminate_node", "newest", at_step=30),), initial_nodes=3, min_nodes=1, max_nodes=4)
-    harness, report = play(tmp_path, args, plan)
+    harness, report = play(tmp_path, args, plan, deadline_s=240)
     print(report.summary())
     assert_promises_kept(report)
     events = harness.job.events()
@@ -137,7 +137,7 @@ def test_killing_the_c10d_store_host_ends_the_job_and_a_relaunch_resumes(tmp_pat
     assert 0 < newest < report.expected_final_step
 
     relaunch = ChaosHarness(tmp_path / "chaos", args, FaultPlan((), initial_nodes=1, min_nodes=1, max_nodes=4),
-                            store="node", run_id="relaunch")
+                            store="node", run_id="relaunch", deadline_s=120)
     relaunched = relaunch.run()
     assert_promises_kept(relaunched)
     first_restore = relaunched.restores[-1]

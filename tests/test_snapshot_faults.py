@@ -31,11 +31,11 @@ class GatedStorage(LocalDirectoryStorage):
         self.gate = threading.Event()
         self.writing = threading.Event()
 
-    def write_atomically(self, name, data):
+    def write_stream_atomically(self, name, produce):
         if SNAPSHOT_PATTERN.match(name):
             self.writing.set()
             assert self.gate.wait(timeout=60), "the test never opened the gate"
-        super().write_atomically(name, data)
+        super().write_stream_atomically(name, produce)
 
 
 def tiny_snapshot(step: int, staging) -> Snapshot:
@@ -89,18 +89,18 @@ def test_a_synchronous_writer_returns_only_when_the_snapshot_is_durable(tmp_path
 
 def fail_snapshot_writes(monkeypatch, steps: set[int], error: int, times: int | None):
     """Make the writes of these steps' snapshot files fail `times` times (None: always)."""
-    original = LocalDirectoryStorage.write_atomically
+    original = LocalDirectoryStorage.write_stream_atomically
     failures: dict[int, int] = {}
 
-    def write_atomically(self, name, data):
+    def write_stream_atomically(self, name, produce):
         match = SNAPSHOT_PATTERN.match(name)
         step = int(match.group(1)) if match else None
         if step in steps and (times is None or failures.get(step, 0) < times):
             failures[step] = failures.get(step, 0) + 1
             raise OSError(error, os.strerror(error), str(self.directory / name))
-        original(self, name, data)
+        original(self, name, produce)
 
-    monkeypatch.setattr(LocalDirectoryStorage, "write_atomically", write_atomically)
+    monkeypatch.setattr(LocalDirectoryStorage, "write_stream_atomically", write_stream_atomically)
     return failures
 
 

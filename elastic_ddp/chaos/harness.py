@@ -46,12 +46,16 @@ from elastic_ddp.chaos.plan import REMOVING_ACTIONS, Fault, FaultPlan, PlanError
 from elastic_ddp.config import TrainingConfig, build_parser
 from elastic_ddp.events import read_events
 from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
-                                       port_is_listening, signal_tree, wait_for)
+                                       port_is_listening, process_tree, wait_for)
 
 logger = logging.getLogger(__name__)
 
 STORES = ("standalone", "node")
 POLL_SECONDS = 0.005
+# The agents log their rendezvous rounds and restarts (torch's elastic loggers read LOGLEVEL).
+HARNESS_AGENT_ENV = {**AGENT_ENV, "LOGLEVEL": "INFO"}
+# torchrun logs this (at INFO) just before it connects to the rendezvous store.
+AGENT_READY_LINE = "Starting elastic_operator with launch configs"
 
 
 class JobEnded(Exception):
@@ -143,7 +147,7 @@ class ChaosHarness:
     def __init__(self, run_dir: str | Path, training_args: Sequence[str], plan: FaultPlan, *,
                  nproc_per_node: int = 1, store: str = "standalone", rdzv_backend: str = "c10d",
                  rdzv_endpoint: str | None = None, rdzv_conf: str | None = RDZV_CONF,
-                 monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = AGENT_ENV,
+                 monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = HARNESS_AGENT_ENV,
                  module: str = "elastic_ddp.train", deadline_s: float = 600, max_restarts: int = 100,
                  run_id: str = "chaos", launcher: str = LAUNCHER):
         if store not in STORES:
@@ -179,9 +183,15 @@ class ChaosHarness:
         records = [FaultRecord(i, fault.describe(), _fault_dict(fault)) for i, fault in enumerate(self.plan.faults)]
         problems: list[str] = []
         try:
-            self._start_store()
             for _ in range(self.plan.initial_nodes):
                 self._add_node()
+            if self.standalone_store:
+                # Open the store once every initial agent is waiting for it, so that they all
+                # make the first round (agents that start late on a busy machine would otherwise
+                # miss its 1 s last call, and the group would re-form for each of them).
+                self._wait_until_agents_dial_the_store()
+                self._start_store()
+            self._wait_for_initial_group()
             self._play(records)
             self._wait_for_the_end(problems)
         except DeadlineExceeded as exc:
@@ -213,10 +223,34 @@ class ChaosHarness:
         if self.store_process.poll() is not None:
             raise RuntimeError(f"the standalone c10d store exited; see {self.run_dir / 'store.log'}")
 
+    def _wait_until_agents_dial_the_store(self) -> None:
+        """Until each initial agent has logged its launch configuration, the line torchrun writes
+        right before it connects to the rendezvous store (with LOGLEVEL=INFO; without it, no wait)."""
+        if self.job.agent_env.get("LOGLEVEL") != "INFO":
+            return
+        while not all(AGENT_READY_LINE in node.log_text() or not node.is_running() for node in self.job.nodes):
+            if time.monotonic() > self._deadline:
+                raise DeadlineExceeded(f"the agents did not start within {self.deadline_s:.0f} s")
+            time.sleep(0.05)
+
     def _add_node(self) -> LocalNode:
-        node = self.job.add_node(f"node{len(self.job.nodes)}")
+        node = self.job.add_node(f"node{len(self.job.nodes)}", hosts_store=not self.standalone_store)
         self.state[node.name] = "live"
         return node
+
+    def _wait_for_initial_group(self) -> None:
+        """Wait until every initial node trains in one group. Nodes that start late make the
+        first group re-form, and a fault landing while torchrun's agents exchange ranks right
+        after a rendezvous can end the whole job (docs/failure-semantics.md)."""
+        world_size = self.plan.initial_nodes * self.nproc_per_node
+        while not any(g.start["world_size"] == world_size and g.first_step is not None
+                      for g in self.events.groups.values()):
+            try:
+                self._check_time_and_liveness()
+            except JobEnded:
+                return  # reported by the checks: the plan did not fire
+            self.events.poll()
+            time.sleep(POLL_SECONDS)
 
     def _play(self, records: list[FaultRecord]) -> None:
         since, joiner = self.started_at, None
@@ -361,7 +395,7 @@ class ChaosHarness:
             if worker is None:
                 raise PlanError(f"{fault.describe()}: {node.name} has no worker of local rank {local_rank} "
                                 f"(nodes run {self.nproc_per_node})")
-            signal_tree(worker["pid"], signal.SIGKILL)
+            _kill_process_tree(worker["pid"])
             record.pid = worker["pid"]
         elif fault.action == "terminate_node":
             node.terminate()
@@ -381,9 +415,14 @@ class ChaosHarness:
 
     def _wait_for_the_end(self, problems: list[str]) -> None:
         """Wait for every live or draining agent to exit; frozen nodes are then killed."""
-        while any(node.is_running() for node in self.job.nodes if self.state[node.name] in ("live", "terminated")):
+        while True:
+            running = [node.name for node in self.job.nodes
+                       if self.state[node.name] in ("live", "terminated") and node.is_running()]
+            if not running:
+                break
             if time.monotonic() > self._deadline:
-                raise DeadlineExceeded(f"the run did not finish within {self.deadline_s:.0f} s")
+                raise DeadlineExceeded(f"the run did not finish within {self.deadline_s:.0f} s "
+                                       f"({', '.join(running)} still running; see their logs in {self.run_dir})")
             time.sleep(0.1)
         for node in self.job.nodes:
             if self.state[node.name] == "frozen" and node.is_running():
@@ -436,6 +475,16 @@ def _recovery_seconds(record: FaultRecord, groups: list) -> float | None:
     elif record.fault["action"] not in (*REMOVING_ACTIONS, "kill_worker"):
         return None
     return round(after[0].first_step["time"] - record.fired_at, 3) if after else None
+
+
+def _kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants, one by one: a worker forked by elastic_ddp.launcher
+    shares its agent's process group, so a group kill would take the whole node down."""
+    for member in process_tree(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _alive(pid: int) -> bool:

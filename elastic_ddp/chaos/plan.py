@@ -152,8 +152,8 @@ def random_plan(seed: int, total_steps: int, faults: int = 8, initial_nodes: int
 
     It always contains: a kill of a random node, a kill of a single worker, a kill of the node
     running rank 0 that lands while rank 0 writes a snapshot (`on_event: snapshot_captured`), a
-    kill of the node running rank 0 at a plain step, and a join at a step, in the first half of
-    the run (a join needs the job to run on for a few seconds before it is admitted); the rest are
+    kill of the node running rank 0 at a plain step, and a join at a step, as the first or second
+    fault (a join needs the job to run on for several seconds before it is admitted); the rest are
     kills of random nodes, of rank 0's node and of single workers. After a kill, a node often
     joins at once, while the survivors re-form the group. Node counts stay within
     [min_nodes, max_nodes]: a kill that would go below min_nodes is preceded by a join, a join
@@ -171,7 +171,7 @@ def random_plan(seed: int, total_steps: int, faults: int = 8, initial_nodes: int
     kinds = ["kill_random", "kill_worker", "kill_rank0_during_snapshot", "kill_rank0"]
     kinds += rng.choices(["kill_random", "kill_worker", "kill_rank0"], k=faults - len(kinds) - 1)
     rng.shuffle(kinds)
-    kinds.insert(rng.randrange(len(kinds) // 2 + 1), "join")
+    kinds.insert(rng.randrange(2), "join")  # early: a join needs seconds of training left to be admitted
     steps = sorted(rng.sample(range(first_step, last_step + 1), faults))
     nodes = initial_nodes
     planned: list[Fault] = []

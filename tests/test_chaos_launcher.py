@@ -1,0 +1,69 @@
+"""`python -m elastic_ddp.launcher`: torchrun's arguments, warm workers, the same results.
+
+The recovery-speed work of docs/failure-semantics.md rests on it; the chaos tests run every job
+through it (it is LocalJob's default), these check its contract directly.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ddp.events import read_events
+from elastic_ddp.launcher import warm_arguments
+from elastic_ddp.local_cluster import LAUNCHER
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_module_entry_points_become_warm_run_path_entry_points():
+    argv = ["--nnodes=1:4", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "-m",
+            "elastic_ddp.train", "--epochs", "3", "-m", "x"]
+    assert warm_arguments(argv) == ["--nnodes=1:4", "--nproc_per_node=2", "--rdzv_backend=c10d",
+                                    "--rdzv_endpoint=h:1", "--start-method=forkserver", "--run-path",
+                                    "elastic_ddp.train", "--epochs", "3", "-m", "x"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--nnodes=1", "train.py", "--epochs", "3"],  # a script path: torchrun runs it as it always does
+    ["--nnodes=1", "--no-python", "echo", "hi"],
+    ["--nnodes=1", "--run-path", "train.py"],
+])
+def test_other_entry_points_are_left_to_torchrun(argv):
+    assert warm_arguments(argv) is None
+
+
+def test_an_explicit_start_method_is_kept():
+    warm = warm_arguments(["--start-method=spawn", "-m", "elastic_ddp.train"])
+    assert warm == ["--start-method=spawn", "--run-path", "elastic_ddp.train"]
+
+
+def test_node_sh_starts_the_same_launcher_as_the_tests():
+    text = (REPO / "launch" / "node.sh").read_text()
+    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.M).group(1) == LAUNCHER
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_warm_worker_trains_reports_its_rank_and_exits_like_a_cold_one(local_jobs):
+    args = ["--model", "mlp", "--epochs", "1", "--dataset_size", "512", "--global_batch_size", "64",
+            "--snapshot_every_steps", "4", "--log_interval", "1"]
+    job = local_jobs(args, nnodes="1", nproc_per_node=2)
+    node = job.add_node("only")
+    assert node.wait(timeout=200) == 0, node.log_text()[-3000:]
+    events = read_events(job.event_log)
+    start = next(e for e in events if e["event"] == "start")
+    assert start["world_size"] == 2 and {r["agent_pid"] for r in start["ranks"]} == {node.pid}
+    assert any(e["event"] == "startup" for e in events)
+    assert any(e["event"] == "finished" and e["global_step"] == 8 for e in events)
+    assert "start_method: forkserver" not in node.log_text()  # no worker failed
+
+
+def test_the_launcher_shows_torchruns_help():
+    result = subprocess.run([sys.executable, "-m", "elastic_ddp.launcher", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "--rdzv-endpoint" in result.stdout
