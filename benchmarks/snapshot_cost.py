@@ -256,11 +256,11 @@ def summary(result: SnapshotCostResult) -> str:
     writes = [s for run in result.of("async") for s in run.write_seconds]
     size_mb = max(run.snapshot_bytes for run in result.runs) / 1e6
     lines = [
-        f"snapshot size: {size_mb:.1f} MB; {len(result.all_blocked('async'))} async and "
-        f"{len(result.all_blocked('sync'))} sync snapshots over {result.options.repetitions} repetition(s)",
+        (f"snapshot size: {size_mb:.1f} MB; {len(result.all_blocked('async'))} async and "
+         f"{len(result.all_blocked('sync'))} sync snapshots over {result.options.repetitions} repetition(s)"),
         f"synchronous save (median):               {sync_save * 1000:8.1f} ms",
-        f"blocked per async snapshot (median):     {blocked * 1000:8.1f} ms   "
-        f"ratio {result.blocked_ratio:.3f} (target < 0.10)",
+        (f"blocked per async snapshot (median):     {blocked * 1000:8.1f} ms   "
+         f"ratio {result.blocked_ratio:.3f} (target < 0.10)"),
         f"background write per snapshot (median): {statistics.median(writes) * 1000 if writes else 0:8.1f} ms",
     ]
     if result.segment_pairs:
@@ -270,8 +270,8 @@ def summary(result: SnapshotCostResult) -> str:
     lines += [
         f"  whole runs, async / none:             {result.whole_run_slowdown('async') * 100:+8.2f} %",
         f"  whole runs, sync / none:              {result.whole_run_slowdown('sync') * 100:+8.2f} %",
-        f"load average during the runs: {result.load_average:.1f} on {os.cpu_count()} CPUs "
-        f"({result.options.threads} intra-op thread(s) for training)",
+        (f"load average during the runs: {result.load_average:.1f} on {os.cpu_count()} CPUs "
+         f"({result.options.threads} intra-op thread(s) for training)"),
     ]
     return "\n".join(lines)
 

@@ -8,16 +8,17 @@
 snapshot helper's: elastic_ddp's Trainer on a world of one training a wide MLP, runs without
 snapshots, with background snapshots and with synchronous ones, interleaved), with the MLP's width
 chosen so that parameters plus SGD momentum make a snapshot of that size. Steps are few and
-batches small for the big models (a 1 GB MLP takes most of a second per step on one core). The
-snapshot interval is set from a short timing of the model's step and the disk bandwidth measured
-just before, so that a background write can end before the next snapshot (twice the time the disk
-alone would need, and at least a second): the regime the runtime is meant for. Rows:
+batches small for the big models (a 1 GB MLP takes most of a second per step on one core). Each
+measured window holds one snapshot, about a second of training after the warm-up (the step is
+timed first), so no earlier write is still in flight: the background snapshot blocks training only
+for its copy, as it does in a run whose snapshot interval is longer than a write. Rows:
 
 - training blocked per snapshot (copy into the staging buffers, plus any wait) against the time of
   a synchronous save of the same snapshot;
 - background write bandwidth (snapshot bytes over the writer's time: serialise, sha256, write,
-  fsync, manifest) against the disk's sequential write bandwidth, measured with a plain file write
-  of the same size in the same directory, interleaved with the repetitions (`benchmarks.disk`).
+  fsync, manifest; the write ends after the window, while the trainer closes) against the disk's
+  sequential write bandwidth, measured with a plain file write of the same size in the same
+  directory after each repetition (`benchmarks.disk`).
 
 Memory: the 1 GB case holds the model, its gradients and momentum (1.5 GB) plus the staging copy
 and the serialised bytes: about 5 GB at its peak.
@@ -59,14 +60,12 @@ class SizeCase:
     label: str
     size_bytes: float
     batch: int
-    snapshots: int  # snapshots in each measured window
     repetitions: int
 
 
-FULL = (SizeCase("10 MB", 10e6, batch=64, snapshots=3, repetitions=3),
-        SizeCase("100 MB", 100e6, batch=16, snapshots=3, repetitions=3),
-        SizeCase("1 GB", 1e9, batch=4, snapshots=2, repetitions=2))
-QUICK = (SizeCase("10 MB", 10e6, batch=16, snapshots=2, repetitions=1),)
+FULL = (SizeCase("10 MB", 10e6, batch=64, repetitions=3), SizeCase("100 MB", 100e6, batch=16, repetitions=3),
+        SizeCase("1 GB", 1e9, batch=4, repetitions=3))
+QUICK = (SizeCase("10 MB", 10e6, batch=16, repetitions=1),)
 
 
 def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
@@ -88,10 +87,9 @@ def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
     return statistics.median(timings[1:])
 
 
-def snapshot_interval_steps(size_bytes: float, disk_mb_per_s: float, step_seconds: float) -> int:
-    """Steps between snapshots: twice what the disk alone needs for one, at least one second."""
-    interval_seconds = max(1.0, 2 * size_bytes / 1e6 / disk_mb_per_s)
-    return max(5, math.ceil(interval_seconds / step_seconds))
+def snapshot_interval_steps(step_seconds: float, seconds: float = 1.0) -> int:
+    """Steps from the warm-up to the window's snapshot: about `seconds` of training, at least 5."""
+    return max(5, math.ceil(seconds / step_seconds))
 
 
 def measure(cases: tuple[SizeCase, ...], directory: Path,
@@ -114,10 +112,10 @@ def measure(cases: tuple[SizeCase, ...], directory: Path,
 
 def _measure_size(case: SizeCase, directory: Path, snapshot_cost, progress) -> list[Row]:
     hidden = hidden_for_snapshot_bytes(case.size_bytes)
-    disk_probe = sequential_write_mb_per_s(directory / "disk", max(64, round(case.size_bytes / 2**20)))
-    every = snapshot_interval_steps(case.size_bytes, disk_probe, seconds_per_step(hidden, case.batch))
+    every = snapshot_interval_steps(seconds_per_step(hidden, case.batch))
+    # One snapshot per window (at step `every`), so no earlier write is in flight when it is taken.
     options = snapshot_cost.SnapshotCostOptions(
-        hidden=hidden, warmup=2, steps=every * case.snapshots, every=every, repetitions=1, batch=case.batch,
+        hidden=hidden, warmup=2, steps=every, every=every, repetitions=1, batch=case.batch,
         directory=str(directory / "snapshots"))
     results, disk = [], []
     for repetition in range(case.repetitions):
@@ -128,7 +126,7 @@ def _measure_size(case: SizeCase, directory: Path, snapshot_cost, progress) -> l
                      f"{_blocked(results[-1], 'async'):.3f} s, sync save {_blocked(results[-1], 'sync'):.3f} s, "
                      f"write {_write_mb_per_s(results[-1]):.0f} MB/s, disk {disk[-1]:.0f} MB/s")
     size = max(run.snapshot_bytes for result in results for run in result.runs) / 1e6
-    note = f"{size:.0f} MB snapshot, every {every} steps of batch {case.batch}"
+    note = f"{size:.0f} MB snapshot after {every} steps of batch {case.batch}"
     return [Row("snapshot", f"{case.label}: training blocked per snapshot, s",
                 [_blocked(r, "async") for r in results], [_blocked(r, "sync") for r in results],
                 "synchronous save", target="< 0.10", note=note),

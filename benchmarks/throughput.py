@@ -82,6 +82,7 @@ class RunResult:
     samples_per_second: float
     cpu_ms_per_step: float  # rank 0's process CPU time per step, over the same window
     peak_rss_mb: float  # the largest over all ranks
+    peak_cuda_mb: float | None  # the largest CUDA memory allocated by a rank (None on CPU)
     seconds: float  # wall time of the whole torchrun job, start-up included
 
 
@@ -149,7 +150,9 @@ def _result(workload: Workload, step_times: list[float], cpu_times: list[float],
     skip = workload.steps_per_epoch
     return RunResult(steady_state_samples_per_second(step_times, workload.global_batch_size, skip_steps=skip),
                      steady_state_cpu_ms_per_step(cpu_times, skip_steps=skip),
-                     max(record["peak_rss_mb"] for record in records), seconds)
+                     max(record["peak_rss_mb"] for record in records),
+                     max((record["peak_cuda_allocated_mb"] for record in records if "peak_cuda_allocated_mb" in record),
+                         default=None), seconds)
 
 
 def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, timeout: float = 600,
@@ -197,6 +200,10 @@ def _rows(workloads: Sequence[Workload], bare: dict[str, list[RunResult]],
         rows.append(Row("memory", f"{workload.model}: peak RSS per worker, MiB",
                         [r.peak_rss_mb for r in elastic[(workload.model, default_mode)]],
                         [r.peak_rss_mb for r in bare[workload.model]], "bare DDP"))
+        if all(r.peak_cuda_mb is not None for r in bare[workload.model] + elastic[(workload.model, default_mode)]):
+            rows.append(Row("memory", f"{workload.model}: peak CUDA memory allocated per worker, MiB",
+                            [r.peak_cuda_mb for r in elastic[(workload.model, default_mode)]],
+                            [r.peak_cuda_mb for r in bare[workload.model]], "bare DDP"))
     return rows
 
 
@@ -208,13 +215,16 @@ def _describe(workload: Workload) -> str:
 
 def workloads_for(quick: bool, models: Sequence[str] | None = None, device: str = "cpu", use_amp: bool = False,
                   world_size: int | None = None) -> list[Workload]:
+    """The quick or full workloads, for `models` (all by default), on `device` with `world_size` workers."""
     chosen = QUICK_WORKLOADS if quick else FULL_WORKLOADS
+    # A GPU step is much shorter: more epochs keep the measured window long enough.
+    epochs_scale = 4 if device == "cuda" and not quick else 1
     result = []
     for workload in chosen:
         if models and workload.model not in models:
             continue
-        result.append(Workload(workload.model, workload.epochs, workload.dataset_size, workload.global_batch_size,
-                               world_size or workload.world_size, device, use_amp))
+        result.append(Workload(workload.model, workload.epochs * epochs_scale, workload.dataset_size,
+                               workload.global_batch_size, world_size or workload.world_size, device, use_amp))
     return result
 
 

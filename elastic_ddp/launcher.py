@@ -26,17 +26,18 @@ the OMP_NUM_THREADS that torchrun gives it with `torch.set_num_threads`.
 
 from __future__ import annotations
 
-import importlib
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
 import sys
-import threading
 from collections.abc import Sequence
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "elastic_ddp.trainer")
 PRELOAD_VARIABLE = "ELASTIC_DDP_PRELOAD"
+# The logger of torchrun's worker processes, which logs their failures with tracebacks.
+FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 def run_module(module: str, *argv: str) -> None:
@@ -78,16 +79,21 @@ def start_fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def preload_agent_error_logging() -> None:
-    """Import torch._dynamo in the agent, in the background, before a worker can fail.
+class TracebackAsText(logging.Filter):
+    """Turn a record's traceback into text before torch's log formatter sees it.
 
-    With callable entry points the agent logs a worker failure with `logger.exception`, and
-    torch's log formatter imports torch._dynamo to format any record with a traceback: 1.5 s
+    With callable entry points the agent logs every worker failure with `logger.exception`, and
+    torch's formatter imports torch._dynamo to format any record that carries `exc_info`: 1.5 s
     (7 s on a busy 2-core machine) between a worker's failure and the agent acting on it, once
-    per agent. Importing it here overlaps that with the rendezvous instead.
+    per agent. With the traceback already in `exc_text` the formatter prints the same text
+    without that import.
     """
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="preload-dynamo",
-                     daemon=True).start()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -99,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # torchrun's --run-path entry point, pointed at runpy.run_module instead of run_path.
         torchrun.run_script_path = run_module
         start_fork_server()
-        preload_agent_error_logging()
+        logging.getLogger(FAILURE_LOGGER).addFilter(TracebackAsText())
         argv = warm
     torchrun.main(argv)
 

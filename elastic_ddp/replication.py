@@ -116,7 +116,7 @@ class Replication:
         else:
             if context.local_rank == 0 and context.rank != 0 and store.storage.local_directory is not None:
                 receiver = ReplicaReceiver.listen(store)
-        me = Member(rank=context.rank, group_rank=int(os.environ.get("GROUP_RANK", 0)),
+        me = Member(rank=context.rank, group_rank=int(os.environ.get("GROUP_RANK", "0")),
                     local_rank=context.local_rank, store_id=store_id,
                     receiver=receiver.address if receiver else None,
                     token=secrets.token_hex(16) if context.rank == 0 else "")
@@ -229,7 +229,7 @@ class SnapshotReplicator:
                 job, self._pending, self._busy = self._pending, None, True
             try:
                 self._replicate(job)
-            except Exception:  # noqa: BLE001 - a bug here must not end replication silently
+            except Exception:  # a bug here must not end replication silently
                 logger.exception("replication of step %d failed unexpectedly", job.global_step)
             finally:
                 with self._condition:
@@ -291,7 +291,7 @@ class ReplicaReceiver:
     def listen(cls, store: CheckpointStore) -> ReplicaReceiver | None:
         """Listen on the interface this node uses to reach rank 0's node; None if that fails."""
         try:
-            host = interface_towards(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 29500)))
+            host = interface_towards(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")))
             server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except (OSError, KeyError, ValueError) as exc:
             logger.warning("this node cannot receive snapshot replicas (%s); it will hold none", exc)

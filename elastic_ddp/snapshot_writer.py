@@ -114,7 +114,7 @@ class SnapshotWriter:
         except SnapshotWriteError as exc:
             self._report_failure(global_step, str(exc))
             return
-        except Exception as exc:  # a bug must not kill the writer thread silently
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the writer thread silently
             self._report_failure(global_step, f"unexpected error: {exc!r}", exc_info=True)
             return
         self.last_written = entry
@@ -134,5 +134,5 @@ def _call_safely(callback, *args) -> None:
     """Run a caller's callback on the writer thread; its bug is logged, not left to end the thread."""
     try:
         callback(*args)
-    except Exception:  # noqa: BLE001 - the snapshot itself is fine; keep writing the next ones
+    except Exception:  # the snapshot itself is fine; keep writing the next ones
         logger.exception("snapshot writer callback %r failed", callback)

@@ -8,8 +8,9 @@ It is a fork server, so that the test can SIGKILL hundreds of writers without pa
     reap PID              wait for that (killed) writer; answers "reaped"
 
 Each writer is a real `CheckpointStore` client writing real `Snapshot`s of an MLP with SGD momentum
-(about 5 MB, so that a write takes long enough for kills to land inside it), and appends the step of
-every write that returned to DIR/durable.log with one O_APPEND write per line.
+(about 5 MB, so that a write takes long enough for kills to land inside it) the way the trainer's
+writer thread does (`write_serialized`), and appends the step of every write that returned to
+DIR/durable.log with one O_APPEND write per line.
 
     python -m tests.kill_loop_writer
 """
@@ -47,7 +48,7 @@ def write_forever(directory: str, first_step: int, state: dict[str, torch.Tensor
                             model=staging.copy(state, "model"), optimizer={"momentum": staging.copy(state, "m")},
                             scheduler=None, grad_scaler=None, rng_per_rank=[], fingerprint={"writer": "kill-loop"},
                             world_size=1, incarnation=first_step, wall_time=0.0)
-        store.write(step, 0, step, snapshot.to_bytes())
+        store.write_serialized(step, 0, step, snapshot.write_to)  # the trainer's path: streamed, hashed on the way
         os.write(durable, f"{step}\n".encode())
         step += 1
 

@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from elastic_ddp.checkpoint import (MANIFEST_NAME, CheckpointStore, RetryPolicy, SnapshotWriteError,
-                                    snapshot_file_name)
+from elastic_ddp.checkpoint import MANIFEST_NAME, CheckpointStore, RetryPolicy, SnapshotWriteError, snapshot_file_name
 from elastic_ddp.storage import LocalDirectoryStorage
 
 

@@ -19,8 +19,7 @@ from torch.distributed import TCPStore
 from elastic_ddp import load_snapshot
 from elastic_ddp.checkpoint import CheckpointStore, ManifestEntry
 from elastic_ddp.local_cluster import LocalJob, LocalNode, free_port
-from elastic_ddp.replication import (Member, ReplicaReceiver, ReplicationError, choose_replica_targets,
-                                     send_snapshot)
+from elastic_ddp.replication import Member, ReplicaReceiver, ReplicationError, choose_replica_targets, send_snapshot
 from tests.conftest import assert_exactly_once, node_logs
 
 DATASET, BATCH, EPOCHS, EVERY = 3840, 64, 2, 20

@@ -15,7 +15,7 @@ from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import SyntheticImageDataset
 from elastic_ddp.events import read_events
 from elastic_ddp.models import build_model
-from elastic_ddp.snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, check_compatible
+from elastic_ddp.snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, StagingBuffers, check_compatible
 from elastic_ddp.trainer import Trainer
 
 
@@ -113,3 +113,28 @@ def test_fingerprint_differences_are_all_named():
 def test_load_snapshot_on_a_directory_without_snapshots_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no valid elastic_ddp snapshot"):
         load_snapshot(tmp_path)
+
+
+def test_staging_copies_are_independent_of_training_and_reuse_their_buffers():
+    staging = StagingBuffers()
+    state = {"w": torch.zeros(4), "groups": [{"lr": 0.1, "step": torch.tensor(3)}]}
+    first = staging.copy(state, "model")
+    state["w"].add_(1.0)
+    state["groups"][0]["step"].add_(1)
+    assert first["w"].tolist() == [0.0] * 4 and first["groups"][0]["step"].item() == 3, "a copy, not a view"
+    second = staging.copy(state, "model")
+    assert second["w"].data_ptr() == first["w"].data_ptr(), "the next snapshot reuses the buffer"
+    assert second["w"].tolist() == [1.0] * 4 and second["groups"][0] == {"lr": 0.1, "step": torch.tensor(4)}
+    state["w"] = torch.zeros(8)
+    assert staging.copy(state, "model")["w"].shape == (8,), "a new shape gets a new buffer"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staging_copies_from_cuda_land_in_pinned_buffers():
+    staging = StagingBuffers()
+    weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    copy = staging.copy({"w": weights}, "model")["w"]
+    weights.zero_()  # ordered after the copy on the same stream
+    staging.wait_until_copied()
+    assert copy.device.type == "cpu" and copy.is_pinned()
+    assert torch.equal(copy, torch.arange(1 << 20, dtype=torch.float32))

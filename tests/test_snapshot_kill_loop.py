@@ -51,7 +51,7 @@ def where_the_kill_landed(directory: Path, store: CheckpointStore) -> str:
         return "mid-write: temporary file left"
     if any(SNAPSHOT_PATTERN.match(name) and name not in listed for name in names):
         return "mid-write: snapshot durable, manifest not yet updated"
-    return "storage untouched: serialising, hashing or between writes"
+    return "storage untouched: copying the state, or between writes"
 
 
 def last_durable_step(directory: Path) -> int | None:
@@ -74,7 +74,8 @@ def test_kills_at_random_moments_never_leave_a_torn_or_lost_snapshot(tmp_path):
             durable_before = last_durable_step(directory)
             pid = int(server.ask(f"fork {directory} {newest + 1}"))
             # Once this writer is in its stride (one write done), kill it at a random moment of it.
-            wait_for(lambda: last_durable_step(directory) != durable_before, 30, "the writer's first write", 0.005)
+            wait_for(lambda before=durable_before: last_durable_step(directory) != before, 30,
+                     "the writer's first write", 0.005)
             time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))  # the kill's random moment is the point of the test
             os.kill(pid, signal.SIGKILL)
             assert server.ask(f"reap {pid}") == "reaped"

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--plan", type=Path, help="Fault plan as a JSON file.")
     source.add_argument("--random", type=int, metavar="FAULTS", help="Draw a plan of at least FAULTS faults.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random plan and of random targets.")
-    parser.add_argument("--initial-nodes", type=int, default=2, help="Nodes at the start (random plans).")
+    parser.add_argument("--initial-nodes", type=int, default=3, help="Nodes at the start (random plans).")
     parser.add_argument("--min-nodes", type=int, default=1, help="Fewest nodes (random plans; torchrun --nnodes).")
     parser.add_argument("--max-nodes", type=int, default=4, help="Most nodes (random plans; torchrun --nnodes).")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="Training processes per node.")

@@ -152,14 +152,13 @@ def random_plan(seed: int, total_steps: int, faults: int = 8, initial_nodes: int
 
     It always contains: a kill of a random node, a kill of a single worker, a kill of the node
     running rank 0 that lands while rank 0 writes a snapshot (`on_event: snapshot_captured`), a
-    kill of the node running rank 0 at a plain step, and a join at a step, as the first or second
-    fault (a join needs the job to run on for several seconds before it is admitted); the rest are
+    kill of the node running rank 0 at a plain step, and a join at `first_step`, as the first fault
+    (a join needs the job to run on for several seconds before it is admitted); the rest are
     kills of random nodes, of rank 0's node and of single workers. After a kill, a node often
-    joins at once, while the survivors re-form the group. Node counts stay within
-    [min_nodes, max_nodes]: a kill that would go below min_nodes is preceded by a join, a join
-    that would go above max_nodes by a kill (so the plan may hold more faults than asked). Kills
-    need a node that does not host the rendezvous store: play these plans with a standalone
-    store or etcd-v3.
+    joins at once (always when the job is down to min_nodes), while the survivors re-form the
+    group; a kill that would go below min_nodes becomes a worker kill (its node stays), a join
+    that would go above max_nodes is preceded by a kill. Kills need a node that does not host the
+    rendezvous store: play these plans with a standalone store or etcd-v3.
     """
     if faults < 5:
         raise PlanError(f"faults: got {faults}; a random plan needs at least 5 to include every kind")
@@ -171,8 +170,8 @@ def random_plan(seed: int, total_steps: int, faults: int = 8, initial_nodes: int
     kinds = ["kill_random", "kill_worker", "kill_rank0_during_snapshot", "kill_rank0"]
     kinds += rng.choices(["kill_random", "kill_worker", "kill_rank0"], k=faults - len(kinds) - 1)
     rng.shuffle(kinds)
-    kinds.insert(rng.randrange(2), "join")  # early: a join needs seconds of training left to be admitted
-    steps = sorted(rng.sample(range(first_step, last_step + 1), faults))
+    kinds.insert(0, "join")  # first: a join needs many seconds of training left to be admitted on a busy machine
+    steps = [first_step, *sorted(rng.sample(range(first_step + 1, last_step + 1), faults - 1))]
     nodes = initial_nodes
     planned: list[Fault] = []
     for kind, step in zip(kinds, steps):
@@ -183,18 +182,15 @@ def random_plan(seed: int, total_steps: int, faults: int = 8, initial_nodes: int
                 step = None  # the join follows the kill at once
             planned.append(Fault("add_node", at_step=step, settle=step is not None))
             nodes += 1
-        elif kind == "kill_worker":
+        elif kind == "kill_worker" or nodes - 1 < min_nodes:
+            # (at min_nodes no node may go: a worker is killed instead, its node stays)
             planned.append(Fault("kill_worker", "random", at_step=step, worker=rng.randrange(nproc_per_node)))
         else:
-            if nodes - 1 < min_nodes:
-                planned.append(Fault("add_node", at_step=step))
-                nodes += 1
-                step = None  # the kill follows once the new node trains with the group
             target = "random" if kind == "kill_random" else "rank0"
             on_event = "snapshot_captured" if kind == "kill_rank0_during_snapshot" else None
             planned.append(Fault("kill_node", target, at_step=step, on_event=on_event))
             nodes -= 1
-            if nodes < max_nodes and rng.random() < 0.5:
+            if nodes < max_nodes and (nodes == min_nodes or rng.random() < 0.5):
                 planned.append(Fault("add_node", settle=False))  # arrives while the survivors re-form
                 nodes += 1
     return FaultPlan(tuple(planned), initial_nodes, min_nodes, max_nodes, seed)
