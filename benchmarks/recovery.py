@@ -98,6 +98,12 @@ def _phases(group: WorkerGroup, events: EventFollower, origin: float) -> dict[st
     return phases
 
 
+def with_keep_alive_max_attempt(attempts: int) -> dict[str, Any]:
+    """`ours` with another heartbeat budget (expiry = attempts x 1 s); see docs on the margin."""
+    conf = re.sub(r"keep_alive_max_attempt=\d+", f"keep_alive_max_attempt={attempts}", RDZV_CONF)
+    return {**SETTINGS["ours"], "rdzv_conf": conf}
+
+
 def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str, Any]:
     """One kill and one join under `setting`; seconds and their phases."""
     job = LocalJob(run_dir, TRAINING_ARGS, nnodes="1:4", run_id=f"recovery-{setting}",
@@ -191,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="One repetition (same as --repeats 1).")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--keep-alive-max-attempts", type=int, nargs="+", default=[], metavar="N",
+                        help="Also measure `ours` with keep_alive_max_attempt=N (setting ours-kaN).")
     parser.add_argument("--json", type=Path, help="Also write the raw records and the summary here.")
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
+    settings = list(args.settings)
+    for attempts in args.keep_alive_max_attempts:
+        SETTINGS[f"ours-ka{attempts}"] = with_keep_alive_max_attempt(attempts)
+        settings.append(f"ours-ka{attempts}")
     with tempfile.TemporaryDirectory(prefix="recovery-") as root:
-        records = measure(args.settings, repeats, Path(root))
+        records = measure(settings, repeats, Path(root))
     summary = summarise(records)
     print_table(summary)
     if args.json:

@@ -28,7 +28,12 @@ segments of a pair are seconds apart, so drifts in the machine's load cancel out
 a minute apart do not on a shared machine. It holds while a background write ends within `--every`
 steps (compare the printed write time with the segment time). Whole runs: median over repetitions
 of (async window / none window) - 1, the window being steps `--warmup` + 1 to `--warmup` +
-`--steps`, inside one epoch. The load average is printed with the results.
+`--steps`, inside one epoch. A third view does not depend on other load at all: CPU time. The
+training thread's CPU time over the window shows whether snapshots add work to training (they
+should not, beyond the copy); the process's extra CPU time per snapshot is the writer's cost. With
+a core free for the writer, only the blocked time slows training; with none (a CPU-bound machine)
+the writer's CPU time is taken from training too; both predictions are printed. The load average
+is printed with the results.
 
 Targets (issue 5): blocked < 10% of the synchronous save; slowdown < 3%. Another runner can call
 `measure_snapshot_cost(SnapshotCostOptions(...))` and `rows(result)` (benchmarks.table rows).
@@ -92,6 +97,9 @@ class RunResult:
     snapshot_bytes: int
     # Alternating run: (seconds of the segment starting with a snapshot, of the next one without).
     segment_pairs: list[tuple[float, float]] = field(default_factory=list)
+    # CPU time over the window (first_step, last_step]: the training thread's, and the whole process's.
+    training_cpu_seconds: float = 0.0
+    process_cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -110,6 +118,27 @@ class SnapshotCostResult:
     def blocked_ratio(self) -> float:
         """Median blocked time per async snapshot over the median synchronous save."""
         return statistics.median(self.all_blocked("async")) / statistics.median(self.all_blocked("sync"))
+
+    def cpu_accounting(self) -> dict[str, float]:
+        """Load-independent figures from CPU time (medians over repetitions, async against none).
+
+        training_cpu_ratio: the training thread's CPU time with snapshots over without (its work);
+        writer_cpu_per_snapshot: extra process CPU time per snapshot (writer thread, kernel time);
+        interval_cpu: the training thread's CPU time for one snapshot interval;
+        with_idle_core / without_idle_core: the slowdown these predict when a core is free for the
+        writer (only the blocked time counts) and when none is (the writer's CPU is taken from training).
+        """
+        pairs = list(zip(self.of("async"), self.of("none")))
+        steps = self.options.steps
+        writer = statistics.median(
+            ((a.process_cpu_seconds - a.training_cpu_seconds) - (n.process_cpu_seconds - n.training_cpu_seconds))
+            / max(1, len(a.blocked_seconds)) for a, n in pairs)
+        interval = statistics.median(n.training_cpu_seconds for _, n in pairs) / steps * self.options.every
+        blocked = statistics.median(self.all_blocked("async"))
+        return {"training_cpu_ratio": statistics.median(a.training_cpu_seconds / n.training_cpu_seconds
+                                                        for a, n in pairs),
+                "writer_cpu_per_snapshot": writer, "interval_cpu": interval,
+                "with_idle_core": blocked / interval, "without_idle_core": (blocked + writer) / interval}
 
     def whole_run_slowdown(self, mode: str = "async") -> float:
         """Median over repetitions of (`mode` window time / no-snapshot window time) - 1."""
@@ -165,9 +194,12 @@ def _run(options: SnapshotCostOptions, mode: str, directory: Path) -> RunResult:
         snapshot_replicas=0)
     torch.manual_seed(0)
     step_times: dict[int, float] = {}
+    cpu_times: dict[int, tuple[float, float]] = {}  # (training thread, whole process) at the window's ends
 
     def after_step(trainer: Trainer) -> None:
         step_times[trainer.global_step] = time.perf_counter()
+        if trainer.global_step in (first_step, last_step):
+            cpu_times[trainer.global_step] = (time.thread_time(), time.process_time())
         if trainer.global_step == last_step:
             raise _WindowEnd
 
@@ -183,7 +215,9 @@ def _run(options: SnapshotCostOptions, mode: str, directory: Path) -> RunResult:
     step_seconds = [step_times[step] - step_times[step - 1] for step in steps]
     events = [e for e in read_events(checkpoint_dir / "events.jsonl") if e.get("global_step") in steps]
     written = [e for e in events if e["event"] == "snapshot"]
+    (thread_start, process_start), (thread_end, process_end) = cpu_times[first_step], cpu_times[last_step]
     return RunResult(mode=mode, window_seconds=sum(step_seconds), step_seconds=step_seconds,
+                     training_cpu_seconds=thread_end - thread_start, process_cpu_seconds=process_end - process_start,
                      blocked_seconds=[e["blocked_seconds"] for e in events if e["event"] == "snapshot_captured"],
                      write_seconds=[e["write_seconds"] for e in written],
                      snapshot_bytes=written[0]["size_bytes"] if written else 0,
@@ -267,9 +301,15 @@ def summary(result: SnapshotCostResult) -> str:
         segment = statistics.median(without for _, without in result.segment_pairs)
         lines.append(f"slowdown, snapshot every {every} steps:    {result.slowdown * 100:+8.2f} %   (target < 3 %; "
                      f"median of {len(result.segment_pairs)} paired {every}-step segments of {segment:.1f} s)")
+    cpu = result.cpu_accounting()
     lines += [
         f"  whole runs, async / none:             {result.whole_run_slowdown('async') * 100:+8.2f} %",
         f"  whole runs, sync / none:              {result.whole_run_slowdown('sync') * 100:+8.2f} %",
+        (f"CPU accounting (independent of other load): training thread's CPU with / without snapshots "
+         f"{cpu['training_cpu_ratio']:.3f}; writer CPU per snapshot {cpu['writer_cpu_per_snapshot'] * 1000:.0f} ms; "
+         f"one {every}-step interval = {cpu['interval_cpu']:.2f} s of training CPU"),
+        (f"  predicted slowdown: {cpu['with_idle_core'] * 100:.2f} % with a core free for the writer, "
+         f"{cpu['without_idle_core'] * 100:.2f} % with none"),
         (f"load average during the runs: {result.load_average:.1f} on {os.cpu_count()} CPUs "
          f"({result.options.threads} intra-op thread(s) for training)"),
     ]

@@ -109,3 +109,30 @@ def test_the_chaos_cli_explains_itself_and_refuses_bad_input(tmp_path):
     result = subprocess.run([sys.executable, "-m", "elastic_ddp.chaos", "--plan", str(bad), "--run-dir",
                              str(tmp_path / "run"), "--", "--model", "mlp"], capture_output=True, text=True)
     assert result.returncode == 2 and "fault action: got 'explode'" in result.stderr
+
+
+def test_the_report_flags_a_restore_of_a_snapshot_whose_write_never_completed(tmp_path):
+    """The check behind "no torn snapshot was ever loaded", on a hand-written event log."""
+    from elastic_ddp.chaos.harness import ChaosHarness
+
+    args = ["--model", "mlp", "--epochs", "1", "--dataset_size", "128", "--global_batch_size", "64"]
+    harness = ChaosHarness(tmp_path / "run", args, FaultPlan((), initial_nodes=1))
+    harness.job.checkpoint_dir.mkdir(parents=True)
+    start = {"event": "start", "world_size": 1, "ranks": [{"rank": 0, "pid": 1, "agent_pid": 2}]}
+    lines = [
+        {"time": 1.0, "incarnation": 1, **start},
+        {"time": 1.1, "incarnation": 1, "event": "snapshot_captured", "global_step": 1},
+        {"time": 1.2, "incarnation": 1, "event": "snapshot", "global_step": 1, "sha256": "aaa"},
+        {"time": 1.3, "incarnation": 1, "event": "snapshot_captured", "global_step": 2},  # killed mid-write
+        {"time": 5.0, "incarnation": 2, **start},
+        {"time": 5.1, "incarnation": 2, "event": "restore", "global_step": 1, "sha256": "aaa", "verified": True},
+        {"time": 5.2, "incarnation": 2, "event": "restore", "global_step": 2, "sha256": "bbb", "verified": True},
+        {"time": 6.0, "incarnation": 2, "event": "finished", "global_step": 2},
+    ]
+    harness.job.event_log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = harness._report([], [])
+    assert [r["matches_a_completed_write"] for r in report.restores] == [True, False]
+    assert report.interrupted_snapshot_writes == [2]
+    assert any("restore of step 2 (sha256 bbb" in problem for problem in report.problems)
+    assert any(problem.startswith("exactly once") for problem in report.problems)  # no audit log here
+    assert not report.ok

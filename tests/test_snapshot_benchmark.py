@@ -19,3 +19,5 @@ def test_the_snapshot_cost_benchmark_measures_every_mode(tmp_path):
     assert [row.baseline_name for row in rows(result)] == ["synchronous save", "the next 5 steps", "no snapshots",
                                                            "no snapshots"]
     assert "blocked per async snapshot" in summary(result) and "paired 5-step segments" in summary(result)
+    assert set(result.cpu_accounting()) == {"training_cpu_ratio", "writer_cpu_per_snapshot", "interval_cpu",
+                                            "with_idle_core", "without_idle_core"}

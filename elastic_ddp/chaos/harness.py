@@ -100,6 +100,7 @@ class ChaosReport:
     interrupted_snapshot_writes: list[int]
     world_sizes: list[int]
     exit_codes: dict[str, int | None]
+    ended: dict[str, float]  # seconds into the run when each agent that ended on its own was seen gone
     seconds: float
     problems: list[str] = field(default_factory=list)
 
@@ -170,6 +171,7 @@ class ChaosHarness:
         self.events = EventFollower(self.job.event_log)
         self.rng = random.Random(plan.seed)
         self.state: dict[str, str] = {}  # node name -> live, killed, terminated, frozen
+        self.ended: dict[str, float] = {}
         self.started_at = 0.0
         self._deadline = 0.0
 
@@ -203,16 +205,12 @@ class ChaosHarness:
     def stop(self) -> None:
         """SIGKILL every node still running and the standalone store."""
         for node in self.job.nodes:
-            if self.state.get(node.name) == "frozen" and node.is_running():
-                node.thaw()  # a stopped process does not die of SIGKILL until it runs again on some kernels
             node.stop()
         if self.store_process is not None and self.store_process.poll() is None:
             self.store_process.kill()
             self.store_process.wait(timeout=30)
 
     def _start_store(self) -> None:
-        if not self.standalone_store:
-            return
         host, port = self.job.rdzv_endpoint.rsplit(":", 1)
         log = open(self.run_dir / "store.log", "ab")
         self.store_process = subprocess.Popen([sys.executable, "-m", "elastic_ddp.chaos.store", self.job.rdzv_endpoint],
@@ -416,8 +414,13 @@ class ChaosHarness:
     def _wait_for_the_end(self, problems: list[str]) -> None:
         """Wait for every live or draining agent to exit; frozen nodes are then killed."""
         while True:
-            running = [node.name for node in self.job.nodes
-                       if self.state[node.name] in ("live", "terminated") and node.is_running()]
+            running = []
+            for node in self.job.nodes:
+                if self.state[node.name] in ("live", "terminated"):
+                    if node.is_running():
+                        running.append(node.name)
+                    else:
+                        self.ended.setdefault(node.name, round(time.time() - self.started_at, 2))
             if not running:
                 break
             if time.monotonic() > self._deadline:
@@ -427,7 +430,6 @@ class ChaosHarness:
         for node in self.job.nodes:
             if self.state[node.name] == "frozen" and node.is_running():
                 logger.info("%s is still frozen at the end: killing it", node.name)
-                node.thaw()
                 node.kill()
 
     def _report(self, records: list[FaultRecord], problems: list[str]) -> ChaosReport:
@@ -463,7 +465,7 @@ class ChaosHarness:
             expected_final_step=self.expected_steps, final_step=final_step, exactly_once_problems=exactly_once,
             restores=restores, interrupted_snapshot_writes=interrupted,
             world_sizes=[g.start["world_size"] for g in groups],
-            exit_codes={node.name: node.process.poll() for node in self.job.nodes},
+            exit_codes={node.name: node.process.poll() for node in self.job.nodes}, ended=self.ended,
             seconds=round(time.time() - self.started_at, 1), problems=problems)
 
 
