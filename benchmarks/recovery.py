@@ -24,7 +24,7 @@ agents' logs (LOGLEVEL=INFO), and split into phases: the agents notice the failu
 rendezvous completes, the worker processes start and import, the process group forms, the model
 and data are built, the snapshot is restored, the first step is done.
 
-`measure(settings, repeats, run_root)` returns the raw numbers; `run_all`-style runners call it.
+`run_benchmark(repeats, settings)` returns the raw records and the summary, for benchmark runners.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,18 @@ def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
                 print(f"  {other} / ours: {summary[other][event]['seconds']['median'] / ours:.1f}x")
 
 
+def run_benchmark(repeats: int = 1, settings: list[str] | None = None,
+                  keep_alive_max_attempts: Sequence[int] = ()) -> dict[str, Any]:
+    """For benchmark runners: {"records": [...], "summary": {setting: {kill|join: {phase: stats}}}}."""
+    names = list(settings or SETTINGS)
+    for attempts in keep_alive_max_attempts:
+        SETTINGS[f"ours-ka{attempts}"] = with_keep_alive_max_attempt(attempts)
+        names.append(f"ours-ka{attempts}")
+    with tempfile.TemporaryDirectory(prefix="recovery-") as root:
+        records = measure(names, repeats, Path(root))
+    return {"records": records, "summary": summarise(records)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="One repetition (same as --repeats 1).")
@@ -201,17 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also measure `ours` with keep_alive_max_attempt=N (setting ours-kaN).")
     parser.add_argument("--json", type=Path, help="Also write the raw records and the summary here.")
     args = parser.parse_args(argv)
-    repeats = 1 if args.quick else args.repeats
-    settings = list(args.settings)
-    for attempts in args.keep_alive_max_attempts:
-        SETTINGS[f"ours-ka{attempts}"] = with_keep_alive_max_attempt(attempts)
-        settings.append(f"ours-ka{attempts}")
-    with tempfile.TemporaryDirectory(prefix="recovery-") as root:
-        records = measure(settings, repeats, Path(root))
-    summary = summarise(records)
-    print_table(summary)
+    result = run_benchmark(1 if args.quick else args.repeats, args.settings, args.keep_alive_max_attempts)
+    print_table(result["summary"])
     if args.json:
-        args.json.write_text(json.dumps({"records": records, "summary": summary}, indent=1) + "\n")
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Snapshot cost by size (10 MB, 100 MB, 1 GB) and snapshot write bandwidth against the disk's.
 
-    python -m benchmarks.snapshot_sweep              # 10 MB, 100 MB and 1 GB; about 6 minutes on 2 cores
+    python -m benchmarks.snapshot_sweep              # 10 MB, 100 MB and 1 GB; about 10 minutes on 2 cores
     python -m benchmarks.snapshot_sweep --quick      # 10 MB only, one repetition
     python -m benchmarks.snapshot_sweep --dir /mnt/local-ssd/bench
 
@@ -8,10 +8,13 @@
 snapshot helper's: elastic_ddp's Trainer on a world of one training a wide MLP, runs without
 snapshots, with background snapshots and with synchronous ones, interleaved), with the MLP's width
 chosen so that parameters plus SGD momentum make a snapshot of that size. Steps are few and
-batches small for the big models (a 1 GB MLP takes most of a second per step on one core). Each
-measured window holds one snapshot, about a second of training after the warm-up (the step is
-timed first), so no earlier write is still in flight: the background snapshot blocks training only
-for its copy, as it does in a run whose snapshot interval is longer than a write. Rows:
+batches small for the big models (a 1 GB MLP takes most of a second per step on one core). Two
+snapshots are taken, an interval apart: the first falls in the warm-up (it also allocates the
+staging buffers, once per run), the second is measured. The interval is long enough for the first
+write to end before the second snapshot (1.3 x the snapshot size at `WRITE_MB_PER_S`, the speed of
+background writes on the 2-core machine, and at least a second; the step is timed first), so the
+measured snapshot blocks training for its copy only: the regime of a run whose snapshot interval
+is longer than a write. Rows:
 
 - training blocked per snapshot (copy into the staging buffers, plus any wait) against the time of
   a synchronous save of the same snapshot;
@@ -87,8 +90,12 @@ def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
     return statistics.median(timings[1:])
 
 
-def snapshot_interval_steps(step_seconds: float, seconds: float = 1.0) -> int:
-    """Steps from the warm-up to the window's snapshot: about `seconds` of training, at least 5."""
+WRITE_MB_PER_S = 60  # background snapshot writes measured on the 2-core machine: 45-80 MB/s
+
+
+def snapshot_interval_steps(step_seconds: float, size_bytes: float) -> int:
+    """Steps between the two snapshots: long enough for the first write to end, at least 5."""
+    seconds = max(1.0, 1.3 * size_bytes / 1e6 / WRITE_MB_PER_S)
     return max(5, math.ceil(seconds / step_seconds))
 
 
@@ -112,10 +119,10 @@ def measure(cases: tuple[SizeCase, ...], directory: Path,
 
 def _measure_size(case: SizeCase, directory: Path, snapshot_cost, progress) -> list[Row]:
     hidden = hidden_for_snapshot_bytes(case.size_bytes)
-    every = snapshot_interval_steps(seconds_per_step(hidden, case.batch))
-    # One snapshot per window (at step `every`), so no earlier write is in flight when it is taken.
+    every = snapshot_interval_steps(seconds_per_step(hidden, case.batch), case.size_bytes)
+    # Snapshots at steps `every` (warm-up) and 2 x `every` (the measured window's only one).
     options = snapshot_cost.SnapshotCostOptions(
-        hidden=hidden, warmup=2, steps=every, every=every, repetitions=1, batch=case.batch,
+        hidden=hidden, warmup=every, steps=every, every=every, repetitions=1, batch=case.batch,
         directory=str(directory / "snapshots"))
     results, disk = [], []
     for repetition in range(case.repetitions):
@@ -126,7 +133,7 @@ def _measure_size(case: SizeCase, directory: Path, snapshot_cost, progress) -> l
                      f"{_blocked(results[-1], 'async'):.3f} s, sync save {_blocked(results[-1], 'sync'):.3f} s, "
                      f"write {_write_mb_per_s(results[-1]):.0f} MB/s, disk {disk[-1]:.0f} MB/s")
     size = max(run.snapshot_bytes for result in results for run in result.runs) / 1e6
-    note = f"{size:.0f} MB snapshot after {every} steps of batch {case.batch}"
+    note = f"{size:.0f} MB snapshot, {every} steps of batch {case.batch} after the previous one"
     return [Row("snapshot", f"{case.label}: training blocked per snapshot, s",
                 [_blocked(r, "async") for r in results], [_blocked(r, "sync") for r in results],
                 "synchronous save", target="< 0.10", note=note),

@@ -6,10 +6,14 @@ workers and SIGKILLs them if they are still alive `TORCH_ELASTIC_SHUTDOWN_TIMEOU
 (torch's default: 30). Because it ends on a signal, the agent does NOT close the rendezvous, so the
 other nodes can go on without it (docs/failure-semantics.md, "Draining a node").
 
-In the worker, `DrainSignal` turns SIGTERM into a flag. At every optimizer-step boundary the ranks
-agree on the flags with a one-element all-reduce (MAX) that is started at one boundary and read at
-the next, so it overlaps a whole step and costs no waiting; ranks therefore learn of a SIGTERM one
-or two steps after it arrived. Once they agree, the trainer writes a final snapshot, waits until it
+In the worker, `DrainSignal` turns SIGTERM into a flag. The ranks agree on the flags with a small
+all-reduce (MAX) that is started at one step boundary and read at the next vote, so it overlaps the
+steps in between and costs no waiting. A collective still costs CPU (on gloo, 0.3-0.6 ms on a small
+machine: several percent of a step of a few milliseconds), so the ranks vote about every
+`VOTE_INTERVAL_S` seconds rather than at every step: each vote also carries every rank's seconds
+per step since the previous vote, and the slowest of them sets the number of steps to the next
+vote, the same on every rank. Ranks therefore learn of a SIGTERM within two votes: about
+2 x `VOTE_INTERVAL_S`, or two steps when a step is longer than that. Once they agree, the trainer writes a final snapshot, waits until it
 is durable and raises `DrainRequested` on every rank. `python -m elastic_ddp.train` then exits
 with `DRAIN_EXIT_CODE`: never 0, because a worker group that exits 0 makes its agent close the
 rendezvous for every node (torch's `launch_agent` calls `rdzv_handler.shutdown()` on success).
@@ -39,6 +43,16 @@ logger = logging.getLogger(__name__)
 
 # EX_TEMPFAIL from sysexits.h: "try again later". Any non-zero code keeps the rendezvous open.
 DRAIN_EXIT_CODE = 75
+# Seconds between drain votes (see the module docstring); at most MAX_STEPS_BETWEEN_VOTES steps.
+VOTE_INTERVAL_S = 0.25
+MAX_STEPS_BETWEEN_VOTES = 200
+
+
+def steps_between_votes(slowest_step_seconds: float) -> int:
+    """Steps to the next vote for steps of `slowest_step_seconds` (unknown yet when <= 0: 1)."""
+    if slowest_step_seconds <= 0:
+        return 1
+    return max(1, min(MAX_STEPS_BETWEEN_VOTES, int(VOTE_INTERVAL_S / slowest_step_seconds)))
 
 
 class DrainRequested(Exception):
@@ -55,6 +69,9 @@ class DrainSignal:
         self.device = device
         self.requested_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._voted_at: float | None = None  # time.monotonic() of this rank's last vote
+        self._steps_between = 1  # steps from the last vote to the next one (the same on every rank)
+        self._steps_until_vote = 1
 
     @property
     def requested(self) -> bool:
@@ -79,17 +96,25 @@ class DrainSignal:
             signal.signal(signal.SIGTERM, previous)
 
     def agreed(self) -> bool:
-        """Whether any rank had asked to drain by the previous boundary. Collective: call it at
-        every step boundary on every rank, in the same order as the other collectives."""
+        """Whether any rank had asked to drain by the previous vote. Call it at every step boundary
+        on every rank, in the same order as the other collectives: on the boundaries where the ranks
+        vote (the same ones on every rank), it reads one collective and starts the next."""
         if not dist.is_initialized():
             return self.requested
-        agreed = False
+        self._steps_until_vote -= 1
+        if self._steps_until_vote > 0:
+            return False
+        now = time.monotonic()
+        step_seconds = (now - self._voted_at) / self._steps_between if self._voted_at is not None else 0.0
+        agreed, self._steps_between = False, 1
         if self._pending is not None:
-            work, flag = self._pending
+            work, votes = self._pending
             work.wait()
-            agreed = bool(flag.item())
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=self.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+            requested, slowest_step_seconds = votes.tolist()
+            agreed, self._steps_between = requested > 0, steps_between_votes(slowest_step_seconds)
+        votes = torch.tensor([1.0 if self.requested else 0.0, step_seconds], dtype=torch.float64, device=self.device)
+        self._pending = (dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True), votes)
+        self._voted_at, self._steps_until_vote = now, self._steps_between
         return agreed
 
     def finish(self) -> None:
