@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.local_cluster import LocalJob, wait_for
+from elastic_ddp.local_cluster import RDZV_CONF, LocalJob, wait_for
 from tests.conftest import assert_exactly_once, node_logs
 
 if TYPE_CHECKING:
-    from tests.etcd_fixtures import EtcdServer
+    from tests.etcd_fixtures import EtcdCluster, EtcdServer
 
 pytest_plugins = ["tests.etcd_fixtures"]  # the etcd fixtures
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -106,4 +106,35 @@ def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdSer
     steps_during_outage = [e for e in job.events("step") if outage_started < e["time"] < outage_ended]
     assert steps_during_outage, "training paused while etcd was down"
     assert len(job.events("start")) == 1, "the outage made the workers restart"
+    assert_finished(job, dataset_size)
+
+
+def test_training_runs_over_tls_with_the_ca(local_jobs, tls_etcd_server: EtcdServer) -> None:
+    dataset_size = 1536
+    tls = tls_etcd_server.tls
+    assert tls is not None
+    job = local_jobs(training_args(dataset_size), name="tls-job", nproc_per_node=1, rdzv_backend="etcd-v3",
+                     rdzv_endpoint=tls_etcd_server.endpoint, run_id="e2e-tls", agent_env=AGENT_ENV,
+                     rdzv_conf=f"{RDZV_CONF},protocol=https,ca_cert={tls.ca_cert}")
+    job.add_node("a")
+    job.add_node("b")
+    assert job.wait(timeout=240) == {"a": 0, "b": 0}, node_logs(job)
+    assert world_reached(job, 2, timeout=1)["world_size"] == 2
+    assert_finished(job, dataset_size)
+
+
+def test_training_goes_on_when_the_etcd_leader_is_killed(local_jobs, etcd_cluster: EtcdCluster) -> None:
+    dataset_size = 6144
+    job = local_jobs(training_args(dataset_size), name="cluster-job", nproc_per_node=1, rdzv_backend="etcd-v3",
+                     rdzv_endpoint=etcd_cluster.endpoints, run_id="e2e-cluster", agent_env=AGENT_ENV)
+    job.add_node("a")
+    job.add_node("b")
+    world_reached(job, 2)
+    job.wait_for_step(job.last_step() + 5, timeout=90)
+    leader = etcd_cluster.leader()
+    leader.stop()  # SIGKILL
+    assert etcd_cluster.leader() is not leader
+    killed_at = time.time()
+    assert job.wait(timeout=240) == {"a": 0, "b": 0}, node_logs(job)
+    assert [e for e in job.events("step") if e["time"] > killed_at], "no training after the leader died"
     assert_finished(job, dataset_size)
