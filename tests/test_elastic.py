@@ -1,5 +1,8 @@
 """Elasticity with real torchrun agents as separate nodes on 127.0.0.1, real gloo, real SIGKILLs.
 
+These run stock torchrun (`torch.distributed.run`), the path the README promises; the chaos tests
+run the same promises through `elastic_ddp.launcher`.
+
 Each test asserts the final global step and that the audit log shows every sample of every epoch
 exactly once in the surviving trajectory.
 """
@@ -9,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.local_cluster import LocalJob
+from elastic_ddp.local_cluster import STOCK_LAUNCHER, LocalJob
 from tests.conftest import assert_exactly_once, node_logs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -38,7 +41,7 @@ def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
 
 
 def test_a_killed_node_leaves_the_job_finishing_on_the_rest(local_jobs):
-    job = local_jobs(TRAINING_ARGS, nproc_per_node=2)
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2)
     host = job.add_node("host")
     lost = job.add_node("lost")
     world_reached(job, 4)
@@ -53,7 +56,7 @@ def test_a_killed_node_leaves_the_job_finishing_on_the_rest(local_jobs):
 def test_a_node_added_mid_run_grows_the_world(local_jobs):
     # Long enough that the first node cannot finish alone while the joiner starts (about 6 s).
     dataset_size = 4 * DATASET
-    job = local_jobs(training_args(dataset_size), nproc_per_node=2)
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=training_args(dataset_size), nproc_per_node=2)
     first = job.add_node("first")
     job.wait_for_step(5, timeout=90)
     joiner = job.add_node("joiner")
@@ -66,7 +69,7 @@ def test_a_node_added_mid_run_grows_the_world(local_jobs):
 
 
 def test_the_whole_job_killed_and_relaunched_resumes_without_redoing_work(local_jobs):
-    job = local_jobs(TRAINING_ARGS, nproc_per_node=2)
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2)
     job.add_node("a")
     job.add_node("b")
     job.wait_for_step(STEPS // 2, timeout=120)
@@ -75,7 +78,8 @@ def test_the_whole_job_killed_and_relaunched_resumes_without_redoing_work(local_
     newest_before_relaunch = load_snapshot(job.checkpoint_dir)["global_step"]
     assert 0 < newest_before_relaunch < STEPS
 
-    relaunched = local_jobs(TRAINING_ARGS, name="job", nproc_per_node=2)  # same run directory
+    # The same run directory: a relaunch of the same command.
+    relaunched = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, name="job", nproc_per_node=2)
     relaunched.add_node("a2")
     assert relaunched.wait(timeout=180) == {"a2": 0}, node_logs(relaunched)
     restores = relaunched.events("restore")
@@ -88,7 +92,8 @@ def test_plain_torchrun_environment_survives_a_kill_and_a_rejoin(local_jobs):
     environment, only elastic_ddp installed. Without the plugin's fix, the agent-shared TCPStore
     makes restarted workers hang in init_process_group (findings.md, trap 2)."""
     dataset_size = 4 * DATASET
-    job = local_jobs(training_args(dataset_size), nproc_per_node=1, agent_env={"OMP_NUM_THREADS": "1"})
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=training_args(dataset_size), nproc_per_node=1,
+                     agent_env={"OMP_NUM_THREADS": "1"})
     host = job.add_node("host")
     other = job.add_node("other")
     world_reached(job, 2)
