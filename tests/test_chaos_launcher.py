@@ -15,7 +15,7 @@ import pytest
 
 from elastic_ddp.events import read_events
 from elastic_ddp.launcher import warm_arguments
-from elastic_ddp.local_cluster import LAUNCHER
+from elastic_ddp.local_cluster import LAUNCHER, STOCK_LAUNCHER
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,9 +42,10 @@ def test_an_explicit_start_method_is_kept():
     assert warm == ["--start-method=spawn", "--run-path", "elastic_ddp.train"]
 
 
-def test_node_sh_starts_the_same_launcher_as_the_tests():
+def test_node_sh_starts_plain_torchrun_unless_asked_for_the_launcher():
     text = (REPO / "launch" / "node.sh").read_text()
-    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.M).group(1) == LAUNCHER
+    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.M).group(1) == STOCK_LAUNCHER
+    assert f"LAUNCHER: got '$launcher'; expected {LAUNCHER} or {STOCK_LAUNCHER}" in text
 
 
 @pytest.mark.slow
