@@ -12,7 +12,6 @@ memory. With `BENCH_PROFILE_DIR` set, training runs under cProfile (see `benchma
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled
 from elastic_ddp import train
+from elastic_ddp.distributed import exit_worker
 from elastic_ddp.events import EventLog
 
 
@@ -53,4 +53,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())  # as `python -m elastic_ddp.train` ends: no interpreter teardown

@@ -4,8 +4,9 @@
     python -m benchmarks.throughput --quick         # CI-sized
     python -m benchmarks.throughput --device cuda --use_amp   # GPU: nccl, AMP, one worker per GPU
 
-(run from the repository root). Both sides run under the same torchrun command (one agent,
-`--nproc_per_node` workers, `OMP_NUM_THREADS=1` and the agent environment elastic_ddp ships), with
+(run from the repository root). Both sides run under the same torchrun command (plain torchrun,
+one agent, `--nproc_per_node` workers, the shipped rendezvous settings, `OMP_NUM_THREADS=1` and
+the rest of the agent environment elastic_ddp ships), with
 the same model, data, optimizer, schedule, global batch and world size, and `--micro_batch_size`
 equal to the per-rank share so neither side accumulates gradients. elastic_ddp runs twice per
 repetition: snapshots only at epoch ends (`--snapshot_every_steps 0`) and every 50 steps (the
@@ -40,7 +41,8 @@ from benchmarks.measure import (PROFILE_DIR_ENV, parse_results, steady_state_cpu
                                 steady_state_samples_per_second)
 from benchmarks.table import Row, render_markdown  # noqa: E402
 from elastic_ddp.events import read_events  # noqa: E402
-from elastic_ddp.local_cluster import AGENT_ENV, free_port, signal_tree, torchrun_command  # noqa: E402
+from elastic_ddp.local_cluster import (AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree,  # noqa: E402
+                                      torchrun_command)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_MODES = {"snapshots at epoch ends": 0, "snapshots every 50 steps": 50}
@@ -94,8 +96,10 @@ def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: in
     named after `run_dir`.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Plain torchrun (what launch/node.sh runs by default) with the shipped rendezvous settings.
     command = torchrun_command(nnodes="1", nproc_per_node=world_size, rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                               rdzv_id=run_dir.name, max_restarts=0, module=module, training_args=args)
+                               rdzv_id=run_dir.name, max_restarts=0, module=module, training_args=args,
+                               launcher=STOCK_LAUNCHER)
     log_path = run_dir / "torchrun.log"
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -107,9 +111,11 @@ def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: in
         try:
             exit_code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            signal_tree(process.pid, signal.SIGKILL)
-            process.wait()
             exit_code = None
+        finally:  # a timeout, or this harness interrupted: leave no job behind
+            if process.poll() is None:
+                signal_tree(process.pid, signal.SIGKILL)
+                process.wait()
     seconds = time.monotonic() - started
     output = log_path.read_text(errors="replace")
     if exit_code != 0:
@@ -159,7 +165,8 @@ def measure(workloads: Sequence[Workload], repetitions: int, work_dir: Path, tim
             progress: Callable[[str], None] | None = None, profile_dir: Path | None = None) -> list[Row]:
     """Interleaved runs of every workload; throughput rows per snapshot cadence, then memory rows."""
     bare: dict[str, list[RunResult]] = {w.model: [] for w in workloads}
-    elastic: dict[tuple[str, str], list[RunResult]] = {(w.model, mode): [] for w in workloads for mode in SNAPSHOT_MODES}
+    elastic: dict[tuple[str, str], list[RunResult]] = {
+        (w.model, mode): [] for w in workloads for mode in SNAPSHOT_MODES}
     for repetition in range(repetitions):
         for workload in workloads:
             sides = ["bare", *SNAPSHOT_MODES]

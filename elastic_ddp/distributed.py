@@ -2,18 +2,22 @@
 
 `DistributedContext.from_env()` reads what torchrun exports to each worker (RANK, WORLD_SIZE, ...);
 run outside torchrun it describes a world of one. `process_group(context, timeout)` sets up gloo
-(CPU) or nccl (CUDA) and always tears it down, also when training raises.
+(CPU) or nccl (CUDA) and always tears it down, also when training raises. `exit_worker(code)`
+ends a worker process without the interpreter's teardown, which can crash or hang in gloo.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,3 +126,28 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort on the way out
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def exit_worker(exit_code: int) -> NoReturn:
+    """End this worker process with `exit_code` now: flush logging and stdio, then `os._exit`.
+
+    Call it last in a training script run by torchrun, after `Trainer.fit()` returned (fit waits
+    until the last snapshot is durable and closes every log), in place of `sys.exit`. It skips the
+    interpreter's teardown on purpose: a DistributedDataParallel model keeps its gloo process group
+    alive after `destroy_process_group`, and freeing it during teardown joins gloo's worker threads
+    while a thread may still need the GIL to release a finished collective's tensors. The process
+    then aborts ("terminate called without an active exception", exit -6: seen after a finished
+    2-worker run) or hangs, and torchrun reports a failed worker group although training finished.
+    Python `atexit` handlers do not run; logging is shut down (flushed) first.
+
+    In a worker that multiprocessing started (`elastic_ddp.launcher` forks them) it raises
+    SystemExit instead: torchrun's wrapper there turns `SystemExit(0)` into the return value it
+    waits for, and multiprocessing already ends such a process with `os._exit`.
+    """
+    if multiprocessing.parent_process() is not None:
+        sys.exit(exit_code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream must not change the exit code
+            stream.flush()
+    os._exit(exit_code)

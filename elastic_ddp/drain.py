@@ -13,10 +13,11 @@ machine: several percent of a step of a few milliseconds), so the ranks vote abo
 `VOTE_INTERVAL_S` seconds rather than at every step: each vote also carries every rank's seconds
 per step since the previous vote, and the slowest of them sets the number of steps to the next
 vote, the same on every rank. Ranks therefore learn of a SIGTERM within two votes: about
-2 x `VOTE_INTERVAL_S`, or two steps when a step is longer than that. Once they agree, the trainer writes a final snapshot, waits until it
-is durable and raises `DrainRequested` on every rank. `python -m elastic_ddp.train` then exits
-with `DRAIN_EXIT_CODE`: never 0, because a worker group that exits 0 makes its agent close the
-rendezvous for every node (torch's `launch_agent` calls `rdzv_handler.shutdown()` on success).
+2 x `VOTE_INTERVAL_S`, or two steps when a step is longer than that. Once they agree, the trainer
+writes a final snapshot, waits until it is durable and raises `DrainRequested` on every rank.
+`python -m elastic_ddp.train` then exits with `DRAIN_EXIT_CODE`: never 0, because a worker group
+that exits 0 makes its agent close the rendezvous for every node (torch's `launch_agent` calls
+`rdzv_handler.shutdown()` on success).
 The other nodes' agents see a failed group and restart it in a new rendezvous round without the
 drained node; the restore then loses no step.
 

@@ -26,6 +26,19 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(value: int) -> int:
+    """A 63-bit seed from an integer, well mixed (SplitMix64's finaliser): about 1 us, against about
+    7 us for `derive_seed`. For the per-sample seeds of a hot loop: derive a base once with
+    `derive_seed`, then `mix_seed(base + index)`."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
     """The [start, stop) of share `index` when `total` items are split into `parts` shares.
 

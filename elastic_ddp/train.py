@@ -10,13 +10,12 @@ Run it with plain `python -m elastic_ddp.train ...` for a single process without
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import SyntheticImageDataset, random_horizontal_flip
-from elastic_ddp.distributed import DistributedContext, process_group
+from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
 from elastic_ddp.drain import DRAIN_EXIT_CODE, DrainRequested
 from elastic_ddp.events import StartupTimeline
 from elastic_ddp.logging_setup import configure_worker_logging
@@ -27,8 +26,7 @@ from elastic_ddp.trainer import Trainer
 # gloo process group, whose destructor joins gloo's worker threads while holding the GIL; a worker
 # thread still releasing the Python tensors of a just-finished collective needs the GIL: deadlock
 # (seen at the end of a drain and of a finished run, the agent then waits for the worker forever).
-# At exit no destructor runs in a worker forked by elastic_ddp.launcher, and the interpreter's
-# shutdown stops such threads in a cold one.
+# The process then ends with exit_worker, which skips the interpreter's teardown (see there).
 _KEPT_UNTIL_EXIT: list[Trainer] = []
 
 
@@ -63,4 +61,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

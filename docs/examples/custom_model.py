@@ -14,7 +14,6 @@ data, so this script ignores them. Walk-through: docs/custom-model.md.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -23,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elastic_ddp import Trainer, TrainingConfig
-from elastic_ddp.distributed import DistributedContext, process_group
+from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
 from elastic_ddp.logging_setup import configure_worker_logging
 
 SIGNAL_LENGTH = 64
@@ -98,4 +97,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: the interpreter's teardown can abort in gloo after a finished run (see exit_worker).
+    exit_worker(main())
