@@ -169,3 +169,17 @@ def test_the_drain_vote_runs_about_every_quarter_second_not_every_step(monkeypat
     assert 8 <= len(votes) <= 12  # 2 s of steps: the first steps, then one vote per 25 steps
     first_true = answers.index(True) + 1  # the trainer drains at the first True
     assert 120 < first_true <= 120 + 2 * 25
+
+
+def test_thread_cpu_splits_a_window_per_thread_group_and_per_step():
+    from benchmarks import thread_cpu
+
+    pid = 100
+    before = {100: ("python", 1.0), 101: ("gloo_tcp_loop", 0.5), 102: ("pt_gloo_runloop", 0.0), 103: ("python", 2.0)}
+    after = {100: ("python", 3.0), 101: ("gloo_tcp_loop", 1.0), 102: ("pt_gloo_runloop", 0.5), 103: ("python", 2.5),
+             104: ("python", 0.25)}  # a thread started within the window counts from zero
+    groups = thread_cpu.cpu_ms_per_step_by_group(pid, before, after, steps=250)
+    assert groups == pytest.approx({"main": 8.0, "gloo": 4.0, "other": 3.0})
+    # The reading of a real process: this one has a main thread that has used some CPU.
+    own = thread_cpu.thread_cpu_seconds(os.getpid())
+    assert own[os.getpid()][1] > 0

@@ -1,0 +1,156 @@
+"""Where a step's CPU goes, per thread of rank 0: elastic_ddp against the bare DDP loop.
+
+    python -m benchmarks.thread_cpu                       # MLP, 2 repetitions, 8 s windows
+    python -m benchmarks.thread_cpu --model mini_resnet --repetitions 3
+
+(run from the repository root). The throughput benchmark's "CPU ms per step" counts every thread
+of the process, and cProfile sees only the training thread; this splits the figure. Each run starts
+the same torchrun job as `benchmarks.throughput` (plain torchrun, 2 workers, the MLP of its full
+workload, more epochs so the window fits), waits until 200 steps are done, then reads the CPU time
+(user + system) of every thread of rank 0 from /proc at the start and the end of a window, and
+the steps done in between (elastic_ddp: `step` events of its event log; bare loop: its `step N`
+log lines, every 10 steps). Threads are grouped as the training thread (`main`), gloo's
+(`gloo`: its names start with gloo or pt_gloo) and the rest (Python threads: elastic_ddp's snapshot
+writer). Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/thread_cpu.py`: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.throughput import SNAPSHOT_MODES, Workload  # noqa: E402
+from elastic_ddp.local_cluster import (AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree,  # noqa: E402
+                                      torchrun_command, wait_for)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+WARM_UP_STEPS = 200
+BARE_STEP_LINE = re.compile(r"step (\d+) loss")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """{thread id: (name, user + system CPU seconds)} of every thread of `pid` still alive."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            # Fields after the parenthesised name; utime and stime are the 14th and 15th of the line.
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND)
+    return threads
+
+
+def thread_group(pid: int, tid: int, name: str) -> str:
+    if tid == pid:
+        return "main"
+    return "gloo" if name.startswith(("gloo", "pt_gloo")) else "other"
+
+
+def cpu_ms_per_step_by_group(pid: int, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                             steps: int) -> dict[str, float]:
+    """CPU milliseconds per step of each thread group between two `thread_cpu_seconds` readings."""
+    groups: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        group = thread_group(pid, tid, name)
+        groups[group] = groups.get(group, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
+    return {group: 1000 * seconds / steps for group, seconds in groups.items()}
+
+
+def measure_side(side: str, workload: Workload, window_s: float, work_dir: Path) -> tuple[int, dict[str, float]]:
+    """(steps in the window, CPU ms per step by thread group) of rank 0 of one run of `side`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args = workload.shared_args()
+    if side == "bare":
+        module, log_steps = "benchmarks.bare_ddp", _bare_steps
+    else:
+        module, log_steps = "elastic_ddp.train", _elastic_steps
+        args += ["--micro_batch_size", str(workload.global_batch_size // workload.world_size),
+                 "--snapshot_every_steps", str(SNAPSHOT_MODES[side]), "--checkpoint_dir", str(work_dir / "ck")]
+    command = torchrun_command(nnodes="1", nproc_per_node=workload.world_size,
+                               rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=work_dir.name, max_restarts=0,
+                               module=module, training_args=args, launcher=STOCK_LAUNCHER)
+    log_path = work_dir / "torchrun.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **AGENT_ENV}, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        steps = lambda: log_steps(work_dir)  # noqa: E731
+        wait_for(lambda: steps() >= WARM_UP_STEPS or agent.poll() is not None, 120, f"{WARM_UP_STEPS} steps of {side}")
+        if agent.poll() is not None:
+            raise RuntimeError(f"{side}: torchrun exited with {agent.returncode} before the window; log {log_path}")
+        rank0 = _rank0_worker(agent.pid)
+        before, first = thread_cpu_seconds(rank0), steps()
+        time.sleep(window_s)  # the measurement window itself
+        after, last = thread_cpu_seconds(rank0), steps()
+        if agent.poll() is not None or last <= first:
+            raise RuntimeError(f"{side}: the job ended or stalled within the window; log {log_path}")
+        return last - first, cpu_ms_per_step_by_group(rank0, before, after, last - first)
+    finally:
+        signal_tree(agent.pid, signal.SIGKILL)
+        agent.wait()
+
+
+def _rank0_worker(agent_pid: int) -> int:
+    children = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True).stdout.split()
+    for child in children:
+        if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{child}/environ").read_bytes():
+            return int(child)
+    raise RuntimeError(f"no worker with RANK=0 among the children {children} of agent {agent_pid}")
+
+
+def _bare_steps(work_dir: Path) -> int:
+    found = BARE_STEP_LINE.findall((work_dir / "torchrun.log").read_text(errors="replace"))
+    return int(found[-1]) if found else 0
+
+
+def _elastic_steps(work_dir: Path) -> int:
+    events = work_dir / "ck" / "events.jsonl"
+    return events.read_text().count('"event": "step"') if events.exists() else 0
+
+
+def measure(model: str, repetitions: int, window_s: float, work_dir: Path,
+            progress: Callable[[str], None] = print) -> list[tuple[str, int, dict[str, float]]]:
+    """Interleaved runs: the bare loop, then elastic_ddp with each snapshot cadence, per repetition."""
+    workload = Workload(model, epochs=200)  # long enough for any window; the run is cut after it
+    results = []
+    for repetition in range(repetitions):
+        for side in ("bare", *SNAPSHOT_MODES):
+            steps, groups = measure_side(side, workload, window_s,
+                                         work_dir / f"{side.replace(' ', '_')}-{repetition}")
+            results.append((side, steps, groups))
+            progress(f"{side:>26}: {steps:5d} steps, CPU ms per step " +
+                     ", ".join(f"{group} {value:.2f}" for group, value in sorted(groups.items()))
+                     + f", all {sum(groups.values()):.2f}")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.thread_cpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("mini_resnet", "mlp"), default="mlp")
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--window", type=float, default=8.0, help="seconds of each measurement window")
+    args = parser.parse_args(argv)
+    if args.repetitions < 1 or args.window <= 0:
+        parser.error(f"--repetitions must be at least 1 and --window positive; got {args.repetitions} and "
+                     f"{args.window}")
+    with tempfile.TemporaryDirectory(prefix="elastic-ddp-thread-cpu-") as work_dir:
+        measure(args.model, args.repetitions, args.window, Path(work_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
