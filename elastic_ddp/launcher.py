@@ -14,7 +14,9 @@ torchrun then forks every worker from it (`--start-method forkserver`) and the w
 has the measured difference.
 
 Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
-exit codes and logs are torchrun's. `--no-python`, `--run-path` and script paths are passed to
+exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
+`end_with_the_node` makes each one end as soon as its agent or its fork server does, so that a
+node killed the way a plain torchrun node is (the agent and its children) leaves nothing running. `--no-python`, `--run-path` and script paths are passed to
 torchrun unchanged (cold start).
 
 Limits: the modules in `ELASTIC_DDP_PRELOAD` (comma-separated; default `PRELOAD`) are imported in
@@ -26,22 +28,28 @@ the OMP_NUM_THREADS that torchrun gives it with `torch.set_num_threads`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "elastic_ddp.trainer")
 PRELOAD_VARIABLE = "ELASTIC_DDP_PRELOAD"
 # The logger of torchrun's worker processes, which logs their failures with tracebacks.
 FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def run_module(module: str, *argv: str) -> None:
     """Worker entry point: run `module` as `python -m module *argv` would, in this process."""
+    end_with_the_node()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch
@@ -49,6 +57,36 @@ def run_module(module: str, *argv: str) -> None:
         torch.set_num_threads(int(threads))
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def end_with_the_node() -> None:
+    """End this forked worker when its agent or its fork server ends: a lost node's workers stop.
+
+    A forked worker is the fork server's child, not the agent's, so killing a node the way one kills
+    plain torchrun's (the agent and its children) would otherwise leave it training, unseen. And
+    the fork server does not end with the agent: every worker holds the pipe it watches for that.
+    Two guards, both immediate:
+    - a daemon thread waits on multiprocessing's parent sentinel, a pipe whose other end only the
+      agent holds, and SIGKILLs this process when the agent is gone;
+    - the kernel SIGKILLs it when the fork server ends (PR_SET_PDEATHSIG); if the fork server was
+      already gone when this runs (the parent changed), the worker exits at once.
+    """
+    parent_pid = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive "
+                                            "its fork server", ctypes.get_errno())
+    elif os.getppid() != parent_pid:
+        os._exit(1)
+    agent = multiprocessing.parent_process()
+    if agent is not None and agent.sentinel is not None:
+        threading.Thread(target=_kill_self_when_ready, args=(agent.sentinel,), name="end-with-the-agent",
+                         daemon=True).start()
+
+
+def _kill_self_when_ready(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def warm_arguments(argv: list[str]) -> list[str] | None:

@@ -16,11 +16,10 @@
 #   RDZV_CONF       torchrun --rdzv_conf (timeouts, heartbeats, etcd TLS/auth keys)
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.5]
-#   LAUNCHER        the agent program: torch.distributed.run (plain torchrun) or
-#                   elastic_ddp.launcher (torchrun whose workers are forked warm: faster restarts,
-#                   see docs/failure-semantics.md; its workers are grandchildren of the agent, so
-#                   to simulate a lost node kill the whole process tree, not only the agent's children)
-#                   [torch.distributed.run]
+#   LAUNCHER        the agent program: elastic_ddp.launcher (torchrun whose workers are forked
+#                   warm from a fork server: restarts and joins 4-5 s faster, see docs/benchmarks.md;
+#                   its workers end with the agent) or torch.distributed.run (plain torchrun)
+#                   [elastic_ddp.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]
 set -euo pipefail
@@ -32,7 +31,7 @@ fi
 # Keep these in step with elastic_ddp/local_cluster.py (tests/test_launch.py checks they agree).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.5
-DEFAULT_LAUNCHER=torch.distributed.run
+DEFAULT_LAUNCHER=elastic_ddp.launcher
 
 nnodes="${NNODES:-1:4}"
 nproc="${NPROC_PER_NODE:-1}"

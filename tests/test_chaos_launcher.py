@@ -6,7 +6,9 @@ through it (it is LocalJob's default), these check its contract directly.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 
 from elastic_ddp.events import read_events
 from elastic_ddp.launcher import warm_arguments
-from elastic_ddp.local_cluster import LAUNCHER, STOCK_LAUNCHER
+from elastic_ddp.local_cluster import LAUNCHER, STOCK_LAUNCHER, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,9 +44,9 @@ def test_an_explicit_start_method_is_kept():
     assert warm == ["--start-method=spawn", "--run-path", "elastic_ddp.train"]
 
 
-def test_node_sh_starts_plain_torchrun_unless_asked_for_the_launcher():
+def test_node_sh_starts_the_launcher_unless_asked_for_plain_torchrun():
     text = (REPO / "launch" / "node.sh").read_text()
-    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.M).group(1) == STOCK_LAUNCHER
+    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.M).group(1) == LAUNCHER
     assert f"LAUNCHER: got '$launcher'; expected {LAUNCHER} or {STOCK_LAUNCHER}" in text
 
 
@@ -68,3 +70,42 @@ def test_the_launcher_shows_torchruns_help():
     result = subprocess.run([sys.executable, "-m", "elastic_ddp.launcher", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "--rdzv-endpoint" in result.stdout
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victims", ["agent", "agent and its children"])
+def test_warm_workers_end_with_their_agent(local_jobs, victims):
+    # The workers are the fork server's children, not the agent's: they must not train on, unseen,
+    # after their node was killed the way plain torchrun's nodes are (getting-started.md).
+    args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "512", "--global_batch_size", "64",
+            "--log_interval", "1"]
+    job = local_jobs(args, nnodes="1", nproc_per_node=2)
+    node = job.add_node("only")
+    job.wait_for_step(3, timeout=180)
+    start = next(e for e in read_events(job.event_log) if e["event"] == "start")
+    workers = [rank["pid"] for rank in start["ranks"]]
+    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    assert not set(workers) & set(int(c) for c in subprocess.run(
+        ["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()), "workers are not forked"
+    if victims == "agent and its children":
+        subprocess.run(["bash", "-c", 'kill -KILL $(pgrep -P "$1") "$1"', "kill-node", str(node.pid)], check=True,
+                       timeout=30)
+    else:
+        os.kill(node.pid, signal.SIGKILL)
+    node.process.wait(timeout=30)
+    try:
+        wait_for(lambda: not any(_alive(pid) for pid in workers), 30, f"the warm workers {workers} to end")
+    finally:  # the fixture finds a node's processes through its agent, which is gone: clean up here
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
