@@ -129,7 +129,9 @@ def test_the_summary_numbers_match_the_event_log(recorded_run, capsys):
     assert summary["snapshots"]["size_bytes_max"] == max(s["size_bytes"] for s in snapshots)
     assert summary["snapshots"]["write_seconds_max"] == pytest.approx(max(s["write_seconds"] for s in snapshots))
     rates = [p["samples_per_second"] for p in of("progress")]
-    assert summary["throughput"]["samples_per_second_median"] == pytest.approx(statistics.median(rates), abs=0.05)
+    # The report rounds to 0.1: the median of an even count can sit exactly halfway (x.x5), and the
+    # float difference then exceeds 0.05 by a hair.
+    assert summary["throughput"]["samples_per_second_median"] == round(statistics.median(rates), 1)
     assert summary["loss"]["last"] == of("progress")[-1]["loss"]
 
 
