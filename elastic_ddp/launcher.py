@@ -16,8 +16,8 @@ has the measured difference.
 Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
 exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
 `end_with_the_node` makes each one end as soon as its agent or its fork server does, so that a
-node killed the way a plain torchrun node is (the agent and its children) leaves nothing running. `--no-python`, `--run-path` and script paths are passed to
-torchrun unchanged (cold start).
+node killed the way a plain torchrun node is (the agent and its children) leaves nothing running.
+`--no-python`, `--run-path` and script paths are passed to torchrun unchanged (cold start).
 
 Limits: the modules in `ELASTIC_DDP_PRELOAD` (comma-separated; default `PRELOAD`) are imported in
 the fork server, so they must not start threads or initialise CUDA when imported (torch does
