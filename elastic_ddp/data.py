@@ -44,10 +44,8 @@ class SyntheticImageDataset(Dataset):
         self._sample_base = derive_seed("sample", seed)
         self._generator = torch.Generator()  # reseeded per sample
         image_bytes = self.class_patterns[0].numel() * self.class_patterns.element_size()
-        # torch.empty maps pages lazily: memory grows only as samples are made.
-        cached = size * image_bytes <= self.CACHE_LIMIT_BYTES
-        self._cached_images = torch.empty((size, *image_shape)) if cached else None
-        self._cached_labels: list[int | None] = [None] * size if cached else []
+        self._made: dict[int, tuple[torch.Tensor, int]] | None = (
+            {} if size * image_bytes <= self.CACHE_LIMIT_BYTES else None)  # None: too big to keep
 
     def __len__(self) -> int:
         return self.size
@@ -55,16 +53,16 @@ class SyntheticImageDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         if not 0 <= index < self.size:
             raise IndexError(f"sample {index} is outside a dataset of {self.size}")
-        if self._cached_images is not None and self._cached_labels[index] is not None:
-            return self._cached_images[index].clone(), self._cached_labels[index]
-        sample_seed = mix_seed(self._sample_base + index)
-        label = sample_seed % self.num_classes
-        noise = torch.randn(self.image_shape, generator=self._generator.manual_seed(sample_seed))
-        image = self.class_patterns[label] + noise
-        if self._cached_images is not None:
-            self._cached_images[index] = image
-            self._cached_labels[index] = label
-        return image, label
+        made = self._made.get(index) if self._made is not None else None
+        if made is None:
+            sample_seed = mix_seed(self._sample_base + index)
+            label = sample_seed % self.num_classes
+            noise = torch.randn(self.image_shape, generator=self._generator.manual_seed(sample_seed))
+            made = (self.class_patterns[label] + noise, label)
+            if self._made is not None:
+                self._made[index] = made
+        image, label = made
+        return image.clone(), label  # a copy: the caller may change it in place
 
 
 def random_horizontal_flip(sample: tuple[torch.Tensor, int], generator: torch.Generator) -> tuple[torch.Tensor, int]:

@@ -128,14 +128,32 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
             logger.debug("destroy_process_group failed", exc_info=True)
 
 
+# Objects that must outlive the interpreter's last Python frame: see `keep_until_exit`.
+_KEPT_UNTIL_EXIT: list[object] = []
+
+
+def keep_until_exit(obj: object) -> None:
+    """Keep `obj` referenced until the process ends, so that it is never freed while Python runs.
+
+    For DistributedDataParallel models: freeing one frees its gloo process group, whose destructor
+    joins gloo's worker threads while holding the GIL, and a worker thread still releasing the
+    Python tensors of a just-finished collective needs the GIL: deadlock (seen at the end of a
+    drain and of a finished run; the agent then waits for the worker forever). Kept objects are
+    never freed: `exit_worker` ends the process without the interpreter's teardown. The cost is
+    their memory until exit; a process trains one model at a time.
+    """
+    _KEPT_UNTIL_EXIT.append(obj)
+
+
 def exit_worker(exit_code: int) -> NoReturn:
     """End this worker process with `exit_code` now: flush logging and stdio, then `os._exit`.
 
     Call it last in a training script run by torchrun, after `Trainer.fit()` returned (fit waits
     until the last snapshot is durable and closes every log), in place of `sys.exit`. It skips the
     interpreter's teardown on purpose: a DistributedDataParallel model keeps its gloo process group
-    alive after `destroy_process_group`, and freeing it during teardown joins gloo's worker threads
-    while a thread may still need the GIL to release a finished collective's tensors. The process
+    alive after `destroy_process_group` (the Trainer keeps it until exit, see `keep_until_exit`),
+    and freeing it during teardown joins gloo's worker threads while a thread may still need the
+    GIL to release a finished collective's tensors. The process
     then aborts ("terminate called without an active exception", exit -6: seen after a finished
     2-worker run) or hangs, and torchrun reports a failed worker group although training finished.
     Python `atexit` handlers do not run; logging is shut down (flushed) first.

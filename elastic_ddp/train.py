@@ -22,13 +22,6 @@ from elastic_ddp.logging_setup import configure_worker_logging
 from elastic_ddp.models import build_model
 from elastic_ddp.trainer import Trainer
 
-# Trainers stay referenced until the process ends. Freeing a DistributedDataParallel model frees its
-# gloo process group, whose destructor joins gloo's worker threads while holding the GIL; a worker
-# thread still releasing the Python tensors of a just-finished collective needs the GIL: deadlock
-# (seen at the end of a drain and of a finished run, the agent then waits for the worker forever).
-# The process then ends with exit_worker, which skips the interpreter's teardown (see there).
-_KEPT_UNTIL_EXIT: list[Trainer] = []
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM)."""
@@ -49,7 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup=startup,
         )
         startup.mark("built")
-        _KEPT_UNTIL_EXIT.append(trainer)
         try:
             trainer.fit()
         except DrainRequested as exc:

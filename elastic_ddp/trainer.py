@@ -46,7 +46,7 @@ from elastic_ddp.audit import AuditLog
 from elastic_ddp.checkpoint import CheckpointStore, ManifestEntry
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import EpochSampleView, SampleTransform
-from elastic_ddp.distributed import DistributedContext, agent_pid
+from elastic_ddp.distributed import DistributedContext, agent_pid, keep_until_exit
 from elastic_ddp.drain import DrainRequested, DrainSignal
 from elastic_ddp.events import EventLog, StartupTimeline, next_round, work_lost
 from elastic_ddp.logging_setup import RankPrefix
@@ -206,6 +206,7 @@ class Trainer:
         if self._distributed:
             device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
             self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
+            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
 
     # ------------------------------------------------------------------------------ restoring
 

@@ -15,7 +15,7 @@ class UncachedDataset(SyntheticImageDataset):
 @pytest.mark.timeout(60)
 def test_cached_samples_equal_freshly_made_ones_in_every_epoch():
     cached, uncached = SyntheticImageDataset(64, seed=3), UncachedDataset(64, seed=3)
-    assert cached._cached_images is not None and uncached._cached_images is None
+    assert cached._made is not None and uncached._made is None
     for _ in range(2):  # the first pass makes and caches, the second serves from the cache
         for index in (0, 17, 63, 17):
             (image, label), (expected_image, expected_label) = cached[index], uncached[index]

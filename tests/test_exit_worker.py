@@ -49,3 +49,21 @@ def _raises_system_exit(code: int) -> None:
         if raised.code == code:
             return
     raise AssertionError("exit_worker neither raised SystemExit nor ended the process")
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_object_outlives_every_reference_of_its_own():
+    import gc
+    import weakref
+
+    from elastic_ddp.distributed import keep_until_exit
+
+    class Model:
+        pass
+
+    model = Model()
+    alive = weakref.ref(model)
+    keep_until_exit(model)
+    del model
+    gc.collect()
+    assert alive() is not None, "freed while Python runs: the gloo deadlock keep_until_exit exists for"
