@@ -17,6 +17,7 @@ writer). Linux only (/proc).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
@@ -30,11 +31,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/thread_cpu.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.throughput import SNAPSHOT_MODES, Workload  # noqa: E402
-from elastic_ddp.local_cluster import (AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree,  # noqa: E402
-                                      torchrun_command, wait_for)
+from benchmarks.throughput import SNAPSHOT_MODES, Workload, start_torchrun  # noqa: E402
+from elastic_ddp.local_cluster import signal_tree, wait_for  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 WARM_UP_STEPS = 200
 BARE_STEP_LINE = re.compile(r"step (\d+) loss")
@@ -72,7 +71,6 @@ def cpu_ms_per_step_by_group(pid: int, before: dict[int, tuple[str, float]], aft
 
 def measure_side(side: str, workload: Workload, window_s: float, work_dir: Path) -> tuple[int, dict[str, float]]:
     """(steps in the window, CPU ms per step by thread group) of rank 0 of one run of `side`."""
-    work_dir.mkdir(parents=True, exist_ok=True)
     args = workload.shared_args()
     if side == "bare":
         module, log_steps = "benchmarks.bare_ddp", _bare_steps
@@ -80,15 +78,9 @@ def measure_side(side: str, workload: Workload, window_s: float, work_dir: Path)
         module, log_steps = "elastic_ddp.train", _elastic_steps
         args += ["--micro_batch_size", str(workload.global_batch_size // workload.world_size),
                  "--snapshot_every_steps", str(SNAPSHOT_MODES[side]), "--checkpoint_dir", str(work_dir / "ck")]
-    command = torchrun_command(nnodes="1", nproc_per_node=workload.world_size,
-                               rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=work_dir.name, max_restarts=0,
-                               module=module, training_args=args, launcher=STOCK_LAUNCHER)
-    log_path = work_dir / "torchrun.log"
-    with open(log_path, "wb") as log:
-        agent = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **AGENT_ENV}, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+    agent, log_path = start_torchrun(module, args, work_dir, workload.world_size)
     try:
-        steps = lambda: log_steps(work_dir)  # noqa: E731
+        steps = functools.partial(log_steps, work_dir)
         wait_for(lambda: steps() >= WARM_UP_STEPS or agent.poll() is not None, 120, f"{WARM_UP_STEPS} steps of {side}")
         if agent.poll() is not None:
             raise RuntimeError(f"{side}: torchrun exited with {agent.returncode} before the window; log {log_path}")

@@ -88,6 +88,24 @@ class RunResult:
     seconds: float  # wall time of the whole torchrun job, start-up included
 
 
+def start_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: int,
+                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start `module` under one torchrun agent in a session of its own; (the agent, its log path).
+
+    Plain torchrun for both sides, with the shipped rendezvous settings and agent environment: the
+    steady state does not depend on how workers start. The caller ends the job (`signal_tree`).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = torchrun_command(nnodes="1", nproc_per_node=world_size, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                               rdzv_id=run_dir.name, max_restarts=0, module=module, training_args=args,
+                               launcher=STOCK_LAUNCHER)
+    log_path = run_dir / "torchrun.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                 env={**os.environ, **AGENT_ENV, **(env or {})}, start_new_session=True)
+    return agent, log_path
+
+
 def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: int, timeout: float,
                  profile_dir: Path | None = None) -> tuple[list[dict], float]:
     """Run `module` under one torchrun agent; return its `BENCH_RESULT` records and its wall time.
@@ -95,27 +113,17 @@ def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: in
     With `profile_dir`, the workers run under cProfile and leave their profiles in a subdirectory
     named after `run_dir`.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Plain torchrun (what launch/node.sh runs by default) with the shipped rendezvous settings.
-    command = torchrun_command(nnodes="1", nproc_per_node=world_size, rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                               rdzv_id=run_dir.name, max_restarts=0, module=module, training_args=args,
-                               launcher=STOCK_LAUNCHER)
-    log_path = run_dir / "torchrun.log"
     started = time.monotonic()
-    with open(log_path, "wb") as log:
-        env = {**os.environ, **AGENT_ENV}
-        if profile_dir is not None:
-            env[PROFILE_DIR_ENV] = str(profile_dir / run_dir.name)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                   start_new_session=True)
-        try:
-            exit_code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            exit_code = None
-        finally:  # a timeout, or this harness interrupted: leave no job behind
-            if process.poll() is None:
-                signal_tree(process.pid, signal.SIGKILL)
-                process.wait()
+    env = {PROFILE_DIR_ENV: str(profile_dir / run_dir.name)} if profile_dir is not None else None
+    process, log_path = start_torchrun(module, args, run_dir, world_size, env)
+    try:
+        exit_code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        exit_code = None
+    finally:  # a timeout, or this harness interrupted: leave no job behind
+        if process.poll() is None:
+            signal_tree(process.pid, signal.SIGKILL)
+            process.wait()
     seconds = time.monotonic() - started
     output = log_path.read_text(errors="replace")
     if exit_code != 0:
