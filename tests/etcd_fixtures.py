@@ -224,7 +224,8 @@ class EtcdCluster:
                 if result.returncode != 0:
                     continue
                 status = json.loads(result.stdout)[0]["Status"]
-                if status["leader"] == status["header"]["member_id"]:
+                # During an election the JSON has no "leader" (a zero field is left out): not yet.
+                if status.get("leader") == status["header"]["member_id"]:
                     found.append(member)
                     return True
             return False

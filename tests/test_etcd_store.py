@@ -89,6 +89,26 @@ def test_add_counts_from_zero_and_returns_the_new_value(store: EtcdV3Store) -> N
     assert store.get("counter") == b"4"
 
 
+def test_an_add_whose_answer_was_lost_is_not_applied_twice(store: EtcdV3Store, monkeypatch) -> None:
+    # What a leader dying right after the commit looks like from here: the write landed, and the
+    # connection's retry of the same transaction then fails its revision check.
+    write = store._write_if_unchanged
+    answers_lost = [True]
+
+    def write_and_lose_the_answer(*args, **kwargs):
+        landed = write(*args, **kwargs)
+        if answers_lost.pop() if answers_lost else False:
+            return write(*args, **kwargs)  # the retry: same revision, so it fails
+        return landed
+
+    store.add("counter", 3)
+    monkeypatch.setattr(store, "_write_if_unchanged", write_and_lose_the_answer)
+    assert store.add("counter", 2) == 5
+    assert store.get("counter") == b"5"
+    assert store.add("counter", 1) == 6  # later adds go on normally
+    assert store.num_keys() == 1, "the add marks must not count as store keys"
+
+
 def test_compare_set_follows_tcpstore_rules(store: EtcdV3Store) -> None:
     assert store.compare_set("k", "", "first") == b"first"  # missing, expected empty: set
     assert store.compare_set("k", "wrong", "second") == b"first"  # mismatch: current value

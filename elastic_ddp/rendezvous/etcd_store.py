@@ -9,7 +9,8 @@ keys, and are attached to the writing process's lease (see `EtcdConnection`).
 Contract and limits:
 - Values are bytes; a str is stored as its UTF-8. `add` keeps a decimal integer, like c10d.
 - `add` and `compare_set` are atomic across processes: read, then a transaction that writes only
-  if the key's mod_revision is unchanged, repeated until it wins.
+  if the key's mod_revision is unchanged, repeated until it wins. An `add` whose answer was lost
+  in a failover is not applied twice (see `add`).
 - `get`, `wait` and `multi_get` block until every key exists, polling with back-off (10 ms growing
   to 250 ms) rather than watching: a watch stream of etcd3 0.12 does not survive a failover. They
   raise `DistStoreError` after the store timeout (`set_timeout`, default 300 s), as c10d stores do.
@@ -21,6 +22,7 @@ Contract and limits:
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import timedelta
 
 from torch.distributed import DistStoreError, Store
@@ -44,6 +46,8 @@ class EtcdV3Store(Store):
         super().__init__()  # the pybind trampoline needs it
         self._connection = connection
         self._prefix = run_key(connection.options.key_prefix, run_id) + "/store/"
+        # Where `add` marks which of its writes landed; outside the store's keys (num_keys).
+        self._add_marks = f"{run_key(connection.options.key_prefix, run_id)}/store-add-marks/{uuid.uuid4().hex}/"
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -83,11 +87,22 @@ class EtcdV3Store(Store):
         self._connection.call(f"set {len(keys)} store keys", write)
 
     def add(self, key: str, amount: int) -> int:
-        """See base class. Atomic across processes; a missing key counts as 0."""
+        """See base class. Atomic across processes; a missing key counts as 0; applied once.
+
+        A write whose answer is lost (an etcd leader dying after the commit) is retried by the
+        connection and then fails its revision check; so each write also records an operation id
+        of this store under `_add_marks`, in the same transaction, and a failed attempt whose id is
+        there had landed: it is not added again.
+        """
+        operation = uuid.uuid4().hex.encode()
+        mark = self._add_marks + key
         while True:
             value, revision = self._read(key)
             total = int(value or b"0") + amount
-            if self._write_if_unchanged(key, revision, str(total).encode()):
+            if self._write_if_unchanged(key, revision, str(total).encode(), also=(mark, operation)):
+                return total
+            landed, _ = self._connection.call(f"read add mark of {key!r}", lambda client: client.get(mark))
+            if landed == operation:
                 return total
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
@@ -133,15 +148,19 @@ class EtcdV3Store(Store):
         value, metadata = self._connection.call(f"read store key {key!r}", lambda client: client.get(self._key(key)))
         return value, 0 if metadata is None else metadata.mod_revision
 
-    def _write_if_unchanged(self, key: str, revision: int, value: bytes) -> bool:
+    def _write_if_unchanged(self, key: str, revision: int, value: bytes,
+                            also: tuple[str, bytes] | None = None) -> bool:
+        """Put `value` if `key`'s mod_revision is still `revision`; with `also`, put that full key and
+        value in the same transaction."""
         full_key = self._key(key)
 
         def write(client: Etcd3Client) -> bool:
+            lease = self._connection.lease_id(client)
+            puts = [client.transactions.put(full_key, value, lease=lease)]
+            if also is not None:
+                puts.append(client.transactions.put(also[0], also[1], lease=lease))
             succeeded, _ = client.transaction(
-                compare=[client.transactions.mod(full_key) == revision],
-                success=[client.transactions.put(full_key, value, lease=self._connection.lease_id(client))],
-                failure=[],
-            )
+                compare=[client.transactions.mod(full_key) == revision], success=puts, failure=[])
             return succeeded
 
         return self._connection.call(f"update store key {key!r}", write)
