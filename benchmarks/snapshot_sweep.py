@@ -90,7 +90,9 @@ def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
     return statistics.median(timings[1:])
 
 
-WRITE_MB_PER_S = 60  # background snapshot writes measured on the 2-core machine: 45-80 MB/s
+# Background snapshot writes on the 2-core machine: 45-80 MB/s while it was busy, about 220 MB/s idle.
+# The busy figure keeps the interval long enough for the first write to end on either.
+WRITE_MB_PER_S = 60
 
 
 def snapshot_interval_steps(step_seconds: float, size_bytes: float) -> int:

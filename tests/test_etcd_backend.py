@@ -171,7 +171,7 @@ def test_live_writer_keeps_its_state_past_the_ttl(shared_etcd_server: EtcdServer
         result = backend.set_state(str(step).encode(), token)
         assert result is not None and result[2], "a heartbeating writer lost its state"
         token = result[1]
-        time.sleep(0.2)
+        time.sleep(0.2)  # the writer's heartbeat period (pacing, not a wait for a condition)
 
 
 @pytest.mark.timeout(20)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.local_cluster import wait_for
+from elastic_ddp.local_cluster import MONITOR_INTERVAL_S, wait_for
 from elastic_ddp.rendezvous import (
     EtcdAuthenticationError,
     EtcdConnection,
@@ -75,7 +75,7 @@ class Traffic:
                 assert self.backend.get_state() is not None
                 self.slowest_call_s = max(self.slowest_call_s, time.monotonic() - started)
                 self.rounds += 1
-                time.sleep(0.05)
+                self._stop.wait(0.05)  # paced like an agent's store traffic; ends at once on exit
         except BaseException as exc:  # reported by the test, not lost in the thread
             self.errors.append(exc)
 
@@ -97,11 +97,15 @@ def test_a_handler_polled_like_the_agent_does_survives_an_etcd_restart(etcd_serv
     assert handler.next_rendezvous().world_size == 1
     outage = threading.Thread(target=etcd_server.restart, kwargs={"down_for": 3.0})
     outage.start()
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline:  # the agent's monitor loop: any exception here kills it
+    polls_after_the_outage = 0
+    deadline = time.monotonic() + 60
+    # The agent's monitor loop, through the whole outage and a few polls after: any exception here
+    # kills a real agent.
+    while polls_after_the_outage < 3:
+        assert time.monotonic() < deadline, "etcd did not come back within 60 s"
         assert handler.num_nodes_waiting() == 0
-        time.sleep(0.5)
-    outage.join(timeout=60)
+        polls_after_the_outage += 0 if outage.is_alive() else 1
+        outage.join(timeout=MONITOR_INTERVAL_S)  # paced like the agent's --monitor_interval
     assert not handler.is_closed()
     assert handler.shutdown()
 

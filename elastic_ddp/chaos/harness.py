@@ -2,7 +2,7 @@
 
     harness = ChaosHarness("runs/chaos", ["--model", "mlp", "--epochs", "3"], random_plan(7, total_steps=300))
     report = harness.run()
-    print(report.summary())
+    assert report.ok, report.summary()
 
 Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.local_cluster.LocalNode`) with real
 gloo workers; faults are real signals. The harness follows the plan (elastic_ddp/chaos/plan.py),

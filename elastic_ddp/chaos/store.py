@@ -12,10 +12,13 @@ on a real cluster use the etcd-v3 backend (docs/etcd.md).
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     store = TCPStore(host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=timedelta(seconds=60))
-    print(f"c10d store listening on {host}:{port}", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logger.info("c10d store listening on %s:%s", host, port)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         while True:
