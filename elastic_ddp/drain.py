@@ -125,5 +125,20 @@ class DrainSignal:
             self._pending = None
             work.wait()
 
+    def redeliver_unused(self) -> None:
+        """Raise again a SIGTERM that started no drain because the last step came first.
+
+        Call it once `catching_sigterm` has put the previous handler back and the run's work is
+        done. The signal asked this process to end (torchrun sends it when it stops a worker group
+        for a restart or a join); the drain only deferred it to a step boundary. With the default
+        handler the process ends here; a handler the caller had installed runs, as it would have.
+        Without this a worker SIGTERMed during its last steps outlived the signal: a warm worker
+        (elastic_ddp.launcher) then waits for its agent to collect its result while the agent
+        waits for it to exit, until the agent's shutdown timeout (30 s) SIGKILLs it.
+        """
+        if self.requested:
+            logger.warning("SIGTERM arrived as training finished: acting on it now")
+            signal.raise_signal(signal.SIGTERM)
+
     def seconds_since_request(self) -> float | None:
         return None if self.requested_at is None else round(time.monotonic() - self.requested_at, 3)

@@ -1,10 +1,10 @@
-"""`python -m elastic_ddp.launcher`: torchrun, with worker processes that start warm.
+"""`python -m elastic_ddp.launcher`: torchrun, with workers that start warm and dead nodes that leave fast.
 
     python -m elastic_ddp.launcher --nnodes=1:4 --nproc_per_node=2 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29400 --rdzv_id=job1 --max_restarts=10 -m elastic_ddp.train --epochs 10
 
 It takes exactly torchrun's arguments and runs torchrun's own agent (launch/node.sh uses it). The
-one difference is how workers start. After every failure or join, torchrun starts each worker as
+first difference is how workers start. After every failure or join, torchrun starts each worker as
 a new `python -m MODULE` process, which imports torch (1.3-2 s on a small CPU, several times that
 when all workers of a machine start at once) and, at the first `torch.optim` call, torch._dynamo
 (another 1.4-1.6 s). Here the agent first starts a multiprocessing fork server that imports
@@ -12,6 +12,10 @@ torch, torch._dynamo and elastic_ddp's trainer once, while the agent is still in
 torchrun then forks every worker from it (`--start-method forkserver`) and the worker runs
 `MODULE` with `runpy`, as `python -m MODULE` would. docs/failure-semantics.md ("Recovery speed")
 has the measured difference.
+
+The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.liveness): a
+killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
+expires 5 s later (`--rdzv_conf=...,probe_dead_nodes=0` turns them off).
 
 Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
 exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
@@ -137,7 +141,10 @@ class TracebackAsText(logging.Filter):
 def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
+    from elastic_ddp.liveness import probe_c10d_dead_nodes
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    probe_c10d_dead_nodes()
     warm = warm_arguments(argv)
     if warm is not None:
         # torchrun's --run-path entry point, pointed at runpy.run_module instead of run_path.

@@ -27,8 +27,8 @@ MONITOR_INTERVAL_S = 0.5
 # Environment for every agent: see docs/failure-semantics.md (the shared TCPStore breaks restarts;
 # one thread per worker avoids oversubscribing small machines).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-# The agent program: torchrun with workers forked from a warm fork server (elastic_ddp/launcher.py);
-# STOCK_LAUNCHER is plain torchrun.
+# The agent program: torchrun with workers forked from a warm fork server and dead-node probes
+# (elastic_ddp/launcher.py); STOCK_LAUNCHER is plain torchrun.
 LAUNCHER = "elastic_ddp.launcher"
 STOCK_LAUNCHER = "torch.distributed.run"
 

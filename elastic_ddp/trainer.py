@@ -133,7 +133,12 @@ class Trainer:
     # ------------------------------------------------------------------------------- lifecycle
 
     def fit(self) -> None:
-        """Restore, train the remaining epochs, snapshot; always waits for the last write."""
+        """Restore, train the remaining epochs, snapshot; always waits for the last write.
+
+        SIGTERM during training drains (DrainRequested); one that arrives too late to drain, during
+        the last steps, is raised again once everything is written and closed, so it still ends
+        the process (or reaches the handler you had installed before `fit`).
+        """
         started = time.monotonic()
         self.incarnation = self._agree_on_incarnation()
         ctx, config = self.context, self.config
@@ -170,6 +175,7 @@ class Trainer:
             if self.scalars is not None:
                 self.scalars.close()
             self.events.close()
+        self.drain.redeliver_unused()
 
     def _announce_start(self) -> None:
         """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""

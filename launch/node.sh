@@ -18,7 +18,8 @@
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.5]
 #   LAUNCHER        the agent program: elastic_ddp.launcher (torchrun whose workers are forked
 #                   warm from a fork server: restarts and joins 4-5 s faster, see docs/benchmarks.md;
-#                   its workers end with the agent) or torch.distributed.run (plain torchrun)
+#                   its workers end with the agent; with c10d, a killed node leaves the rendezvous
+#                   without waiting for its heartbeat to expire) or torch.distributed.run (plain torchrun)
 #                   [elastic_ddp.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]

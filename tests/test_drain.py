@@ -1,12 +1,21 @@
-"""The drain vote: SIGTERM on any rank is agreed by all ranks, without a collective per step."""
+"""The drain vote: SIGTERM on any rank is agreed by all ranks, without a collective per step; and a
+SIGTERM that comes too late for a drain still ends the process."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_ddp import drain
+from elastic_ddp import drain, load_snapshot
+from tests.test_snapshot import small_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(60)
 def test_the_drain_vote_runs_about_every_quarter_second_not_every_step(monkeypatch):
@@ -21,16 +30,44 @@ def test_the_drain_vote_runs_about_every_quarter_second_not_every_step(monkeypat
     monkeypatch.setattr(drain.dist, "all_reduce", lambda *a, **k: votes.append(clock[0]) or all_reduce(*a, **k))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        signal = drain.DrainSignal(torch.device("cpu"))
+        drain_signal = drain.DrainSignal(torch.device("cpu"))
         answers = []
         for step in range(1, 201):
             clock[0] += 0.01  # a 10 ms step
             if step == 120:
-                signal._on_sigterm(15, None)
-            answers.append(signal.agreed())
-        signal.finish()
+                drain_signal._on_sigterm(15, None)
+            answers.append(drain_signal.agreed())
+        drain_signal.finish()
     finally:
         dist.destroy_process_group()
     assert 8 <= len(votes) <= 12  # 2 s of steps: the first steps, then one vote per 25 steps
     first_true = answers.index(True) + 1  # the trainer drains at the first True
     assert 120 < first_true <= 120 + 2 * 25
+
+
+LAST_STEP_SIGTERM = """
+import os, signal, sys
+from pathlib import Path
+from tests.test_snapshot import make_trainer, small_config
+
+config = small_config(Path(sys.argv[1]))
+last_step = config.epochs * config.steps_per_epoch
+
+def after_step(trainer):
+    if trainer.global_step == last_step:  # too late to drain: this was the last step
+        os.kill(os.getpid(), signal.SIGTERM)
+
+make_trainer(config, after_step=after_step).fit()
+print("fit returned and the process went on", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_too_late_to_drain_still_ends_the_process_once_the_run_is_saved(tmp_path):
+    # torchrun stops a group with SIGTERM; a worker that swallowed it kept its agent waiting 30 s.
+    result = subprocess.run([sys.executable, "-c", LAST_STEP_SIGTERM, str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=100)
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr
+    assert "went on" not in result.stdout
+    config = small_config(tmp_path)
+    assert load_snapshot(config.checkpoint_dir)["global_step"] == config.epochs * config.steps_per_epoch

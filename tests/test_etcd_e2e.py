@@ -78,7 +78,8 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_
 
 
 def test_a_node_added_mid_run_joins(etcd_job) -> None:
-    dataset_size = 6144
+    # About 12 s of training alone: a joiner on a loaded machine needs 4-5 s to get in.
+    dataset_size = 18432
     job = etcd_job(dataset_size)
     job.add_node("first")
     job.wait_for_step(5, timeout=90)

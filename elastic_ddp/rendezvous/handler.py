@@ -4,6 +4,7 @@ It builds torch's own dynamic rendezvous (the algorithm behind `c10d`) on top of
 `EtcdV3RendezvousBackend` and `EtcdV3Store`, so every `--rdzv_conf` setting of torch's dynamic
 rendezvous (join_timeout, last_call_timeout, close_timeout, keep_alive_interval,
 keep_alive_max_attempt, ...) works as documented by torch, next to the etcd keys of docs/etcd.md.
+It adds dead-node probes (elastic_ddp.liveness; `probe_dead_nodes=0` turns them off).
 
 Workers never share the agent's store with etcd-v3: they would read stale addresses after a
 re-rendezvous (pytorch/pytorch#135712). Rank 0's agent instead publishes its own address
@@ -19,6 +20,7 @@ import os
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from elastic_ddp.liveness import probes_enabled, with_dead_node_probes
 from elastic_ddp.rendezvous.connection import EtcdConnection
 from elastic_ddp.rendezvous.etcd_backend import EtcdV3RendezvousBackend
 from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
@@ -48,12 +50,15 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     credentials or the TLS handshake, or denies access to the run's keys.
     """
     options = EtcdV3Options.from_params(params)
+    probes = probes_enabled(params)
     _never_share_agent_store()
     connection = EtcdConnection(options)
     try:
         backend = EtcdV3RendezvousBackend(connection, params.run_id)
         connection.call(f"read {backend.key}", lambda client: client.get(backend.key))
         handler = create_handler(EtcdV3Store(connection, params.run_id), backend, params)
+        if probes:
+            handler = with_dead_node_probes(handler, backend)
     except BaseException:
         connection.close()
         raise

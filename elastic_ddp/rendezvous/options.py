@@ -35,7 +35,7 @@ _OWN_KEYS = frozenset({
 # but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
 _HANDLER_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-    "keep_alive_interval", "keep_alive_max_attempt", "timeout",
+    "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes",
 })
 
 
