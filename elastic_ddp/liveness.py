@@ -6,8 +6,8 @@ keep_alive_max_attempt` (5 s shipped) after its last one. After a kill the survi
 for exactly that before they can form the next round; it was the floor of kill recovery.
 
 A killed agent leaves a sharper trace: the kernel closes its sockets. So each agent here listens
-on a TCP port of its own (its *beacon*, accepting and closing connections) and publishes
-`host:port` in the rendezvous store. Whenever a node is waiting in the rendezvous (it is not a
+on a TCP port of its own (its *beacon*, accepting and closing connections) and publishes the port
+in the rendezvous store; peers reach it at the node's address (`--local_addr`, else its FQDN). Whenever a node is waiting in the rendezvous (it is not a
 participant of a complete round), every sync of the rendezvous state probes the other nodes of
 that state, and a node is removed at once, as torch removes one whose heartbeat expired, when
 

@@ -31,8 +31,8 @@ _OWN_KEYS = frozenset({
     "protocol", "ca_cert", "cert", "key", "user", "password_file", "read_timeout", "retry_timeout",
     "key_prefix", "ttl",
 })
-# Keys that torch's dynamic rendezvous or the launcher read from the same `--rdzv_conf`: not ours,
-# but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
+# Keys that torch's dynamic rendezvous or elastic_ddp.liveness read from the same `--rdzv_conf`: not
+# this module's, but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
 _HANDLER_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes",
