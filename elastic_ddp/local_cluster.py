@@ -91,6 +91,15 @@ def _children_by_parent() -> dict[int, list[int]]:
     return children
 
 
+def process_is_alive(pid: int) -> bool:
+    """Whether `pid` runs: it exists and is not a zombie (one that has exited, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state field follows the command name
+
+
 def process_tree(root_pid: int) -> list[int]:
     """`root_pid` and every live descendant of it, parents before children."""
     children = _children_by_parent()

@@ -17,7 +17,7 @@ import pytest
 
 from elastic_ddp.events import read_events
 from elastic_ddp.launcher import warm_arguments
-from elastic_ddp.local_cluster import LAUNCHER, STOCK_LAUNCHER, wait_for
+from elastic_ddp.local_cluster import LAUNCHER, STOCK_LAUNCHER, process_is_alive, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,15 +72,6 @@ def test_the_launcher_shows_torchruns_help():
     assert result.returncode == 0 and "--rdzv-endpoint" in result.stdout
 
 
-def _alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victims", ["agent", "agent and its children"])
@@ -94,7 +85,7 @@ def test_warm_workers_end_with_their_agent(local_jobs, victims):
     job.wait_for_step(3, timeout=180)
     start = next(e for e in read_events(job.event_log) if e["event"] == "start")
     workers = [rank["pid"] for rank in start["ranks"]]
-    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    assert len(workers) == 2 and all(process_is_alive(pid) for pid in workers)
     assert not set(workers) & set(int(c) for c in subprocess.run(
         ["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()), "workers are not forked"
     if victims == "agent and its children":
@@ -104,8 +95,8 @@ def test_warm_workers_end_with_their_agent(local_jobs, victims):
         os.kill(node.pid, signal.SIGKILL)
     node.process.wait(timeout=30)
     try:
-        wait_for(lambda: not any(_alive(pid) for pid in workers), 30, f"the warm workers {workers} to end")
+        wait_for(lambda: not any(process_is_alive(pid) for pid in workers), 30, f"the warm workers {workers} to end")
     finally:  # the fixture finds a node's processes through its agent, which is gone: clean up here
         for pid in workers:
-            if _alive(pid):
+            if process_is_alive(pid):
                 os.kill(pid, signal.SIGKILL)

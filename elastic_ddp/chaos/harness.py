@@ -46,7 +46,7 @@ from elastic_ddp.chaos.plan import REMOVING_ACTIONS, Fault, FaultPlan, PlanError
 from elastic_ddp.config import TrainingConfig, build_parser
 from elastic_ddp.events import read_events
 from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
-                                       port_is_listening, process_tree, wait_for)
+                                       port_is_listening, process_is_alive, process_tree, wait_for)
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class ChaosHarness:
         if group is None or not node.is_running():
             return []
         return [rank for rank in group.start.get("ranks") or []
-                if rank["agent_pid"] == node.pid and _alive(rank["pid"])]
+                if rank["agent_pid"] == node.pid and process_is_alive(rank["pid"])]
 
     def _holds_rank0(self, node: LocalNode) -> bool:
         return any(rank["rank"] == 0 for rank in self._live_workers(node))
@@ -487,16 +487,6 @@ def _kill_process_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fault_dict(fault: Fault) -> dict[str, Any]:
