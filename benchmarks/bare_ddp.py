@@ -39,7 +39,7 @@ def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, 
     """Linear warm-up, then cosine decay to zero: the schedule elastic_ddp's trainer uses by default.
 
     Written out here so that the baseline imports nothing of elastic_ddp's training machinery;
-    tests/test_benchmarks.py checks the two give the same learning rates.
+    tests/unit/test_benchmark_tables.py checks the two give the same learning rates.
     """
     def factor(step: int) -> float:
         if step < warmup_steps:

@@ -21,17 +21,18 @@ import torch
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled
 from elastic_ddp import train
 from elastic_ddp.distributed import exit_worker
-from elastic_ddp.events import EventLog
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.events import EventLog
 
 
 def record_cpu_time_of_steps(cpu_times: list[float]) -> None:
     """Make every `EventLog` note the process CPU time when it writes a `step` event."""
     emit = EventLog.emit
 
-    def emit_noting_cpu_time(self: EventLog, event: str, **fields: Any) -> None:
-        if event == "step":
+    def emit_noting_cpu_time(self: EventLog, kind: schema.EventKind, **fields: Any) -> None:
+        if kind is schema.STEP:
             cpu_times.append(time.process_time())
-        emit(self, event, **fields)
+        emit(self, kind, **fields)
 
     EventLog.emit = emit_noting_cpu_time
 

@@ -12,7 +12,7 @@ waits for the first step of the group that includes it (world 2 -> 3, below --nn
 
 Three settings are measured in the same run, interleaved, on the same machine:
 - `ours`: what launch/node.sh ships: `python -m elastic_ddp.launcher` (torchrun with workers forked
-  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.local_cluster;
+  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults;
 - `ours-cold`: the same rendezvous settings with plain torchrun (`python -m torch.distributed.run`),
   to separate what the settings and what the warm workers contribute;
 - `stock`: plain torchrun with its defaults (no --rdzv_conf, --monitor_interval 0.1).
@@ -41,9 +41,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.chaos.events import EventFollower, WorkerGroup
-from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, STOCK_LAUNCHER, LocalJob,
-                                       LocalNode)
+from elastic_ddp.chaos.cluster import (
+    AGENT_ENV,
+    LAUNCHER,
+    MONITOR_INTERVAL_S,
+    RDZV_CONF,
+    STOCK_LAUNCHER,
+    LocalJob,
+    LocalNode,
+)
+from elastic_ddp.runlog.history import EventFollower, WorkerGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},

@@ -60,7 +60,8 @@ if __package__ in (None, ""):  # `python benchmarks/snapshot_cost.py`: make the 
 from benchmarks.table import Row, render_markdown  # noqa: E402
 from elastic_ddp.config import TrainingConfig  # noqa: E402
 from elastic_ddp.data import IMAGE_SHAPE, NUM_CLASSES, SyntheticImageDataset  # noqa: E402
-from elastic_ddp.events import read_events  # noqa: E402
+from elastic_ddp.runlog.history import read_events  # noqa: E402
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
 from elastic_ddp.trainer import Trainer  # noqa: E402
 
 MODES = ("none", "async", "sync")
@@ -213,7 +214,7 @@ def _run(options: SnapshotCostOptions, mode: str, directory: Path) -> RunResult:
     # alternating run's cycles begin with a snapshot step; the other windows follow the warm-up.
     steps = range(first_step, last_step) if alternating else range(first_step + 1, last_step + 1)
     step_seconds = [step_times[step] - step_times[step - 1] for step in steps]
-    events = [e for e in read_events(checkpoint_dir / "events.jsonl") if e.get("global_step") in steps]
+    events = [e for e in read_events(checkpoint_dir / EVENT_LOG_NAME) if e.get("global_step") in steps]
     written = [e for e in events if e["event"] == "snapshot"]
     (thread_start, process_start), (thread_end, process_end) = cpu_times[first_step], cpu_times[last_step]
     return RunResult(mode=mode, window_seconds=sum(step_seconds), step_seconds=step_seconds,

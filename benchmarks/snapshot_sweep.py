@@ -104,9 +104,9 @@ def snapshot_interval_steps(step_seconds: float, size_bytes: float) -> int:
 def measure(cases: tuple[SizeCase, ...], directory: Path,
             progress: Callable[[str], None] | None = None) -> list[Row]:
     """One snapshot_cost measurement per size, then its rows; disk bandwidth between repetitions."""
-    from benchmarks import snapshot_cost  # the snapshot helper's benchmark; imported when used
-
     import torch
+
+    from benchmarks import snapshot_cost  # the snapshot helper's benchmark; imported when used
 
     rows = []
     threads = torch.get_num_threads()

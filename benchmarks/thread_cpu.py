@@ -17,7 +17,6 @@ writer). Linux only (/proc).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import signal
@@ -32,7 +31,10 @@ if __package__ in (None, ""):  # `python benchmarks/thread_cpu.py`: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import SNAPSHOT_MODES, Workload, start_torchrun  # noqa: E402
-from elastic_ddp.local_cluster import signal_tree, wait_for  # noqa: E402
+from elastic_ddp.chaos.cluster import signal_tree, wait_for  # noqa: E402
+from elastic_ddp.procfs import read_stat  # noqa: E402
+from elastic_ddp.runlog.history import EventFollower  # noqa: E402
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 WARM_UP_STEPS = 200
@@ -43,13 +45,13 @@ def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """{thread id: (name, user + system CPU seconds)} of every thread of `pid` still alive."""
     threads = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = read_stat(pid, thread=int(tid))
         try:
             name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            # Fields after the parenthesised name; utime and stime are the 14th and 15th of the line.
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND)
+        except OSError:
+            stat = None
+        if stat is not None:  # None: the thread ended meanwhile
+            threads[int(tid)] = (name, (stat.user_ticks + stat.system_ticks) / TICKS_PER_SECOND)
     return threads
 
 
@@ -73,14 +75,14 @@ def measure_side(side: str, workload: Workload, window_s: float, work_dir: Path)
     """(steps in the window, CPU ms per step by thread group) of rank 0 of one run of `side`."""
     args = workload.shared_args()
     if side == "bare":
-        module, log_steps = "benchmarks.bare_ddp", _bare_steps
+        module, step_counter = "benchmarks.bare_ddp", _bare_steps
     else:
-        module, log_steps = "elastic_ddp.train", _elastic_steps
+        module, step_counter = "elastic_ddp.train", _elastic_steps
         args += ["--micro_batch_size", str(workload.global_batch_size // workload.world_size),
                  "--snapshot_every_steps", str(SNAPSHOT_MODES[side]), "--checkpoint_dir", str(work_dir / "ck")]
     agent, log_path = start_torchrun(module, args, work_dir, workload.world_size)
     try:
-        steps = functools.partial(log_steps, work_dir)
+        steps = step_counter(work_dir)
         wait_for(lambda: steps() >= WARM_UP_STEPS or agent.poll() is not None, 120, f"{WARM_UP_STEPS} steps of {side}")
         if agent.poll() is not None:
             raise RuntimeError(f"{side}: torchrun exited with {agent.returncode} before the window; log {log_path}")
@@ -104,14 +106,22 @@ def _rank0_worker(agent_pid: int) -> int:
     raise RuntimeError(f"no worker with RANK=0 among the children {children} of agent {agent_pid}")
 
 
-def _bare_steps(work_dir: Path) -> int:
-    found = BARE_STEP_LINE.findall((work_dir / "torchrun.log").read_text(errors="replace"))
-    return int(found[-1]) if found else 0
+def _bare_steps(work_dir: Path) -> Callable[[], int]:
+    """The bare loop's newest step, read from the `step N loss` lines it prints."""
+    def steps() -> int:
+        found = BARE_STEP_LINE.findall((work_dir / "torchrun.log").read_text(errors="replace"))
+        return int(found[-1]) if found else 0
+    return steps
 
 
-def _elastic_steps(work_dir: Path) -> int:
-    events = work_dir / "ck" / "events.jsonl"
-    return events.read_text().count('"event": "step"') if events.exists() else 0
+def _elastic_steps(work_dir: Path) -> Callable[[], int]:
+    """elastic_ddp's newest step, from its event log (read incrementally: polled every 0.1 s)."""
+    follower = EventFollower(work_dir / "ck" / EVENT_LOG_NAME)
+
+    def steps() -> int:
+        follower.poll()
+        return follower.newest_step()
+    return steps
 
 
 def measure(model: str, repetitions: int, window_s: float, work_dir: Path,

@@ -37,12 +37,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/throughput.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.measure import (PROFILE_DIR_ENV, parse_results, steady_state_cpu_ms_per_step,  # noqa: E402
-                                steady_state_samples_per_second)
+from benchmarks.measure import (  # noqa: E402
+    PROFILE_DIR_ENV,
+    parse_results,
+    steady_state_cpu_ms_per_step,
+    steady_state_samples_per_second,
+)
 from benchmarks.table import Row, render_markdown  # noqa: E402
-from elastic_ddp.events import read_events  # noqa: E402
-from elastic_ddp.local_cluster import (AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree,  # noqa: E402
-                                      torchrun_command)
+from elastic_ddp.chaos.cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command  # noqa: E402
+from elastic_ddp.runlog.history import read_events  # noqa: E402
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT_MODES = {"snapshots at epoch ends": 0, "snapshots every 50 steps": 50}
@@ -149,7 +153,7 @@ def run_elastic(workload: Workload, snapshot_every_steps: int, run_dir: Path, ti
             "--snapshot_every_steps", str(snapshot_every_steps), "--checkpoint_dir", str(checkpoint_dir)]
     records, seconds = run_torchrun("benchmarks.elastic_worker", args, run_dir, workload.world_size, timeout,
                                     profile_dir)
-    steps = sorted((e for e in read_events(checkpoint_dir / "events.jsonl") if e["event"] == "step"),
+    steps = sorted((e for e in read_events(checkpoint_dir / EVENT_LOG_NAME) if e["event"] == "step"),
                    key=lambda e: e["global_step"])
     cpu_times = next(record["cpu_times"] for record in records if record["rank"] == 0)
     return _result(workload, [e["time"] for e in steps], cpu_times, records, seconds)

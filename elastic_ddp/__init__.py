@@ -20,6 +20,6 @@ def __getattr__(name: str) -> Any:
         from elastic_ddp.config import TrainingConfig
         return TrainingConfig
     if name == "load_snapshot":
-        from elastic_ddp.api import load_snapshot
+        from elastic_ddp.snapshot.loading import load_snapshot
         return load_snapshot
     raise AttributeError(f"module 'elastic_ddp' has no attribute {name!r}")

@@ -8,13 +8,14 @@ the same whichever rank, world size or DataLoader worker produces it.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from elastic_ddp.sampler import derive_seed, mix_seed
+from elastic_ddp.sampler import StepPlan, derive_seed, mix_seed
 
 SampleTransform = Callable[[Any, torch.Generator], Any]
 
@@ -104,3 +105,23 @@ class EpochSampleView(Dataset):
         if base is None:
             base = self._epoch_bases[epoch] = derive_seed("augment", self.seed, epoch)
         return mix_seed(base + index)
+
+
+def plan_loader(samples: EpochSampleView, epoch: int, plans: list[StepPlan], num_workers: int,
+                pin_memory: bool) -> DataLoader:
+    """The batches of this rank's non-empty micro-batches of `plans`, in plan order."""
+    keyed = [[(epoch, index) for index in batch] for plan in plans for batch in plan.micro_batches if batch]
+    return DataLoader(samples, batch_sampler=keyed, num_workers=num_workers, pin_memory=pin_memory,
+                      worker_init_fn=_ignore_sigterm)
+
+
+def empty_batch_like(samples: EpochSampleView) -> list[torch.Tensor]:
+    """A batch of zero samples shaped like the dataset's: for a rank whose share of a step is empty
+    (it still runs the forward and backward passes that synchronise the gradients)."""
+    collated = default_collate([samples[(0, 0)]])
+    return [item[:0] for item in collated]
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to the training process, which drains and then ends them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

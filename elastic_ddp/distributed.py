@@ -13,14 +13,16 @@ import logging
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from elastic_ddp.procfs import command_line, read_stat
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +74,23 @@ class DistributedContext:
 def agent_pid() -> int:
     """The pid of the torchrun agent that started this worker (this process's parent, or its
     grandparent when the worker was forked from a multiprocessing fork server, as
-    `python -m elastic_ddp.launcher` does)."""
+    `python -m elastic_ddp.launcher` does). Without /proc (not Linux) the parent is the answer."""
     parent = os.getppid()
-    try:
-        command = Path(f"/proc/{parent}/cmdline").read_bytes()
-        if b"multiprocessing.forkserver" in command:
-            stat = Path(f"/proc/{parent}/stat").read_text()
-            return int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        pass  # no /proc (not Linux): the parent is the best answer
+    if b"multiprocessing.forkserver" in command_line(parent):
+        stat = read_stat(parent)
+        if stat is not None:
+            return stat.parent
     return parent
+
+
+def agree_on_incarnation(context: DistributedContext) -> int:
+    """A number shared by all ranks of this worker-group start, larger than any before it: rank 0's
+    clock in microseconds (a collective)."""
+    if not (context.is_distributed and dist.is_initialized()):
+        return time.time_ns() // 1000
+    value = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=context.device)
+    dist.broadcast(value, src=0)
+    return int(value.item())
 
 
 def warn_if_agent_store_shared() -> None:
@@ -89,7 +98,7 @@ def warn_if_agent_store_shared() -> None:
 
     With the shared store, workers restarted after a re-rendezvous read the previous round's gloo
     addresses (pytorch/pytorch#135712). Installing elastic_ddp turns sharing off for torchrun
-    (see elastic_ddp/torchrun_plugin.py); this fires only if something turned it back on.
+    (see elastic_ddp/rendezvous/plugin.py); this fires only if something turned it back on.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         logger.warning(

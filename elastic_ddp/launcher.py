@@ -13,9 +13,10 @@ torchrun then forks every worker from it (`--start-method forkserver`) and the w
 `MODULE` with `runpy`, as `python -m MODULE` would. docs/failure-semantics.md ("Recovery speed")
 has the measured difference.
 
-The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.liveness): a
-killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
-expires 5 s later (`--rdzv_conf=...,probe_dead_nodes=0` turns them off).
+The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.rendezvous.liveness):
+a killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
+expires 5 s later (`--rdzv_conf=...,probe_dead_nodes=0` turns them off). The launcher does this by
+running `--rdzv_backend=elastic-c10d` (elastic_ddp.rendezvous.c10d) in its place.
 
 Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
 exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
@@ -138,13 +139,31 @@ class TracebackAsText(logging.Filter):
         return True
 
 
+def probed_c10d_arguments(argv: list[str]) -> list[str]:
+    """`argv` with torchrun's `--rdzv_backend=c10d` (or `--rdzv-backend c10d`) turned into
+    `elastic-c10d`: the same rendezvous, with dead-node probes. The training script's own
+    arguments are left alone."""
+    from torch.distributed.run import parse_args
+
+    from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+
+    argv = list(argv)
+    script_at = len(argv) - len(parse_args(argv).training_script_args) - 1
+    for index in range(script_at):
+        flag, equals, value = argv[index].partition("=")
+        if flag not in ("--rdzv_backend", "--rdzv-backend"):
+            continue
+        if equals and value == "c10d":
+            argv[index] = f"{flag}={BACKEND_NAME}"
+        elif not equals and index + 1 < script_at and argv[index + 1] == "c10d":
+            argv[index + 1] = BACKEND_NAME
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
-    from elastic_ddp.liveness import probe_c10d_dead_nodes
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    probe_c10d_dead_nodes()
+    argv = probed_c10d_arguments(list(sys.argv[1:] if argv is None else argv))
     warm = warm_arguments(argv)
     if warm is not None:
         # torchrun's --run-path entry point, pointed at runpy.run_module instead of run_path.

@@ -60,6 +60,16 @@ def micro_batches(share: list[int], micro_batch_size: int) -> list[list[int]]:
     return [share[start:start + micro_batch_size] for start in range(0, len(share), micro_batch_size)]
 
 
+def epoch_length(dataset_size: int, global_batch_size: int, drop_last: bool) -> int:
+    """Samples trained on per epoch: the whole dataset, less the short last batch under `drop_last`."""
+    return dataset_size - (dataset_size % global_batch_size if drop_last else 0)
+
+
+def steps_per_epoch(dataset_size: int, global_batch_size: int, drop_last: bool) -> int:
+    """Optimizer steps per epoch; a function of the data and the global batch, never of the world size."""
+    return -(-epoch_length(dataset_size, global_batch_size, drop_last) // global_batch_size)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What one rank does in one optimizer step."""
@@ -97,13 +107,11 @@ class ElasticSampler:
     @property
     def epoch_length(self) -> int:
         """Samples actually trained on per epoch (the whole dataset unless `drop_last` cuts a tail)."""
-        if self.drop_last:
-            return self.dataset_size - self.dataset_size % self.global_batch_size
-        return self.dataset_size
+        return epoch_length(self.dataset_size, self.global_batch_size, self.drop_last)
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-self.epoch_length // self.global_batch_size)
+        return steps_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
 
     @property
     def epoch_finished(self) -> bool:

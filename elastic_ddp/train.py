@@ -17,9 +17,9 @@ from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import SyntheticImageDataset, random_horizontal_flip
 from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
 from elastic_ddp.drain import DRAIN_EXIT_CODE, DrainRequested
-from elastic_ddp.events import StartupTimeline
-from elastic_ddp.logging_setup import configure_worker_logging
 from elastic_ddp.models import build_model
+from elastic_ddp.runlog.startup import StartupTimeline
+from elastic_ddp.runlog.worker_logging import configure_worker_logging
 from elastic_ddp.trainer import Trainer
 
 

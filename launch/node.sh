@@ -29,7 +29,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$repo/.venv/bin/python" ]]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
-# Keep these in step with elastic_ddp/local_cluster.py (tests/test_launch.py checks they agree).
+# Keep these in step with elastic_ddp/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.5
 DEFAULT_LAUNCHER=elastic_ddp.launcher

@@ -1,16 +1,32 @@
-"""Shared fixtures: local multi-node jobs that are always cleaned up."""
+"""Shared fixtures, and the two kinds of test.
+
+- tests/unit: fast, in one process: no subprocess, no server, no signal to another process.
+  `bash tests/run.sh tests/unit` (or `-m "not slow"`) runs them in well under a minute.
+- tests/cluster: real torchrun agents as nodes on 127.0.0.1, a real etcd, real signals, CLI
+  subprocesses. Every test there is marked `slow` here, whatever its file says.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from elastic_ddp.audit import exactly_once_violations, read_entries
-from elastic_ddp.local_cluster import LocalJob
+from elastic_ddp.chaos.cluster import LocalJob
+
+pytest_plugins = ["tests.support.etcd"]  # the etcd server fixtures
 
 # Each local node is one process of torch: one thread each keeps 2-core machines responsive.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CLUSTER_TESTS = Path(__file__).parent / "cluster"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if CLUSTER_TESTS in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -26,12 +42,3 @@ def local_jobs(tmp_path):
     yield make
     for job in jobs:
         job.stop()
-
-
-def assert_exactly_once(job: LocalJob, dataset_size: int, epochs: int, global_batch_size: int) -> None:
-    problems = exactly_once_violations(read_entries(job.audit_dir), dataset_size, epochs, global_batch_size)
-    assert not problems, problems
-
-
-def node_logs(job: LocalJob) -> str:
-    return "\n".join(f"===== {node.name}\n{node.log_text()[-4000:]}" for node in job.nodes)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command from a fresh clone to the whole test suite: sets up .venv, then runs pytest.
 #
-#   bash tests/run.sh            # everything (about 10 minutes on 2 cores)
-#   bash tests/run.sh -m "not slow"   # unit tests only
+#   bash tests/run.sh                  # everything (about 10 minutes on 2 cores)
+#   bash tests/run.sh tests/unit       # the unit tests: one process, no servers (seconds)
+#   bash tests/run.sh -m "not slow"    # the same selection by marker
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/launch/setup.sh"

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from elastic_ddp import Trainer, TrainingConfig
 from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
-from elastic_ddp.logging_setup import configure_worker_logging
+from elastic_ddp.runlog.worker_logging import configure_worker_logging
 
 SIGNAL_LENGTH = 64
 FREQUENCIES = (1.0, 2.0, 3.0, 5.0)  # the class of a signal is its frequency

@@ -22,8 +22,12 @@ import logging
 import sys
 from pathlib import Path
 
-from elastic_ddp.chaos.equivalence import (DEFAULT_LOSS_TOLERANCE, DEFAULT_PARAMETER_TOLERANCE, compare_runs,
-                                           run_reference)
+from elastic_ddp.chaos.equivalence import (
+    DEFAULT_LOSS_TOLERANCE,
+    DEFAULT_PARAMETER_TOLERANCE,
+    compare_runs,
+    run_reference,
+)
 from elastic_ddp.chaos.harness import STORES, ChaosHarness, expected_final_step
 from elastic_ddp.chaos.plan import FaultPlan, PlanError, random_plan
 

@@ -32,8 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_ddp.api import load_snapshot
-from elastic_ddp.events import read_events
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
+from elastic_ddp.snapshot.loading import load_snapshot
 
 # Largest |reference - chaotic| of any parameter element, relative to the largest |parameter| of
 # its tensor; and the largest absolute difference of a per-step mean loss.
@@ -84,8 +86,8 @@ def run_reference(run_dir: str | Path, training_args: Sequence[str], module: str
 def surviving_losses(checkpoint_dir: str | Path) -> dict[int, float]:
     """Loss per global step of the trajectory that survived: the newest incarnation's value wins."""
     losses: dict[int, tuple[int, float]] = {}
-    for event in read_events(Path(checkpoint_dir) / "events.jsonl"):
-        if event.get("event") == "progress":
+    for event in read_events(Path(checkpoint_dir) / EVENT_LOG_NAME):
+        if event["event"] == schema.PROGRESS.name:
             step, incarnation = event["global_step"], event["incarnation"]
             if step not in losses or incarnation >= losses[step][0]:
                 losses[step] = (incarnation, event["loss"])

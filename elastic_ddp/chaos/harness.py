@@ -4,17 +4,11 @@
     report = harness.run()
     assert report.ok, report.summary()
 
-Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.local_cluster.LocalNode`) with real
+Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.chaos.cluster.LocalNode`) with real
 gloo workers; faults are real signals. The harness follows the plan (elastic_ddp/chaos/plan.py),
 reading triggers from the run's event log, never guessing with sleeps; then it waits for the job to
-finish within a deadline and checks what elastic_ddp promises (docs/failure-semantics.md):
-
-- the run finishes, and its final global step is exactly epochs x steps per epoch;
-- the audit log shows every sample of every epoch exactly once in the surviving trajectory;
-- every restore used a snapshot whose write had completed, with the checksum that write recorded;
-
-and it measures, per fault, the seconds from the fault to the first optimizer step of the group
-that continued without the node (or, for a join, with it).
+finish within a deadline, and `chaos.verdict` checks what elastic_ddp promises
+(docs/failure-semantics.md) and measures each fault's recovery.
 
 Where the rendezvous store lives matters. With `store="standalone"` (the default) the c10d store
 runs in a process of its own (elastic_ddp/chaos/store.py) and every node can be killed, rank 0's
@@ -36,17 +30,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.audit import exactly_once_violations, read_entries
-from elastic_ddp.chaos.events import EventFollower
-from elastic_ddp.chaos.plan import REMOVING_ACTIONS, Fault, FaultPlan, PlanError
+from elastic_ddp.chaos.cluster import LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
+from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
+from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
 from elastic_ddp.config import TrainingConfig, build_parser
-from elastic_ddp.events import read_events
-from elastic_ddp.local_cluster import (AGENT_ENV, LAUNCHER, MONITOR_INTERVAL_S, RDZV_CONF, LocalJob, LocalNode,
-                                       port_is_listening, process_is_alive, process_tree, wait_for)
+from elastic_ddp.procfs import process_is_alive, process_tree
+from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.history import EventFollower
 
 logger = logging.getLogger(__name__)
 
@@ -64,75 +59,6 @@ class JobEnded(Exception):
 
 class DeadlineExceeded(Exception):
     """The run took longer than the harness's deadline."""
-
-
-@dataclass
-class FaultRecord:
-    """What happened to one fault of the plan."""
-
-    index: int
-    description: str
-    fault: dict[str, Any]
-    fired: bool = False
-    fired_at: float | None = None  # Unix seconds
-    seconds_into_run: float | None = None
-    step_when_fired: int | None = None  # newest global step in the event log at that moment
-    node: str | None = None
-    pid: int | None = None  # the agent's, or the worker's for kill_worker
-    held_rank0: bool | None = None
-    snapshot_step: int | None = None  # for on_event=snapshot_captured: the snapshot being written
-    during_snapshot_write: bool | None = None  # its write had not completed when the kill landed
-    recovery_seconds: float | None = None  # to the first step of the next group (with the joiner)
-    not_fired_because: str | None = None
-
-
-@dataclass
-class ChaosReport:
-    """The outcome of one chaos run; `problems` is empty when every promise held."""
-
-    run_dir: str
-    plan: dict[str, Any]
-    faults: list[FaultRecord]
-    expected_final_step: int
-    final_step: int | None
-    exactly_once_problems: list[str]
-    restores: list[dict[str, Any]]
-    interrupted_snapshot_writes: list[int]
-    world_sizes: list[int]
-    exit_codes: dict[str, int | None]
-    ended: dict[str, float]  # seconds into the run when each agent that ended on its own was seen gone
-    seconds: float
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-    def summary(self) -> str:
-        lines = [f"chaos run in {self.run_dir}: {'OK' if self.ok else 'FAILED'} in {self.seconds:.1f} s",
-                 f"  world sizes: {' -> '.join(map(str, self.world_sizes))}"]
-        for record in self.faults:
-            if not record.fired:
-                lines.append(f"  [{record.index}] {record.description}: NOT FIRED ({record.not_fired_because})")
-                continue
-            details = [f"t={record.seconds_into_run:.1f}s", f"step {record.step_when_fired}"]
-            if record.node:
-                details.append(record.node + (" (rank 0)" if record.held_rank0 else ""))
-            if record.during_snapshot_write is not None:
-                details.append(f"snapshot {record.snapshot_step} "
-                               f"{'interrupted mid-write' if record.during_snapshot_write else 'already written'}")
-            if record.recovery_seconds is not None:
-                details.append(f"training again after {record.recovery_seconds:.1f} s")
-            lines.append(f"  [{record.index}] {record.description}: {', '.join(details)}")
-        lines.append(f"  final step {self.final_step} (expected {self.expected_final_step}); "
-                     f"exactly once: {'yes' if not self.exactly_once_problems else 'NO'}; "
-                     f"{len(self.restores)} restores, all verified: "
-                     f"{'yes' if all(r['matches_a_completed_write'] for r in self.restores) else 'NO'}")
-        lines += [f"  problem: {problem}" for problem in self.problems]
-        return "\n".join(lines)
 
 
 def expected_final_step(training_args: Sequence[str]) -> tuple[TrainingConfig, int]:
@@ -372,12 +298,12 @@ class ChaosHarness:
     def _fire(self, record: FaultRecord, fault: Fault, node: LocalNode | None, event: dict[str, Any] | None) -> None:
         if node is not None:
             record.held_rank0 = self._holds_rank0(node)
-        if event is not None and event.get("event") == "snapshot_captured":
+        if event is not None and event["event"] == schema.SNAPSHOT_CAPTURED.name:
             record.snapshot_step = event["global_step"]
             self.events.poll()
             record.during_snapshot_write = not any(
                 e.get("global_step") == record.snapshot_step and e.get("incarnation") == event["incarnation"]
-                for e in self.events.of_kind("snapshot"))
+                for e in self.events.of_kind(schema.SNAPSHOT))
         record.step_when_fired = self.events.newest_step()
         record.fired_at = time.time()
         if fault.action == "add_node":
@@ -433,50 +359,10 @@ class ChaosHarness:
                 node.kill()
 
     def _report(self, records: list[FaultRecord], problems: list[str]) -> ChaosReport:
-        events = read_events(self.job.event_log)
         self.events.poll()
-        groups = sorted(self.events.groups.values(), key=lambda g: g.started)
-        for record in records:
-            if record.fired:
-                record.recovery_seconds = _recovery_seconds(record, groups)
-        written = {(e["global_step"], e["sha256"]) for e in events if e.get("event") == "snapshot"}
-        restores = [{"global_step": e["global_step"], "sha256": e["sha256"], "verified": e.get("verified"),
-                     "matches_a_completed_write": bool(e.get("verified")) and (e["global_step"], e["sha256"]) in written,
-                     "previous_world_size": e.get("previous_world_size"), "world_size": e.get("world_size"),
-                     "lost_steps": e.get("lost_steps"), "lost_seconds": e.get("lost_seconds")}
-                    for e in events if e.get("event") == "restore"]
-        captured = {(e["incarnation"], e["global_step"]) for e in events if e.get("event") == "snapshot_captured"}
-        completed = {(e["incarnation"], e["global_step"]) for e in events if e.get("event") == "snapshot"}
-        interrupted = sorted(step for incarnation, step in captured - completed)
-        finished = [e["global_step"] for e in events if e.get("event") == "finished"]
-        final_step = max(finished) if finished else None
-        exactly_once = exactly_once_violations(read_entries(self.job.audit_dir), self.config.dataset_size,
-                                               self.config.epochs, self.config.global_batch_size,
-                                               self.config.drop_last)
-        if final_step != self.expected_steps:
-            problems.append(f"final step {final_step}, expected {self.expected_steps}")
-        problems += [f"exactly once: {problem}" for problem in exactly_once]
-        problems += [f"restore of step {r['global_step']} (sha256 {r['sha256'][:12]}...) matches no completed "
-                     "snapshot write" for r in restores if not r["matches_a_completed_write"]]
-        problems += [f"fault {r.index} ({r.description}) did not fire: {r.not_fired_because}"
-                     for r in records if not r.fired]
-        return ChaosReport(
-            run_dir=str(self.run_dir), plan=self.plan.to_dict(), faults=records,
-            expected_final_step=self.expected_steps, final_step=final_step, exactly_once_problems=exactly_once,
-            restores=restores, interrupted_snapshot_writes=interrupted,
-            world_sizes=[g.start["world_size"] for g in groups],
-            exit_codes={node.name: node.process.poll() for node in self.job.nodes}, ended=self.ended,
-            seconds=round(time.time() - self.started_at, 1), problems=problems)
-
-
-def _recovery_seconds(record: FaultRecord, groups: list) -> float | None:
-    """Seconds from the fault to the first step of the first group that reflects it."""
-    after = [g for g in groups if g.started >= record.fired_at and g.first_step is not None]
-    if record.fault["action"] == "add_node":
-        after = [g for g in after if record.pid in g.agent_pids]
-    elif record.fault["action"] not in (*REMOVING_ACTIONS, "kill_worker"):
-        return None
-    return round(after[0].first_step["time"] - record.fired_at, 3) if after else None
+        return judge(self.job, self.plan, self.config, self.expected_steps, records, problems,
+                     groups=sorted(self.events.groups.values(), key=lambda g: g.started),
+                     ended=self.ended, started_at=self.started_at)
 
 
 def _kill_process_tree(pid: int) -> None:

@@ -16,8 +16,8 @@ from base64 import b64decode, b64encode
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_ddp.rendezvous.connection import EtcdConnection
 from elastic_ddp.rendezvous.etcd_client import Etcd3Client
+from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
 
 
 def run_key(key_prefix: str, run_id: str) -> str:

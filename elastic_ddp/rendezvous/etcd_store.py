@@ -27,9 +27,9 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError, Store
 
-from elastic_ddp.rendezvous.connection import EtcdConnection
 from elastic_ddp.rendezvous.etcd_backend import run_key
 from elastic_ddp.rendezvous.etcd_client import Etcd3Client
+from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
 
 _FIRST_POLL_S = 0.01
 _MAX_POLL_S = 0.25

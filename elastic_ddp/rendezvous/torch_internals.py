@@ -1,0 +1,60 @@
+"""The private parts of torch's dynamic rendezvous that elastic_ddp relies on, named in one place.
+
+torch offers no public hook to drop a peer from a rendezvous before its heartbeat expires, which
+is what the dead-node probes (`liveness`) do. They therefore subclass torch's state holder and
+rebuild a handler around it, using the names below (torch 2.4 to 2.13). Nothing else in the
+package touches a private name of torch's rendezvous; tests/unit/test_torch_internals.py pins
+each one (it exists, with the shape used here) so that a torch upgrade that moves one fails there
+first, with the name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _remove_participant_epilogue,
+)
+
+# Subclassed by `liveness.ProbingStateHolder`; its `_sanitize()` drops expired nodes, and `_state`
+# (participants, wait_list, redundancy_list, last_heartbeats, complete) and `_settings` are read.
+BackendStateHolder = _BackendRendezvousStateHolder
+# A node of the rendezvous (addr, pid, local_id); hashable, printable.
+NodeDesc = _NodeDesc
+
+
+def remove_participant_epilogue(state: Any, settings: RendezvousSettings) -> None:
+    """What torch does after removing a participant: reopen or close the round as it must."""
+    _remove_participant_epilogue(state, settings)
+
+
+def handler_node(handler: DynamicRendezvousHandler) -> NodeDesc:
+    """The node this agent is in `handler`'s rendezvous."""
+    return handler._this_node
+
+
+def handler_settings(handler: DynamicRendezvousHandler) -> RendezvousSettings:
+    return handler._settings
+
+
+def handler_store(handler: DynamicRendezvousHandler) -> Store:
+    """The store the handler gives torchrun's agent (the rendezvous store)."""
+    return handler._store
+
+
+def with_state_holder(handler: DynamicRendezvousHandler, holder: BackendStateHolder) -> DynamicRendezvousHandler:
+    """A handler like `handler` (node, settings, backend, store) whose state goes through `holder`."""
+    return DynamicRendezvousHandler(handler._this_node, handler._settings, handler.get_backend(), handler._store,
+                                    holder)
+
+
+def new_state_holder(holder_class: type, backend: RendezvousBackend, handler: DynamicRendezvousHandler,
+                     **extra: Any) -> BackendStateHolder:
+    """An instance of `holder_class` (a BackendStateHolder subclass) for `handler`'s settings."""
+    return holder_class(backend, handler._settings, **extra)

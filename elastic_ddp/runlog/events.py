@@ -1,0 +1,66 @@
+"""The event log's writer: what happened to a run, as JSON lines that tools and people can read.
+
+Only rank 0 writes. Every line has `time` (Unix seconds), `event` and `incarnation`, plus the
+fields its kind declares in `runlog.schema` (docs/operations.md, "Event log", lists them).
+Lines are appended with one write each, so incarnations that follow each other share one file per
+checkpoint directory; `runlog.history` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.runlog.schema import EVENT_KINDS, EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class EventLog:
+    """Appends events to `path`; a disabled log (on ranks other than 0) drops them."""
+
+    def __init__(self, path: str | Path, incarnation: int, enabled: bool):
+        self.path = Path(path)
+        self.incarnation = incarnation
+        self._file = None
+        self._lock = threading.Lock()  # the snapshot writer thread emits too
+        self._unwritable = False
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def emit(self, kind: EventKind, **fields: Any) -> None:
+        """Append one event of `kind`; `fields` must be exactly the ones the kind declares."""
+        # An undeclared kind or field is a bug of the writer: every reader relies on the schema.
+        assert EVENT_KINDS.get(kind.name) is kind and fields.keys() == kind.field_set, (kind, sorted(fields))
+        if self._file is None:
+            return
+        record = {"time": round(time.time(), 4), "event": kind.name, "incarnation": self.incarnation, **fields}
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.write(line)
+                    self._unwritable = False
+                except OSError as exc:  # a full disk must not stop training (the snapshot path reports it)
+                    if not self._unwritable:
+                        logger.warning("event log %s cannot be written (%s): events are dropped until it can",
+                                       self.path, exc)
+                    self._unwritable = True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError as exc:
+                    logger.warning("event log %s: last events lost (%s)", self.path, exc)
+                self._file = None

@@ -1,0 +1,76 @@
+"""The event log's schema: its file name, and every event kind with its fields, declared once.
+
+Every line of the event log is a JSON object with `time` (Unix seconds), `event` (a kind below) and
+`incarnation` (the worker-group start that wrote it), plus the fields of its kind. `EventLog.emit`
+refuses a kind that is not declared here or fields that differ from the declaration, and every
+reader (`runlog.history`: the report, progress, the chaos harness, the benchmarks) reads through
+one parser, so a new kind is added here and nowhere else; `tests/unit/test_runlog.py` fails when
+the report does not handle a declared kind. docs/operations.md ("Event log") lists them for people.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+EVENT_LOG_NAME = "events.jsonl"
+COMMON_FIELDS = ("time", "event", "incarnation")
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: its name in the `event` field and the fields every event of it carries."""
+
+    name: str
+    fields: tuple[str, ...]
+    meaning: str
+
+    @cached_property
+    def field_set(self) -> frozenset[str]:
+        return frozenset(self.fields)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+START = EventKind(
+    "start", ("round", "world_size", "local_world_size", "nodes", "ranks", "restart_count", "run_id"),
+    "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs")
+RESTORE = EventKind(
+    "restore", ("global_step", "epoch", "samples_consumed", "sha256", "verified", "source_rank", "file",
+                "previous_world_size", "world_size", "lost_steps", "lost_seconds"),
+    "the group resumed from a snapshot, and what that cost")
+STARTUP = EventKind(
+    "startup", ("global_step", "process_started", "seconds"),
+    "seconds from rank 0's process start to each stage of its start-up, after the first step")
+STEP = EventKind("step", ("global_step", "epoch"), "an optimizer step was committed")
+PROGRESS = EventKind(
+    "progress", ("global_step", "epoch", "loss", "lr", "samples_per_second", "world_size"),
+    "every --log_interval steps: the mean loss over all ranks since the last one, and the throughput")
+EPOCH_END = EventKind("epoch_end", ("epoch", "global_step"), "the last step of an epoch was committed")
+SNAPSHOT_CAPTURED = EventKind(
+    "snapshot_captured", ("global_step", "blocked_seconds"),
+    "rank 0 copied the state for a snapshot; training was blocked this long")
+SNAPSHOT = EventKind(
+    "snapshot", ("global_step", "epoch", "file", "sha256", "size_bytes", "write_seconds"),
+    "a snapshot is durable and listed (the only kind a restore may name)")
+SNAPSHOT_FAILED = EventKind(
+    "snapshot_failed", ("global_step", "error"),
+    "a snapshot could not be captured or written; the previous ones are kept")
+REPLICATION = EventKind(
+    "replication", ("replicas", "target_nodes", "target_ranks"),
+    "who receives snapshot replicas in this worker group")
+SNAPSHOT_REPLICATED = EventKind(
+    "snapshot_replicated", ("global_step", "sha256", "nodes", "seconds"),
+    "a snapshot reached the checkpoint directories of these nodes")
+REPLICATION_FAILED = EventKind(
+    "replication_failed", ("global_step", "node", "error"),
+    "a snapshot did not reach a node's checkpoint directory")
+DRAIN = EventKind(
+    "drain", ("global_step", "snapshot_durable", "seconds_since_signal"),
+    "the group stopped on a SIGTERM after its final snapshot (a drain, or torchrun re-forming the group)")
+FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is trained and the last snapshot is durable")
+
+EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
+    START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
+    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, DRAIN, FINISHED)}

@@ -1,0 +1,1 @@
+"""`elastic-ddp report / inspect / chaos` and what they print or draw; the configuration reference."""

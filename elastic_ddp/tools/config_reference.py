@@ -1,0 +1,79 @@
+"""docs/configuration.md, generated from `TrainingConfig` so that it cannot drift from the code.
+
+    python -m elastic_ddp.tools.config_reference > docs/configuration.md
+
+tests/unit/test_docs.py fails when the file differs from what this prints: after adding or changing a
+field, run the command above and commit the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from elastic_ddp.config import TrainingConfig, _field_type
+from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+
+HEADER = """# Configuration reference
+
+<!-- Generated from elastic_ddp/config.py by `python -m elastic_ddp.tools.config_reference > docs/configuration.md`.
+     Do not edit by hand: tests/unit/test_docs.py fails when this file is stale. -->
+
+Every field of `elastic_ddp.TrainingConfig` is a flag of `python -m elastic_ddp.train` (what
+torchrun runs) with the same name: `--global_batch_size 256`. Booleans come in pairs, `--augment` /
+`--no-augment`. In the library API, pass the same names to `TrainingConfig(...)`. A bad value stops
+the run before any process group exists, with one line that names the flag, the value and what is
+accepted (exit status 2). `python -m elastic_ddp.train --help` prints the same list.
+"""
+
+TORCHRUN_SECTION = """
+## torchrun settings the launch recipes use
+
+These are not `TrainingConfig` fields but torchrun's own, set by `launch/node.sh`, `LocalJob` and
+the recipes in `launch/` (why these values: [operations.md](operations.md#rendezvous-timing)):
+
+| setting | value |
+| --- | --- |
+| `--rdzv_conf` | `{rdzv_conf}` |
+| `--monitor_interval` | `{monitor_interval}` |
+{environment}
+"""
+
+
+def _default_text(config_field: dataclasses.Field) -> str:
+    default = config_field.default
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return f"`--{config_field.name}`" if default else f"`--no-{config_field.name}`"
+    return f"`{default}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    """The whole text of docs/configuration.md."""
+    rows = ["| flag | type | default | what it does |", "| --- | --- | --- | --- |"]
+    for config_field in dataclasses.fields(TrainingConfig):
+        kind = _field_type(config_field)
+        flag = (f"`--{config_field.name}` / `--no-{config_field.name}`" if kind is bool
+                else f"`--{config_field.name}`")
+        optional = " (optional)" if "None" in str(config_field.type) else ""
+        rows.append(f"| {flag} | {kind.__name__}{optional} | {_default_text(config_field)} | "
+                    f"{_cell(config_field.metadata['help'])} |")
+    environment = "\n".join(f"| `{name}` (environment of every agent) | `{value}` |"
+                            for name, value in AGENT_ENV.items())
+    torchrun = TORCHRUN_SECTION.format(rdzv_conf=RDZV_CONF, monitor_interval=MONITOR_INTERVAL_S,
+                                       environment=environment)
+    return HEADER + "\n## Training flags\n\n" + "\n".join(rows) + "\n" + torchrun
+
+
+def main() -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

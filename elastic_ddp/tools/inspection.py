@@ -1,0 +1,155 @@
+"""What a checkpoint directory holds, and whether each snapshot in it would be restored.
+
+    elastic-ddp inspect runs/job1/ck
+
+Reads the directory through `CheckpointStore`'s public methods only: the manifest's entries, then
+each entry's bytes checked against the manifest's size and sha256 (`read_verified`) and, unless
+`load=False`, loaded the way a restore loads them (`torch.load(weights_only=True)`). So "valid"
+here means what it means to a restart: the newest valid snapshot is the one training resumes from
+(when every node sees this directory). Files the manifest does not list are shown too: a
+snapshot file written by a writer that died before its manifest update, or a temporary file of an
+interrupted write; restores never use them.
+
+Not checked: whether a snapshot fits the model and data of the run you will start (the restore
+compares its fingerprint and says so).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
+from elastic_ddp.snapshot.errors import CheckpointError
+from elastic_ddp.snapshot.storage import IDENTITY_NAME, TEMPORARY_PATTERN, is_url
+from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore
+from elastic_ddp.tools.text import format_bytes, format_duration
+
+# Files a run leaves in its checkpoint directory besides snapshots and the manifest.
+RUN_FILES = {EVENT_LOG_NAME, "report.png", IDENTITY_NAME}
+
+
+class InspectionError(Exception):
+    """The location is missing, or is not a checkpoint directory."""
+
+
+@dataclass
+class SnapshotStatus:
+    file: str
+    global_step: int
+    epoch: int
+    samples_consumed: int
+    size_bytes: int
+    created_unix: float
+    valid: bool
+    problem: str | None = None
+    world_size: int | None = None  # of the run that wrote it (known once loaded)
+
+
+@dataclass
+class CheckpointInspection:
+    location: str
+    manifest_present: bool
+    snapshots: list[SnapshotStatus] = field(default_factory=list)  # oldest first
+    unlisted_snapshot_files: list[str] = field(default_factory=list)
+    temporary_files: list[str] = field(default_factory=list)
+
+    @property
+    def newest_valid(self) -> SnapshotStatus | None:
+        return next((s for s in reversed(self.snapshots) if s.valid), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        document = asdict(self)
+        newest = self.newest_valid
+        document["newest_valid_step"] = newest.global_step if newest else None
+        return document
+
+
+def inspect_checkpoints(location: str | os.PathLike, load: bool = True) -> CheckpointInspection:
+    """Check every snapshot the manifest at `location` lists. Raises InspectionError when
+    `location` does not exist or holds files but none of a checkpoint directory."""
+    _check_location(location)
+    store = CheckpointStore(location)
+    names = set(store.storage.list_names())
+    inspection = CheckpointInspection(location=store.describe(), manifest_present=MANIFEST_NAME in names)
+    entries = store.manifest_entries()
+    for entry in entries:
+        inspection.snapshots.append(_check_entry(store, entry, load))
+    listed = {entry.file for entry in entries}
+    inspection.unlisted_snapshot_files = sorted(n for n in names if SNAPSHOT_PATTERN.match(n) and n not in listed)
+    inspection.temporary_files = sorted(n for n in names if TEMPORARY_PATTERN.match(n))
+    ours = MANIFEST_NAME in names or inspection.unlisted_snapshot_files or inspection.temporary_files
+    if names and not ours and not names & RUN_FILES:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise InspectionError(f"{inspection.location}: not an elastic_ddp checkpoint directory (no {MANIFEST_NAME} "
+                              f"and no snapshot-*.pt; it holds {shown}); give the run's --checkpoint_dir")
+    return inspection
+
+
+def _check_location(location: str | os.PathLike) -> None:
+    if is_url(location):
+        return  # remote storage: listing it tells
+    path = Path(location)
+    if not path.exists():
+        raise InspectionError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise InspectionError(f"{path}: not a directory; give the run's --checkpoint_dir")
+
+
+def _check_entry(store: CheckpointStore, entry, load: bool) -> SnapshotStatus:
+    status = SnapshotStatus(file=entry.file, global_step=entry.global_step, epoch=entry.epoch,
+                            samples_consumed=entry.samples_consumed, size_bytes=entry.size_bytes,
+                            created_unix=entry.created_unix, valid=False)
+    try:
+        data = store.read_verified(entry)
+        if load:
+            from elastic_ddp.snapshot.errors import SnapshotError
+            from elastic_ddp.snapshot.format import snapshot_from_bytes  # imports torch: only when loading
+
+            try:
+                status.world_size = snapshot_from_bytes(data, store.describe(entry.file)).world_size
+            except SnapshotError as exc:
+                raise CheckpointError(str(exc)) from exc
+    except CheckpointError as exc:
+        status.problem = str(exc)
+        return status
+    status.valid = True
+    return status
+
+
+def format_inspection(inspection: CheckpointInspection, now: float | None = None, loaded: bool = True) -> str:
+    """The table `elastic-ddp inspect` prints."""
+    now = time.time() if now is None else now
+    lines = [f"Checkpoint directory {inspection.location}"]
+    if not inspection.manifest_present:
+        lines.append(f"  no {MANIFEST_NAME}: no snapshot has been completed here (yet)")
+    elif not inspection.snapshots:
+        lines.append(f"  {MANIFEST_NAME} lists no snapshot, or cannot be read (see the message above)")
+    if inspection.snapshots:
+        header = f"  {'step':>9}  {'epoch':>5}  {'samples':>9}  {'size':>9}  {'age':>13}  {'world':>5}  status"
+        lines.append(header)
+        newest = inspection.newest_valid
+        for snapshot in inspection.snapshots:
+            world = str(snapshot.world_size) if snapshot.world_size is not None else "-"
+            status = f"ok ({'loads' if loaded else 'checksum'})" if snapshot.valid else f"BAD: {snapshot.problem}"
+            if snapshot is newest:
+                status += "  <- a restart resumes here"
+            age = format_duration(max(0.0, now - snapshot.created_unix)) + " ago"
+            lines.append(f"  {snapshot.global_step:>9}  {snapshot.epoch:>5}  {snapshot.samples_consumed:>9}  "
+                         f"{format_bytes(snapshot.size_bytes):>9}  {age:>13}  {world:>5}  {status}")
+    for name in inspection.unlisted_snapshot_files:
+        lines.append(f"  {name}: not in the manifest (a write that did not complete); never restored, "
+                     "deleted by a later snapshot")
+    for name in inspection.temporary_files:
+        lines.append(f"  {name}: temporary file of an interrupted write; removed by the next snapshot")
+    newest = inspection.newest_valid
+    if newest is not None:
+        valid = sum(1 for s in inspection.snapshots if s.valid)
+        lines.append(f"{valid} of {len(inspection.snapshots)} snapshots valid; newest valid: step {newest.global_step} "
+                     f"({newest.file})")
+    else:
+        lines.append("No valid snapshot: a run started on this directory would start from scratch.")
+    return "\n".join(lines)

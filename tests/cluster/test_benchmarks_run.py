@@ -1,0 +1,66 @@
+"""`benchmarks/run_all.py --quick` end to end.
+
+No timing is asserted (the machine is shared); the smoke test checks that the table has every row
+the quick run promises and that every figure in it parses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.table import parse_cell
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+QUICK_ROWS = [
+    ("throughput", "mlp, snapshots at epoch ends: samples/s"),
+    ("throughput", "mlp, snapshots every 50 steps: samples/s"),
+    ("throughput", "mlp, snapshots at epoch ends: CPU ms per step, rank 0"),
+    ("throughput", "mlp, snapshots every 50 steps: CPU ms per step, rank 0"),
+    ("memory", "mlp: peak RSS per worker, MiB"),
+    ("data path", "input pipeline alone: samples/s per worker"),
+    ("data path", "mini_resnet: loader samples/s ÷ model step samples/s"),
+    ("data path", "mlp: loader samples/s ÷ model step samples/s"),
+    ("snapshot", "10 MB: training blocked per snapshot, s"),
+    ("snapshot", "10 MB: write bandwidth, MB/s"),
+    ("snapshot", "wide MLP: run time with a snapshot every 20 steps, s"),
+    ("snapshot", "wide MLP: run time with a synchronous snapshot every 20 steps, s"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_all_quick_prints_every_row_with_figures_that_parse(tmp_path):
+    output = tmp_path / "report.md"
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/run_all.py", "--quick", "--work_dir", str(tmp_path / "work"),
+         "--output", str(output)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=540,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+    assert output.read_text() == completed.stdout
+    assert completed.stdout.startswith("Machine: ")
+
+    table = [line for line in completed.stdout.splitlines() if line.startswith("| ")]
+    header, body = table[0], table[1:]
+    assert header == "| benchmark | figure | elastic_ddp | baseline | vs | ratio | target | n |"
+    rows = {}
+    for line in body:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[(cells[0], cells[1].split(" (")[0])] = cells
+    assert set(QUICK_ROWS) <= set(rows), sorted(rows)
+    for key in QUICK_ROWS:
+        _, _, elastic, baseline, _, ratio, _, count = rows[key]
+        for cell in (elastic, baseline, ratio):
+            median, low, high = parse_cell(cell)
+            assert low <= median <= high and not math.isnan(median), (key, cell)
+        assert count == "1"
+    recovery = [cells for key, cells in rows.items() if key[0] == "recovery"]
+    assert len(recovery) == 1 and recovery[0][1].startswith("left out of --quick")

@@ -1,0 +1,107 @@
+"""Elasticity with real torchrun agents as separate nodes on 127.0.0.1, real gloo, real SIGKILLs.
+
+These run stock torchrun (`torch.distributed.run`), the path the README promises; the chaos tests
+run the same promises through `elastic_ddp.launcher`.
+
+Each test asserts the final global step and that the audit log shows every sample of every epoch
+exactly once in the surviving trajectory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob
+from tests.support.cluster import assert_exactly_once, node_logs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+DATASET, BATCH, EPOCHS = 1536, 64, 3
+STEPS = EPOCHS * DATASET // BATCH
+
+
+def training_args(dataset_size: int = DATASET) -> list[str]:
+    return ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(dataset_size),
+            "--global_batch_size", str(BATCH), "--micro_batch_size", "16",
+            "--snapshot_every_steps", "5", "--log_interval", "10"]
+
+
+TRAINING_ARGS = training_args()
+
+
+def assert_finished_exactly_once(job: LocalJob, dataset_size: int = DATASET) -> None:
+    assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * dataset_size // BATCH
+    assert_exactly_once(job, dataset_size, EPOCHS, BATCH)
+
+
+def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
+    return job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == world_size, timeout,
+                              f"a worker group of world size {world_size}")
+
+
+def test_a_killed_node_leaves_the_job_finishing_on_the_rest(local_jobs):
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2)
+    host = job.add_node("host")
+    lost = job.add_node("lost")
+    world_reached(job, 4)
+    job.wait_for_step(12, timeout=90)
+    lost.kill()
+    assert host.wait(timeout=180) == 0, node_logs(job)
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 5, "restore in world 2")
+    assert restore["previous_world_size"] == 4 and restore["verified"]
+    assert_finished_exactly_once(job)
+
+
+def test_a_node_added_mid_run_grows_the_world(local_jobs):
+    # Long enough that the first node cannot finish alone while the joiner starts (about 6 s).
+    dataset_size = 4 * DATASET
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=training_args(dataset_size), nproc_per_node=2)
+    job.add_node("first")
+    job.wait_for_step(5, timeout=90)
+    job.add_node("joiner")
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 4, 120,
+                                 "the job to continue in world size 4")
+    assert restore["previous_world_size"] == 2
+    assert job.wait(timeout=180) == {"first": 0, "joiner": 0}, node_logs(job)
+    assert_finished_exactly_once(job, dataset_size)
+    assert restore["global_step"] < EPOCHS * dataset_size // BATCH
+
+
+def test_the_whole_job_killed_and_relaunched_resumes_without_redoing_work(local_jobs):
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2)
+    job.add_node("a")
+    job.add_node("b")
+    job.wait_for_step(STEPS // 2, timeout=120)
+    for node in reversed(job.nodes):
+        node.kill()
+    newest_before_relaunch = load_snapshot(job.checkpoint_dir)["global_step"]
+    assert 0 < newest_before_relaunch < STEPS
+
+    # The same run directory: a relaunch of the same command.
+    relaunched = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, name="job", nproc_per_node=2)
+    relaunched.add_node("a2")
+    assert relaunched.wait(timeout=180) == {"a2": 0}, node_logs(relaunched)
+    restores = relaunched.events("restore")
+    assert restores[-1]["global_step"] == newest_before_relaunch
+    assert_finished_exactly_once(relaunched)
+
+
+def test_plain_torchrun_environment_survives_a_kill_and_a_rejoin(local_jobs):
+    """The default path: torchrun started without TORCH_DISABLE_SHARE_RDZV_TCP_STORE in its
+    environment, only elastic_ddp installed. Without the plugin's fix, the agent-shared TCPStore
+    makes restarted workers hang in init_process_group (findings.md, trap 2)."""
+    dataset_size = 4 * DATASET
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=training_args(dataset_size), nproc_per_node=1,
+                     agent_env={"OMP_NUM_THREADS": "1"})
+    host = job.add_node("host")
+    other = job.add_node("other")
+    world_reached(job, 2)
+    job.wait_for_step(10, timeout=90)
+    other.kill()
+    job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 60, "restore in world 1")
+    job.add_node("rejoined")
+    job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 60, "rejoin in world 2")
+    assert host.wait(timeout=180) == 0, node_logs(job)
+    assert "shares its rendezvous TCPStore" not in node_logs(job)
+    assert_finished_exactly_once(job, dataset_size)

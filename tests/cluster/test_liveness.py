@@ -1,0 +1,172 @@
+"""Dead-node probes (elastic_ddp.rendezvous.liveness): a killed node leaves the rendezvous before its
+heartbeat expires.
+
+Real sockets, real signals, torch's real dynamic rendezvous on a real TCPStore, and at the end real
+torchrun agents. The rendezvous tests give heartbeats 60 s to expire, so a round that re-forms
+within the test's deadline was re-formed by a probe, not by torch's heartbeat check.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, create_handler
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from elastic_ddp.chaos.cluster import free_port
+from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.rendezvous.defaults import RDZV_CONF
+from elastic_ddp.rendezvous.liveness import (
+    Answer,
+    Beacon,
+    DeadNodeDetector,
+    ProbingStateHolder,
+    beacon_key,
+    probe,
+    with_dead_node_probes,
+)
+from tests.support.cluster import node_logs
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_HEARTBEAT_EXPIRY = {"keep_alive_interval": 1, "keep_alive_max_attempt": 60}
+EVICTION_LOG = "has exited (its beacon refuses connections)"
+
+BEACON_PROCESS = """
+import sys, threading
+from elastic_ddp.rendezvous.liveness import Beacon
+print(Beacon().port, flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.fixture
+def beacon_process():
+    process = subprocess.Popen([sys.executable, "-c", BEACON_PROCESS], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(process.stdout.readline())  # the pytest timeout bounds this read
+        yield process, ("127.0.0.1", port)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_a_beacon_answers_while_its_process_lives_frozen_or_not_and_refuses_once_it_is_killed(beacon_process):
+    process, address = beacon_process
+    assert probe(address) is Answer.ACCEPTED
+    process.send_signal(signal.SIGSTOP)  # a frozen agent is not a dead one: its kernel still accepts
+    assert probe(address) is Answer.ACCEPTED
+    process.kill()
+    process.wait(timeout=30)
+    assert probe(address) is Answer.REFUSED
+
+
+def test_a_probe_that_gets_no_answer_says_nothing():
+    # A full accept queue drops new handshakes, as a lost machine or a partition does.
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as server:
+        address = server.getsockname()
+        with socket.create_connection(address, timeout=5):
+            assert probe(address, timeout=0.2) is Answer.UNKNOWN
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_only_a_node_reached_before_and_refusing_now_is_dead(store):
+    alive, exited, never_reached = Beacon(), Beacon(), Beacon()
+    nodes = {name: _NodeDesc("localhost", 1000 + i, 0) for i, name in enumerate(
+        ["alive", "exited", "never reached", "without beacon"])}
+    store.set(beacon_key(nodes["alive"]), str(alive.port))
+    store.set(beacon_key(nodes["exited"]), str(exited.port))
+    detector = DeadNodeDetector(store)
+    detector.observe([nodes["alive"], nodes["exited"], nodes["without beacon"]])
+    never_reached.close()
+    store.set(beacon_key(nodes["never reached"]), str(never_reached.port))
+    detector.observe(nodes.values())
+    assert detector.dead(nodes.values()) == []
+    exited.close()
+    assert detector.dead(nodes.values()) == [nodes["exited"]]
+    assert detector.dead(nodes.values()) == [nodes["exited"]]  # and it stays dead
+    alive.close()
+
+
+def _handler(port: int, run_id: str, **config):
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 2, last_call_timeout=1, **config)
+    backend = C10dRendezvousBackend(client, run_id)
+    return with_dead_node_probes(create_handler(client, backend, params), backend)
+
+
+def _first_round(survivor, peer) -> None:
+    """Both handlers join one round (max_nodes 2 completes it at once)."""
+    peer_round = threading.Thread(target=peer.next_rendezvous, daemon=True)
+    peer_round.start()
+    assert survivor.next_rendezvous().world_size == 2
+    peer_round.join(timeout=30)
+    assert not peer_round.is_alive()
+
+
+def test_the_survivor_of_an_exited_peer_forms_the_next_round_without_waiting_for_its_heartbeat(store, caplog):
+    survivor = _handler(store.port, "exited-peer", **SLOW_HEARTBEAT_EXPIRY)
+    peer = _handler(store.port, "exited-peer", **SLOW_HEARTBEAT_EXPIRY)
+    _first_round(survivor, peer)
+    # The peer's agent "exits": no more heartbeats, its beacon closed by the kernel.
+    peer._stop_heartbeats()
+    peer._state_holder._beacon.close()
+    info = survivor.next_rendezvous()  # within the test's 60 s, though the peer's heartbeat is fresh
+    assert (info.rank, info.world_size) == (0, 1)
+    assert EVICTION_LOG in caplog.text
+    survivor._stop_heartbeats()
+
+
+def test_a_live_peer_that_has_not_come_back_keeps_its_place(store, caplog):
+    survivor = _handler(store.port, "live-peer", join_timeout=2, **SLOW_HEARTBEAT_EXPIRY)
+    peer = _handler(store.port, "live-peer", **SLOW_HEARTBEAT_EXPIRY)
+    _first_round(survivor, peer)
+    with pytest.raises(RendezvousTimeoutError):
+        survivor.next_rendezvous()  # the peer still trains in the old round as far as anyone knows
+    assert EVICTION_LOG not in caplog.text
+    peer._stop_heartbeats()
+
+
+@pytest.mark.parametrize("probe_dead_nodes, holder_probes", [("1", True), ("0", False)])
+def test_the_elastic_c10d_backend_comes_from_the_entry_point_and_probes_unless_told_not_to(
+        probe_dead_nodes, holder_probes):
+    port = free_port()
+    handler = get_rendezvous_handler(RendezvousParameters(
+        BACKEND_NAME, f"127.0.0.1:{port}", "launcher", 1, 1, is_host="1", probe_dead_nodes=probe_dead_nodes))
+    assert isinstance(handler._state_holder, ProbingStateHolder) is holder_probes
+    assert handler.next_rendezvous().world_size == 1
+    handler._stop_heartbeats()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_real_agents_resume_without_a_killed_node_long_before_its_heartbeat_expires(local_jobs):
+    conf = RDZV_CONF.replace("keep_alive_max_attempt=5", "keep_alive_max_attempt=60")
+    assert conf != RDZV_CONF
+    args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "1024", "--global_batch_size", "64",
+            "--snapshot_every_steps", "5", "--log_interval", "1"]
+    job = local_jobs(args, nnodes="1:3", nproc_per_node=1, rdzv_conf=conf)
+    host = job.add_node("host")
+    lost = job.add_node("lost")
+    job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 2, 120, "a group of world size 2")
+    job.wait_for_step(job.last_step() + 3, timeout=60)
+    killed_at = time.time()
+    lost.kill()
+    # 60 s of heartbeat expiry after the kill would miss this deadline: only a probe meets it.
+    job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 1 and e["time"] > killed_at, 40,
+                       "a group without the lost node")
+    assert EVICTION_LOG in host.log_text(), node_logs(job)

@@ -1,0 +1,107 @@
+"""No shared filesystem: snapshots are replicated to other nodes' local directories, and losing the
+node that holds rank 0 resumes from the newest snapshot a survivor holds.
+
+The multi-node tests give every node its own --checkpoint_dir (LocalJob(per_node_checkpoint_dirs=True)).
+The c10d rendezvous store is hosted by the test process, not by a node: with c10d the node that hosts
+the store cannot be lost without ending the job (findings.md, trap 5), and torchrun gives rank 0 to
+the agent with the lowest pid, which would otherwise be the host.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.cluster import LocalJob, LocalNode, free_port
+from tests.support.cluster import assert_exactly_once, node_logs
+
+DATASET, BATCH, EPOCHS, EVERY = 3840, 64, 2, 20
+STEPS = EPOCHS * DATASET // BATCH
+TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
+                 "--global_batch_size", str(BATCH), "--micro_batch_size", "32",
+                 "--snapshot_every_steps", str(EVERY), "--log_interval", "20", "--no-augment"]
+
+
+# ------------------------------------------------------------------------------ real jobs
+
+
+@pytest.fixture
+def external_store():
+    """A c10d rendezvous store in the test process: no node is special, any can be killed."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                     timeout=timedelta(seconds=300))
+    yield f"127.0.0.1:{port}"
+    del store
+
+
+def node_holding_rank_0(job: LocalJob, start: dict) -> LocalNode:
+    """The node whose agent started rank 0 of the worker group that `start` announced."""
+    [rank_0] = [rank for rank in start["ranks"] if rank["rank"] == 0]
+    [holder] = [node for node in job.nodes if node.pid == rank_0["agent_pid"]]
+    return holder
+
+
+def kill_rank_0_node_after_a_replica(job: LocalJob, nodes: int) -> tuple[LocalNode, dict]:
+    """Kill the node holding rank 0 right after a snapshot reached its replica; return it and the
+    newest snapshot it had replicated."""
+    start = job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == nodes, 120,
+                               f"a worker group of {nodes} nodes")
+    replicated = job.wait_for_event(lambda e: e["event"] == "snapshot_replicated" and e["global_step"] >= EVERY,
+                                    120, "a replicated snapshot")
+    assert replicated["incarnation"] == start["incarnation"]
+    victim = node_holding_rank_0(job, start)
+    victim.kill()
+    replicated = [e for e in job.events("snapshot_replicated") if e["incarnation"] == replicated["incarnation"]][-1]
+    return victim, replicated
+
+
+def assert_resumed_from_the_newest_surviving_snapshot(job: LocalJob, victim: LocalNode, replicated: dict,
+                                                      survivors: int) -> dict:
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == survivors, 120,
+                                 f"the restore in a world of {survivors}")
+    written = {e["global_step"]: e for e in job.events("snapshot") if e["incarnation"] == replicated["incarnation"]}
+    # The newest snapshot a survivor holds is the newest replicated one (or, if the kill fell between
+    # a replica landing and rank 0 logging it, the newest written): never an older one, never scratch.
+    assert restore["global_step"] in {replicated["global_step"], max(written)}, (restore, replicated, max(written))
+    assert restore["global_step"] >= replicated["global_step"] >= EVERY
+    assert restore["sha256"] == written[restore["global_step"]]["sha256"], "not the snapshot rank 0 wrote"
+    assert restore["verified"] and restore["lost_steps"] is not None
+    assert not victim.is_running()
+    return restore
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store):
+    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True)
+    job.add_node("a")
+    job.add_node("b")
+    victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=2)
+    survivor = next(node for node in job.nodes if node is not victim)
+
+    restore = assert_resumed_from_the_newest_surviving_snapshot(job, victim, replicated, survivors=1)
+    assert restore["file"], "the survivor read it from its own directory"
+    assert survivor.wait(timeout=180) == 0, node_logs(job)
+    assert load_snapshot(job.node_checkpoint_dir(survivor.name))["global_step"] == STEPS
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_three_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store):
+    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True)
+    for name in ("a", "b", "c"):
+        job.add_node(name)
+    victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=3)
+    survivors = [node for node in job.nodes if node is not victim]
+
+    assert_resumed_from_the_newest_surviving_snapshot(job, victim, replicated, survivors=2)
+    assert [node.wait(timeout=180) for node in survivors] == [0, 0], node_logs(job)
+    # The new rank 0 replicated to the other survivor: both hold the final snapshot.
+    for node in survivors:
+        assert load_snapshot(job.node_checkpoint_dir(node.name))["global_step"] == STEPS, node.name
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)

@@ -1,0 +1,22 @@
+"""Assertions and messages for tests that run local multi-node jobs."""
+
+from __future__ import annotations
+
+from elastic_ddp.chaos.cluster import LocalJob
+from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
+
+
+def assert_exactly_once(job: LocalJob, dataset_size: int, epochs: int, global_batch_size: int) -> None:
+    problems = exactly_once_violations(read_entries(job.audit_dir), dataset_size, epochs, global_batch_size)
+    assert not problems, problems
+
+
+def node_logs(job: LocalJob) -> str:
+    """The end of every node's log, for assertion messages."""
+    return "\n".join(f"===== {node.name}\n{node.log_text()[-4000:]}" for node in job.nodes)
+
+
+def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
+    """Wait for the `start` event of a worker group of `world_size`; return it."""
+    return job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == world_size, timeout,
+                              f"a worker group of world size {world_size}")

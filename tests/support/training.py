@@ -1,0 +1,46 @@
+"""Small in-process training runs: a config, a trainer, an injected crash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.data import SyntheticImageDataset
+from elastic_ddp.models import build_model
+from elastic_ddp.trainer import Trainer
+
+
+def small_config(tmp_path: Path, **overrides: Any) -> TrainingConfig:
+    """Two epochs of 6 steps of the MLP on 96 samples, a snapshot every 4 steps, on the CPU."""
+    settings = dict(epochs=2, dataset_size=96, global_batch_size=16, micro_batch_size=8, model="mlp",
+                    checkpoint_dir=str(tmp_path / "ck"), snapshot_every_steps=4, log_interval=100, device="cpu")
+    settings.update(overrides)
+    return TrainingConfig(**settings)
+
+
+def make_trainer(config: TrainingConfig, **kwargs: Any) -> Trainer:
+    """The built-in model and data for `config`, in a Trainer (kwargs go to the Trainer)."""
+    return Trainer(model=build_model(config.model, config.seed),
+                   dataset=SyntheticImageDataset(config.dataset_size, config.seed), config=config, **kwargs)
+
+
+class Crash(Exception):
+    """A crash injected by a test."""
+
+
+def crash_at(step: int):
+    """An `after_step` hook that raises Crash once the trainer has committed `step`."""
+    def after_step(trainer: Trainer) -> None:
+        if trainer.global_step == step:
+            raise Crash(f"injected crash at step {step}")
+    return after_step
+
+
+def assert_same_parameters(left: dict, right: dict) -> None:
+    """Two state dicts hold bit-identical tensors."""
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.equal(left[name], right[name]), name

@@ -1,0 +1,99 @@
+"""The `--rdzv_conf` keys of etcd-v3: defaults, a full configuration, secrets that never show, and
+one-line errors for bad values.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_ddp.rendezvous import EtcdV3Options
+
+if TYPE_CHECKING:
+    pass
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def params(endpoint: str, run_id: str = "run", min_nodes: int = 1, max_nodes: int = 1, **conf: Any
+           ) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
+
+
+# --- --rdzv_conf validation: no etcd needed, every message names the key, value and the rule ---
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    paths = {name: tmp_path / name for name in ("ca.pem", "cert.pem", "key.pem", "password", "empty")}
+    for name, path in paths.items():
+        path.write_text("" if name == "empty" else "hunter2\n" if name == "password" else "PEM")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def test_defaults(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params(""))
+    assert options.endpoints == (("localhost", 2379),)
+    assert (options.protocol, options.read_timeout, options.retry_timeout, options.ttl) == ("http", 2.0, 30.0, 7200)
+    assert options.key_prefix == "/elastic_ddp/rendezvous"
+
+
+def test_full_configuration_is_parsed(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params(
+        "h1:1234, h2 ,[::1]:5", protocol="HTTPS", ca_cert=files["ca.pem"], cert=files["cert.pem"],
+        key=files["key.pem"], user="trainer", password_file=files["password"], read_timeout="2.5",
+        retry_timeout=60, key_prefix="/jobs/", ttl="600"))
+    assert options.endpoints == (("h1", 1234), ("h2", 2379), ("::1", 5))
+    assert (options.protocol, options.user) == ("https", "trainer")
+    assert (options.read_timeout, options.retry_timeout) == (2.5, 60)
+    assert (options.key_prefix, options.ttl) == ("/jobs", 600)
+    assert options.password is not None and options.password.reveal() == "hunter2"
+
+
+def test_password_never_shows(files: dict[str, str]) -> None:
+    options = EtcdV3Options.from_params(params("h", user="u", password_file=files["password"]))
+    assert "hunter2" not in repr(options) and "hunter2" not in str(options)
+    assert "hunter2" not in f"{options.password}"
+
+
+@pytest.mark.parametrize(("conf", "expected"), [
+    ({"protocol": "ftp"}, "protocol='ftp' is invalid: allowed values are http, https"),
+    ({"protocol": "https"}, "protocol='https' is invalid: https needs ca_cert"),
+    ({"ca_cert": "CA"}, "ca_cert='/"),
+    ({"key": "CA", "cert": "CA"}, "is invalid: TLS files are used only with protocol=https (add protocol=https)"),
+    ({"protocol": "https", "ca_cert": "CA", "cert": "CA"}, "cert='"),
+    ({"ca_cert": "/no/such/ca.pem", "protocol": "https"}, "ca_cert='/no/such/ca.pem' is invalid: must be the path"),
+    ({"user": "u"}, "user='u' is invalid: needs password_file"),
+    ({"password_file": "PASSWORD"}, "password_file='<set>' is invalid: needs user"),
+    ({"user": "u", "password_file": "EMPTY"}, "the file is empty"),
+    ({"read_timeout": "0"}, "read_timeout='0' is invalid: must be more than 0 seconds"),
+    ({"retry_timeout": "soon"}, "retry_timeout='soon' is invalid: must be a number of seconds"),
+    ({"retry_timeout": "inf"}, "retry_timeout='inf' is invalid: must be a finite number"),
+    ({"ttl": "1.5"}, "ttl='1.5' is invalid: must be a whole number of seconds, at least 1"),
+    ({"ttl": "0"}, "ttl='0' is invalid"),
+    ({"key_prefix": "jobs"}, "key_prefix='jobs' is invalid: must start with '/'"),
+    ({"key_prefix": "/"}, "key_prefix='/' is invalid"),
+    ({"user": " "}, "user='' is invalid: must not be empty"),
+])
+def test_bad_values_raise_one_line_value_error(files: dict[str, str], conf: dict[str, str], expected: str) -> None:
+    substitutions = {"CA": files["ca.pem"], "PASSWORD": files["password"], "EMPTY": files["empty"]}
+    conf = {key: substitutions.get(value, value) for key, value in conf.items()}
+    with pytest.raises(ValueError) as raised:
+        EtcdV3Options.from_params(params("h", **conf))
+    message = str(raised.value)
+    assert "\n" not in message and expected in message
+    assert message.startswith("rdzv_conf ")
+
+
+def test_bad_endpoint_is_named() -> None:
+    with pytest.raises(ValueError, match=r"--rdzv_endpoint='h1:2379,h2:99999' is invalid"):
+        EtcdV3Options.from_params(params("h1:2379,h2:99999"))
+
+
+def test_unknown_keys_are_warned_about_but_torch_keys_are_not(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        EtcdV3Options.from_params(params("h", ttl_s="5", timeout="900", last_call_timeout="1"))
+    assert "ignores the rdzv_conf key(s) ttl_s;" in caplog.text  # and nothing else

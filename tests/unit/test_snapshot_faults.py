@@ -1,0 +1,153 @@
+"""Snapshot writes under pressure, with real training: a slow disk, transient I/O errors, errors that
+do not heal, and a full disk (injected). Training must go on, the failure must be loud, the last
+good snapshot must stay intact and nothing half-written may be left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.runlog.history import read_events
+from elastic_ddp.snapshot.storage import LocalDirectoryStorage
+from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore, snapshot_file_name
+from elastic_ddp.snapshot.writer import SnapshotWriter
+from tests.support.disk import run_through_a_full_disk
+from tests.support.snapshots import make_snapshot
+from tests.support.training import make_trainer, small_config
+
+# ------------------------------------------------------------------ the next snapshot point arrives
+
+
+class GatedStorage(LocalDirectoryStorage):
+    """A local directory whose snapshot-file writes wait until `gate` opens (a slow disk)."""
+
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.gate = threading.Event()
+        self.writing = threading.Event()
+
+    def write_stream_atomically(self, name, produce):
+        if SNAPSHOT_PATTERN.match(name):
+            self.writing.set()
+            assert self.gate.wait(timeout=60), "the test never opened the gate"
+        super().write_stream_atomically(name, produce)
+
+
+def tiny_snapshot(step: int, staging):
+    weights = staging.copy({"w": torch.full((256,), float(step))}, "model")
+    return make_snapshot(step, model=weights)
+
+
+def test_a_snapshot_point_during_a_write_waits_for_it_and_skips_nothing(tmp_path):
+    storage = GatedStorage(tmp_path)
+    writer = SnapshotWriter(CheckpointStore(storage))
+    captured: list[int] = []
+
+    def capture(step):
+        def build(staging):
+            captured.append(step)
+            return tiny_snapshot(step, staging)
+        return build
+
+    first = threading.Thread(target=writer.submit, args=(capture(1),))
+    first.start()
+    first.join(timeout=30)
+    assert not first.is_alive(), "submit must return while the disk is still busy"
+    assert storage.writing.wait(timeout=30)
+
+    blocked: list[float] = []
+    second = threading.Thread(target=lambda: blocked.append(writer.submit(capture(2))))
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive(), "the second snapshot point must wait for the write in flight"
+    assert captured == [1], "and must not overwrite the staging buffers the first write still reads"
+
+    storage.gate.set()
+    second.join(timeout=30)
+    writer.close()
+    assert captured == [1, 2] and blocked and blocked[0] >= 0.5
+    assert [e.global_step for e in writer.store.manifest_entries()] == [1, 2]
+    assert writer.failed_writes == 0
+    assert load_snapshot(tmp_path)["model"]["w"][0].item() == 2.0  # step 2's copy, not step 1's
+
+
+def test_a_synchronous_writer_returns_only_when_the_snapshot_is_durable(tmp_path):
+    writer = SnapshotWriter(CheckpointStore(tmp_path), asynchronous=False)
+    writer.submit(lambda staging: tiny_snapshot(7, staging))
+    assert writer.last_written is not None and writer.last_written.global_step == 7
+    writer.close()
+
+
+# ------------------------------------------------------------------------------ I/O errors
+
+
+def fail_snapshot_writes(monkeypatch, steps: set[int], error: int, times: int | None):
+    """Make the writes of these steps' snapshot files fail `times` times (None: always)."""
+    original = LocalDirectoryStorage.write_stream_atomically
+    failures: dict[int, int] = {}
+
+    def write_stream_atomically(self, name, produce):
+        match = SNAPSHOT_PATTERN.match(name)
+        step = int(match.group(1)) if match else None
+        if step in steps and (times is None or failures.get(step, 0) < times):
+            failures[step] = failures.get(step, 0) + 1
+            raise OSError(error, os.strerror(error), str(self.directory / name))
+        original(self, name, produce)
+
+    monkeypatch.setattr(LocalDirectoryStorage, "write_stream_atomically", write_stream_atomically)
+    return failures
+
+
+def snapshot_events(config, kind: str) -> list[dict]:
+    return [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == kind]
+
+
+def test_transient_write_errors_are_retried_and_the_snapshot_lands(tmp_path, monkeypatch, caplog):
+    config = small_config(tmp_path, epochs=1)
+    failures = fail_snapshot_writes(monkeypatch, {4}, errno.EIO, times=2)
+    trainer = make_trainer(config)
+    trainer.fit()
+    assert failures == {4: 2}
+    assert caplog.text.count("retrying in") == 2
+    assert 4 in [e["global_step"] for e in snapshot_events(config, "snapshot")]
+    assert trainer.snapshots.writer.failed_writes == 0 and not snapshot_events(config, "snapshot_failed")
+
+
+def test_a_write_that_keeps_failing_is_reported_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    config = small_config(tmp_path, epochs=2)  # 12 steps, snapshots at 4, 6 (epoch end), 8, 12
+    failures = fail_snapshot_writes(monkeypatch, {8}, errno.EIO, times=None)
+    trainer = make_trainer(config)
+    trainer.fit()
+    assert failures == {8: 4}, "bounded retries: 4 attempts in all"
+    assert trainer.global_step == 12 and trainer.snapshots.writer.failed_writes == 1
+    [failed] = snapshot_events(config, "snapshot_failed")
+    assert failed["global_step"] == 8 and "Input/output error" in failed["error"]
+    assert "SNAPSHOT NOT SAVED (step 8)" in caplog.text and "previous snapshots are intact" in caplog.text
+    assert [e.global_step for e in CheckpointStore(config.checkpoint_dir).manifest_entries()] == [4, 6, 12]
+    assert load_snapshot(config.checkpoint_dir)["global_step"] == 12
+
+
+# ------------------------------------------------------------------------------ a full disk (injected)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_injected(tmp_path, monkeypatch, caplog):
+    """ENOSPC from fsync, after the data was written: the temporary file exists and must go."""
+    config = small_config(tmp_path, epochs=3, dataset_size=160, snapshot_every_steps=3, keep_last=2)
+    full = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(descriptor):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    run_through_a_full_disk(config, full.set, full.clear, caplog)
+    assert (tmp_path / "ck" / MANIFEST_NAME).exists() and (tmp_path / "ck" / snapshot_file_name(30)).exists()

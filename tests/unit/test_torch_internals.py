@@ -1,0 +1,46 @@
+"""The private torch names elastic_ddp relies on (elastic_ddp/rendezvous/torch_internals.py) exist
+with the shapes used there. A torch upgrade that moves one fails here first, with its name."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from elastic_ddp.rendezvous import torch_internals
+from elastic_ddp.rendezvous.liveness import DeadNodeDetector, ProbingStateHolder
+
+
+def handler():
+    store = HashStore()
+    backend = C10dRendezvousBackend(store, "pinned")
+    return create_handler(store, backend, RendezvousParameters("c10d", "127.0.0.1:1", "pinned", 1, 1)), backend, store
+
+
+def test_the_state_holder_sanitizes_a_state_with_the_fields_the_probes_edit():
+    assert callable(getattr(torch_internals.BackendStateHolder, "_sanitize", None))
+    rendezvous, backend, _ = handler()
+    holder = torch_internals.BackendStateHolder(backend, torch_internals.handler_settings(rendezvous))
+    state = holder.state
+    for name in ("participants", "wait_list", "redundancy_list", "last_heartbeats", "complete", "round"):
+        assert hasattr(state, name), name
+    holder._sanitize()  # on an empty state: runs, changes nothing
+
+
+def test_the_handler_exposes_its_node_settings_and_store_and_can_be_rebuilt_around_a_holder():
+    rendezvous, backend, store = handler()
+    node = torch_internals.handler_node(rendezvous)
+    assert isinstance(node, torch_internals.NodeDesc) and {"addr", "pid", "local_id"} <= set(vars(node))
+    assert torch_internals.handler_store(rendezvous) is store
+    assert torch_internals.handler_settings(rendezvous).run_id == "pinned"
+    holder = torch_internals.new_state_holder(ProbingStateHolder, backend, rendezvous, node=node,
+                                              detector=DeadNodeDetector(store), beacon=None)
+    rebuilt = torch_internals.with_state_holder(rendezvous, holder)
+    assert rebuilt._state_holder is holder and rebuilt.get_run_id() == "pinned"
+
+
+def test_the_participant_epilogue_takes_a_state_and_settings():
+    assert list(inspect.signature(torch_internals._remove_participant_epilogue).parameters) == ["state", "settings"]
