@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
-from elastic_ddp.storage import is_url, open_storage
+import torch
+
+from elastic_ddp.sampler import steps_per_epoch
+from elastic_ddp.snapshot.storage import is_url, open_storage
 
 MODELS = ("mini_resnet", "mlp")
-PROGRESS_MODES = ("auto", "bar", "log", "off")  # see elastic_ddp/progress.py
+# timedelta's limit is far above this; a collective that may block for more than a week is a mistake.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+PROGRESS_MODES = ("auto", "bar", "log", "off")  # see elastic_ddp/runlog/progress.py
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -56,10 +63,16 @@ class TrainingConfig:
         "waits for every durable write).", default=True)
     snapshot_every_steps: int = _help("Snapshot every N optimizer steps; 0: only at epoch ends.", default=50)
     keep_last: int = _help("Snapshots kept on disk (at least 2, so a good one survives a torn write).", default=3)
+    snapshot_timeout_s: float = _help(
+        "Seconds a snapshot write may take before the run stops waiting for it (hung storage): the next "
+        "snapshot point is skipped and reported, and the end of training waits no longer.", default=600.0)
     use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
     num_workers: int = _help("DataLoader worker processes per rank (0: load in the training process).",
                              default=0)
     log_interval: int = _help("Log loss and throughput every N optimizer steps (rank 0).", default=10)
+    min_step_time_s: float = _help(
+        "Each optimizer step takes at least this long (the trainer sleeps the rest): simulates a slower "
+        "model, to rehearse failures at a realistic pace (elastic-ddp chaos). 0: off.", default=0.0)
     progress: str = _help(
         f"Progress on rank 0: {', '.join(PROGRESS_MODES)} (auto: a bar per epoch when stderr is a terminal, "
         "log lines otherwise).", default="auto")
@@ -78,9 +91,10 @@ class TrainingConfig:
     device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")
 
     def __post_init__(self) -> None:
+        _check_finite(self)
         _check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
         _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
-                            "snapshot_replicas")
+                            "snapshot_replicas", "min_step_time_s")
         if not self.lr > 0:
             raise ValueError(f"--lr: got {self.lr}; expected a positive number")
         if not 0 <= self.momentum < 1:
@@ -96,22 +110,23 @@ class TrainingConfig:
         if self.drop_last and self.global_batch_size > self.dataset_size:
             raise ValueError(f"--global_batch_size: got {self.global_batch_size} with --drop_last; expected at "
                              f"most --dataset_size ({self.dataset_size}), or no step would run")
-        if not self.collective_timeout_s > 0:
-            raise ValueError(f"--collective_timeout_s: got {self.collective_timeout_s}; expected a positive number")
+        for name in ("collective_timeout_s", "snapshot_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_TIMEOUT_S:
+                raise ValueError(f"--{name}: got {value}; expected a positive number of seconds, at most "
+                                 f"{MAX_TIMEOUT_S:.0f} (a week)")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"--progress: got {self.progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device: got {self.device!r}; expected auto, cpu or cuda")
-        if not self.checkpoint_dir:
-            raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
-        if is_url(self.checkpoint_dir):
-            open_storage(self.checkpoint_dir)  # ValueError naming the flag if the URL cannot be used here
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
+        _check_checkpoint_dir(self.checkpoint_dir)
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch; depends on the dataset and global batch, never on the world size."""
-        full, remainder = divmod(self.dataset_size, self.global_batch_size)
-        return full + (1 if remainder and not self.drop_last else 0)
+        return steps_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> TrainingConfig:
@@ -125,6 +140,28 @@ class TrainingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_finite(config: TrainingConfig) -> None:
+    """Every float setting is a finite number (argparse takes 'nan' and 'inf' for a float)."""
+    for config_field in dataclasses.fields(config):
+        value = getattr(config, config_field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{config_field.name}: got {value}; expected a finite number")
+
+
+def _check_checkpoint_dir(location: str) -> None:
+    """A URL whose storage can be used here, or a local path that is (or can become) a directory."""
+    if not location:
+        raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
+    if is_url(location):
+        open_storage(location)  # ValueError naming the flag if the URL cannot be used here
+        return
+    path = Path(location)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"--checkpoint_dir: got {location!r}, but {str(blocker)!r} is a file; expected a "
+                         "directory, or a path where one can be created")
 
 
 def _check_positive(config: TrainingConfig, *names: str) -> None:

@@ -10,7 +10,7 @@ Run it with plain `python -m elastic_ddp.train ...` for a single process without
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
@@ -23,8 +23,11 @@ from elastic_ddp.runlog.worker_logging import configure_worker_logging
 from elastic_ddp.trainer import Trainer
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM)."""
+def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None] | None = None) -> int:
+    """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM).
+
+    `after_step` goes to the Trainer (see its contract): for wrappers that add a hook to this run.
+    """
     startup = StartupTimeline()
     startup.mark("imports")
     config = TrainingConfig.from_args(argv)
@@ -40,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             context=context,
             log_prefix=log_prefix,
             startup=startup,
+            after_step=after_step,
         )
         startup.mark("built")
         try:

@@ -163,11 +163,14 @@ class Trainer:
         window = LossWindow(ctx.device)
         self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
         for plan in plans:
+            step_started = time.monotonic()
             loss_sum = self._train_step(plan, batches)
             window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
             sampler.advance(plan.global_samples)
             self.state.progress.global_step += 1
             self._after_step(plan, window)
+            if self.config.min_step_time_s:
+                time.sleep(max(0.0, self.config.min_step_time_s - (time.monotonic() - step_started)))
 
     def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
         """Forward/backward every micro-batch of `plan` (gradients synchronised on the last), step."""

@@ -100,10 +100,22 @@ def signal_tree(root_pid: int, sig: int) -> list[int]:
     return pids
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
-    """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` seconds."""
+class JobEnded(AssertionError):
+    """Every node of a job exited before the condition a caller waited for came true."""
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1,
+             still_possible: Callable[[], str | None] | None = None) -> None:
+    """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` seconds.
+
+    `still_possible()` returns None while the condition can still come true, else the reason why
+    not, which ends the wait at once with JobEnded (a job that finished cannot reach a step).
+    """
     deadline = time.monotonic() + timeout
     while not condition():
+        impossible = still_possible() if still_possible is not None else None
+        if impossible is not None and not condition():
+            raise JobEnded(f"{impossible} before {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
@@ -250,17 +262,27 @@ class LocalJob:
         return steps[-1]["global_step"] if steps else 0
 
     def wait_for_step(self, step: int, timeout: float) -> None:
-        wait_for(lambda: self.last_step() >= step, timeout, f"global step {step} in {self.event_log}", 0.05)
+        wait_for(lambda: self.last_step() >= step, timeout, f"global step {step} in {self.event_log}", 0.05,
+                 still_possible=self._why_ended)
 
     def wait_for_event(self, predicate: Callable[[dict], bool], timeout: float, what: str) -> dict:
+        """The newest event that satisfies `predicate`, once there is one. Fails at once (JobEnded)
+        when every node has exited without it, rather than waiting out `timeout`."""
         found: list[dict] = []
 
         def seen() -> bool:
             found[:] = [e for e in self.events() if predicate(e)]
             return bool(found)
 
-        wait_for(seen, timeout, what)
+        wait_for(seen, timeout, what, still_possible=self._why_ended)
         return found[-1]
+
+    def _why_ended(self) -> str | None:
+        """Why nothing more can happen in this job (None while a node still runs)."""
+        if not self.nodes or any(node.is_running() for node in self.nodes):
+            return None
+        codes = ", ".join(f"{node.name} exited {node.process.returncode}" for node in self.nodes)
+        return f"the job ended ({codes}; last step {self.last_step()}; logs in {self.run_dir})"
 
     def wait(self, timeout: float) -> dict[str, int]:
         """Wait for every node's agent to exit; return {node name: exit code}."""

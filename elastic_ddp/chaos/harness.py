@@ -76,7 +76,8 @@ class ChaosHarness:
                  rdzv_endpoint: str | None = None, rdzv_conf: str | None = RDZV_CONF,
                  monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = HARNESS_AGENT_ENV,
                  module: str = "elastic_ddp.train", deadline_s: float = 600, max_restarts: int = 100,
-                 run_id: str = "chaos", launcher: str = LAUNCHER):
+                 run_id: str = "chaos", launcher: str = LAUNCHER, env: dict[str, str] | None = None,
+                 on_plan_done: Callable[[], None] | None = None):
         if store not in STORES:
             raise ValueError(f"store: got {store!r}; expected one of {', '.join(STORES)}")
         self.run_dir = Path(run_dir)
@@ -90,7 +91,8 @@ class ChaosHarness:
         self.job = LocalJob(self.run_dir, training_args, nnodes=plan.nnodes, nproc_per_node=nproc_per_node,
                             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
                             max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
-                            agent_env=agent_env, module=module, launcher=launcher)
+                            agent_env=agent_env, module=module, launcher=launcher, env=env)
+        self.on_plan_done = on_plan_done  # e.g. let a held job (tests/support/held_train.py) finish
         self.nproc_per_node = nproc_per_node
         self.store_host: str | None = None if self.standalone_store or rdzv_backend != "c10d" else "node0"
         self.store_process: subprocess.Popen | None = None
@@ -121,6 +123,8 @@ class ChaosHarness:
                 self._start_store()
             self._wait_for_initial_group()
             self._play(records)
+            if self.on_plan_done is not None:
+                self.on_plan_done()
             self._wait_for_the_end(problems)
         except DeadlineExceeded as exc:
             problems.append(str(exc))

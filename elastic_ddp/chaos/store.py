@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -31,10 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from torch.distributed import TCPStore  # late: --help and usage errors stay fast
 
+    # TCPStore listens on every interface of the machine by itself; a socket bound here first and
+    # handed over makes it listen on HOST alone, as the log line says.
+    listener = socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=128)
     store = TCPStore(host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
+                     timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logger.info("c10d store listening on %s:%s", host, port)
+    logger.info("c10d store listening on %s:%s (that address only)", host, port)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         while True:

@@ -109,9 +109,9 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     def of_kind(kind: schema.EventKind) -> list[dict[str, Any]]:
         return [event for event in events if event["event"] == kind.name]
 
-    written = {(e["global_step"], e["sha256"]) for e in of_kind(schema.SNAPSHOT)}
-    restores = [{"global_step": e["global_step"], "sha256": e["sha256"], "verified": e.get("verified"),
-                 "matches_a_completed_write": bool(e.get("verified")) and (e["global_step"], e["sha256"]) in written,
+    written = {(e["global_step"], e["checksum"]) for e in of_kind(schema.SNAPSHOT)}
+    restores = [{"global_step": e["global_step"], "checksum": e["checksum"], "verified": e.get("verified"),
+                 "matches_a_completed_write": bool(e.get("verified")) and (e["global_step"], e["checksum"]) in written,
                  "previous_world_size": e.get("previous_world_size"), "world_size": e.get("world_size"),
                  "lost_steps": e.get("lost_steps"), "lost_seconds": e.get("lost_seconds")}
                 for e in of_kind(schema.RESTORE)]
@@ -125,7 +125,7 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     if final_step != expected_steps:
         problems.append(f"final step {final_step}, expected {expected_steps}")
     problems += [f"exactly once: {problem}" for problem in exactly_once]
-    problems += [f"restore of step {r['global_step']} (sha256 {r['sha256'][:12]}...) matches no completed "
+    problems += [f"restore of step {r['global_step']} (checksum {r['checksum'][:20]}...) matches no completed "
                  "snapshot write" for r in restores if not r["matches_a_completed_write"]]
     problems += [f"fault {r.index} ({r.description}) did not fire: {r.not_fired_because}"
                  for r in records if not r.fired]

@@ -11,6 +11,7 @@ show it. The table of keys is in docs/etcd.md.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ DEFAULT_KEY_PREFIX = "/elastic_ddp/rendezvous"
 # The keys this module reads.
 _OWN_KEYS = frozenset({
     "protocol", "ca_cert", "cert", "key", "user", "password_file", "read_timeout", "retry_timeout",
-    "key_prefix", "ttl",
+    "key_prefix", "ttl", "plaintext_credentials",
 })
 # Keys that torch's dynamic rendezvous or elastic_ddp.rendezvous.liveness read from the same `--rdzv_conf`: not
 # this module's, but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
@@ -101,8 +102,10 @@ class EtcdV3Options:
         user = _text(config, "user")
         password = _password(config)
         _check_pairs(protocol, ca_cert, cert, key, user, password)
+        endpoints = _endpoints(params.endpoint)
+        _check_credentials_in_clear(protocol, user, endpoints, _flag(config, "plaintext_credentials"))
         return cls(
-            endpoints=_endpoints(params.endpoint),
+            endpoints=endpoints,
             protocol=protocol,
             ca_cert=ca_cert,
             cert=cert,
@@ -184,6 +187,39 @@ def _check_pairs(protocol: str, ca_cert: str | None, cert: str | None, key: str 
         raise _bad("user", user, "needs password_file=<file holding the password>")
     if password is not None and user is None:
         raise _bad("password_file", "<set>", "needs user=<etcd user name>")
+
+
+def _flag(config: dict[str, Any], key: str) -> bool:
+    value = config.get(key)
+    if value is None:
+        return False
+    text = str(value).strip().lower()
+    if text not in ("1", "0", "true", "false", "yes", "no"):
+        raise _bad(key, value, "expected 1 or 0 (also true/false, yes/no)")
+    return text in ("1", "true", "yes")
+
+
+def _check_credentials_in_clear(protocol: str, user: str | None, endpoints: tuple[tuple[str, int], ...],
+                                allowed: bool) -> None:
+    """A password sent over plain http can be read by anyone on the network path (etcd's auth token
+    too). Refused towards a host that is not this machine unless `plaintext_credentials=1`."""
+    if user is None or protocol == "https":
+        return
+    remote = [f"{host}:{port}" for host, port in endpoints if not _is_loopback(host)]
+    if remote and not allowed:
+        raise _bad("user", user, f"its password would go over plain http to {', '.join(remote)}: use "
+                                 "protocol=https with ca_cert=... (docs/operations.md, \"Securing etcd\"), or set "
+                                 "plaintext_credentials=1 on a network you trust")
+    logger.warning("etcd-v3: the password of user %r goes over plain http (protocol=https keeps it private)", user)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _number(config: dict[str, Any], key: str, default: float) -> float:

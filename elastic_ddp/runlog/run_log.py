@@ -87,7 +87,7 @@ class RunLog:
         lost_steps, lost_seconds = lost if lost is not None else (None, None)
         self.events.emit(
             schema.RESTORE, global_step=snapshot.global_step, epoch=snapshot.epoch,
-            samples_consumed=snapshot.samples_consumed, sha256=restored.sha256, verified=True,
+            samples_consumed=snapshot.samples_consumed, checksum=restored.checksum, verified=True,
             source_rank=restored.source_rank, file=restored.entry.file if restored.entry else None,
             previous_world_size=snapshot.world_size, world_size=self.context.world_size,
             lost_steps=lost_steps, lost_seconds=lost_seconds)

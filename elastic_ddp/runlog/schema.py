@@ -37,7 +37,7 @@ START = EventKind(
     "start", ("round", "world_size", "local_world_size", "nodes", "ranks", "restart_count", "run_id"),
     "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs")
 RESTORE = EventKind(
-    "restore", ("global_step", "epoch", "samples_consumed", "sha256", "verified", "source_rank", "file",
+    "restore", ("global_step", "epoch", "samples_consumed", "checksum", "verified", "source_rank", "file",
                 "previous_world_size", "world_size", "lost_steps", "lost_seconds"),
     "the group resumed from a snapshot, and what that cost")
 STARTUP = EventKind(
@@ -52,7 +52,7 @@ SNAPSHOT_CAPTURED = EventKind(
     "snapshot_captured", ("global_step", "blocked_seconds"),
     "rank 0 copied the state for a snapshot; training was blocked this long")
 SNAPSHOT = EventKind(
-    "snapshot", ("global_step", "epoch", "file", "sha256", "size_bytes", "write_seconds"),
+    "snapshot", ("global_step", "epoch", "file", "checksum", "size_bytes", "write_seconds"),
     "a snapshot is durable and listed (the only kind a restore may name)")
 SNAPSHOT_FAILED = EventKind(
     "snapshot_failed", ("global_step", "error"),
@@ -61,7 +61,7 @@ REPLICATION = EventKind(
     "replication", ("replicas", "target_nodes", "target_ranks"),
     "who receives snapshot replicas in this worker group")
 SNAPSHOT_REPLICATED = EventKind(
-    "snapshot_replicated", ("global_step", "sha256", "nodes", "seconds"),
+    "snapshot_replicated", ("global_step", "checksum", "nodes", "seconds"),
     "a snapshot reached the checkpoint directories of these nodes")
 REPLICATION_FAILED = EventKind(
     "replication_failed", ("global_step", "node", "error"),

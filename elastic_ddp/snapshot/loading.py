@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from elastic_ddp.snapshot.format import layout, snapshot_from_bytes
+from elastic_ddp.snapshot.format import public_dict, snapshot_from_bytes
 from elastic_ddp.snapshot.store import CheckpointStore
 
 
@@ -22,4 +22,4 @@ def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if found is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no valid elastic_ddp snapshot (is it a --checkpoint_dir?)")
     entry, data = found
-    return layout(snapshot_from_bytes(data, store.describe(entry.file)))
+    return public_dict(snapshot_from_bytes(data, store.describe(entry.file)))

@@ -1,13 +1,14 @@
 """Restore on start: the whole group agrees on the newest snapshot that any rank can read.
 
 Each rank looks in its own `--checkpoint_dir` (the same directory on a shared filesystem, each
-node's local disk, or an object-store URL) for its newest snapshot that verifies (size, sha256),
-loads with weights_only=True and, when a fingerprint is given, was written by a compatible run;
-newer ones that fail are skipped with a warning naming the file and the reason. The ranks exchange
-(step, sha256, size); the newest wins; if some ranks lack it, the lowest rank that holds it sends
-the bytes to everyone through the snapshot transport (`snapshot.transport`: a broadcast, no
-pickle), and every receiver checks the sha256 before loading. So all ranks restore the same snapshot, and a node that never saw the snapshot's file
-(its checkpoint directory is local and was not a replica) still resumes from it.
+node's local disk, or an object-store URL) for its newest snapshot that verifies (size and
+checksum), loads with weights_only=True and, when a fingerprint is given, was written by a
+compatible run; newer ones that fail are skipped with a warning naming the file and the reason.
+The ranks exchange (step, checksum, size); the newest wins; if some ranks lack it, the lowest rank
+that holds it sends the bytes to everyone through the snapshot transport (`snapshot.transport`: a
+broadcast, no pickle, sizes checked before anything is allocated), and every receiver checks the
+checksum before loading. So all ranks restore the same snapshot, and a node that never saw the
+snapshot's file (its checkpoint directory is local and was not a replica) still resumes from it.
 
 When no rank has a usable snapshot but some rank found only snapshots of an incompatible run,
 every rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than
@@ -20,7 +21,6 @@ state of the same run, only not the most recent work.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_ddp.distributed import DistributedContext
+from elastic_ddp.snapshot.container import file_matches
 from elastic_ddp.snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from elastic_ddp.snapshot.format import check_compatible, snapshot_from_bytes
 from elastic_ddp.snapshot.state import Snapshot
@@ -36,25 +37,32 @@ from elastic_ddp.snapshot.transport import FrameLimits, ProcessGroupTransport
 
 logger = logging.getLogger(__name__)
 
-NO_SNAPSHOT = (-1, "")
-
 
 @dataclass(frozen=True)
 class RestoredSnapshot:
     snapshot: Snapshot
     entry: ManifestEntry | None  # None on ranks that received the bytes from a peer
-    sha256: str
+    checksum: str
     source_rank: int
     source: str  # the file it was read from, or where it came from, for messages
     data: bytes
 
 
 @dataclass(frozen=True)
-class _Offer:
-    step: int
-    sha256: str
+class Offer:
+    """What one rank can restore from, as all ranks exchange it."""
+
+    step: int  # -1: nothing
+    checksum: str
     size_bytes: int
-    refusal: str  # why this rank found only incompatible snapshots ("" otherwise)
+    refusal: str = ""  # why this rank found only incompatible snapshots
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.step, self.checksum
+
+
+NOTHING = Offer(-1, "", 0)
 
 
 def newest_usable_snapshot(store: CheckpointStore, fingerprint: dict[str, Any] | None = None,
@@ -94,47 +102,51 @@ def agree_on_latest_snapshot(store: CheckpointStore, context: DistributedContext
         local = newest_usable_snapshot(store, fingerprint)
     except IncompatibleSnapshotError as exc:
         local, refusal = None, str(exc)
-    mine = (_Offer(local[0].global_step, local[0].sha256, local[0].size_bytes, "") if local
-            else _Offer(*NO_SNAPSHOT, 0, refusal))
-    if not (context.is_distributed and dist.is_initialized()):
-        offers = [mine]
-    else:
-        offers = [mine] * context.world_size
-        dist.all_gather_object(offers, mine)
-    best = max((offer.step, offer.sha256) for offer in offers)
-    if best == NO_SNAPSHOT:
+    mine = Offer(local[0].global_step, local[0].checksum, local[0].size_bytes) if local else \
+        Offer(NOTHING.step, NOTHING.checksum, NOTHING.size_bytes, refusal)
+    offers = _exchange(mine, context)
+    best = max(offers, key=lambda offer: offer.key)
+    if best.step == NOTHING.step:
         refusals = [offer.refusal for offer in offers if offer.refusal]
         if refusals:  # every rank raises the same error, so none starts from scratch alone
             raise IncompatibleSnapshotError(refusals[0])
         return None
-    source_rank = next(rank for rank, offer in enumerate(offers) if (offer.step, offer.sha256) == best)
-    holders = sum(1 for offer in offers if (offer.step, offer.sha256) == best)
-    holds_it = local is not None and (mine.step, mine.sha256) == best
+    source_rank = next(rank for rank, offer in enumerate(offers) if offer.key == best.key)
+    holds_it = mine.key == best.key
     data = local[1] if holds_it else None
-    if holders < len(offers):
-        data = _share(data, source_rank, offers[source_rank], context)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != best[1]:
-            raise SnapshotError(f"snapshot of step {best[0]} from rank {source_rank} arrived with sha256 "
-                                f"{digest[:12]}..., expected {best[1][:12]}...")
+    if any(offer.key != best.key for offer in offers):
+        data = _share(data, source_rank, best, context)
     if holds_it:
         entry, snapshot = local[0], local[2]
         source = store.describe(entry.file)
     else:
         entry = None
-        source = f"snapshot of step {best[0]} received from rank {source_rank} (sha256 {best[1][:12]}...)"
+        source = f"snapshot of step {best.step} received from rank {source_rank} ({best.checksum[:20]}...)"
         snapshot = snapshot_from_bytes(data, source)
-    return RestoredSnapshot(snapshot=snapshot, entry=entry, sha256=best[1], source_rank=source_rank,
+    return RestoredSnapshot(snapshot=snapshot, entry=entry, checksum=best.checksum, source_rank=source_rank,
                             source=source, data=data)
 
 
-def _share(data: bytes | None, source_rank: int, offer: _Offer, context: DistributedContext) -> bytes:
-    """The bytes of `source_rank`'s snapshot on every rank (collective over the default group)."""
+def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:
+    if not (context.is_distributed and dist.is_initialized()):
+        return [mine]
+    offers: list[Any] = [None] * context.world_size
+    dist.all_gather_object(offers, mine)
+    return offers
+
+
+def _share(data: bytes | None, source_rank: int, offer: Offer, context: DistributedContext) -> bytes:
+    """The bytes of `source_rank`'s snapshot on every rank, checked against the offer's checksum
+    (collective over the default group)."""
     transport = ProcessGroupTransport(device=context.device)
     if context.rank == source_rank:
-        accepted = transport.send(source_rank, {"global_step": offer.step, "sha256": offer.sha256}, data)
+        accepted = transport.send(source_rank, {"global_step": offer.step, "checksum": offer.checksum}, data)
         if not all(accepted):
             raise SnapshotError(f"{accepted.count(False)} rank(s) refused the snapshot of step {offer.step} "
                                 f"({offer.size_bytes} bytes) that rank {source_rank} serves (see their logs)")
         return data
-    return transport.receive(source_rank, FrameLimits(max_payload_bytes=offer.size_bytes)).payload
+    received = transport.receive(source_rank, FrameLimits(max_payload_bytes=offer.size_bytes)).payload
+    if len(received) != offer.size_bytes or not file_matches(received, offer.checksum):
+        raise SnapshotError(f"the snapshot of step {offer.step} from rank {source_rank} arrived damaged "
+                            f"(its checksum is not {offer.checksum[:20]}...)")
+    return received

@@ -9,9 +9,7 @@ targets' threads. What is checked, what is bounded and what is not guaranteed: `
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import shutil
 import threading
 import time
@@ -24,6 +22,8 @@ import torch.distributed as dist
 
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.snapshot.checksum import parse_checksum
+from elastic_ddp.snapshot.container import file_matches
 from elastic_ddp.snapshot.errors import SnapshotWriteError
 from elastic_ddp.snapshot.store import CheckpointStore, ManifestEntry
 from elastic_ddp.snapshot.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 # Each collective of a transfer, on rank 0's side, must complete within this.
 SEND_DEADLINE = timedelta(seconds=60)
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ReplicationError(Exception):
@@ -55,13 +54,13 @@ class ReplicaOffer:
     global_step: int = 0
     epoch: int = 0
     samples_consumed: int = 0
-    sha256: str = ""
+    checksum: str = ""  # "algorithm:hex" of the payload
 
     def to_header(self) -> dict[str, Any]:
         if self.close:
             return {"kind": "close"}
         return {"kind": "snapshot", "global_step": self.global_step, "epoch": self.epoch,
-                "samples_consumed": self.samples_consumed, "sha256": self.sha256}
+                "samples_consumed": self.samples_consumed, "checksum": self.checksum}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> ReplicaOffer:
@@ -69,16 +68,18 @@ class ReplicaOffer:
         kind = header.get("kind")
         if kind == "close" and len(header) == 1:
             return cls(close=True)
-        if kind != "snapshot" or set(header) != {"kind", "global_step", "epoch", "samples_consumed", "sha256"}:
+        if kind != "snapshot" or set(header) != {"kind", "global_step", "epoch", "samples_consumed", "checksum"}:
             raise FrameError(f"not a replication header (kind {str(kind)[:40]!r}, {len(header)} keys)")
         for name in ("global_step", "epoch", "samples_consumed"):
             value = header[name]
             if type(value) is not int or not 0 <= value < 2**62:
                 raise FrameError(f"replication header: {name} must be a non-negative integer")
-        if not isinstance(header["sha256"], str) or not _SHA256.match(header["sha256"]):
-            raise FrameError("replication header: sha256 must be 64 lowercase hex digits")
+        try:
+            parse_checksum(header["checksum"])
+        except ValueError as exc:
+            raise FrameError(f"replication header: {exc}") from exc
         return cls(close=False, global_step=header["global_step"], epoch=header["epoch"],
-                   samples_consumed=header["samples_consumed"], sha256=header["sha256"])
+                   samples_consumed=header["samples_consumed"], checksum=header["checksum"])
 
 
 def free_bytes(store: CheckpointStore) -> int:
@@ -189,7 +190,7 @@ class SnapshotReplicator:
             self.events.emit(schema.REPLICATION_FAILED, global_step=entry.global_step, node=None, error=str(exc))
             return
         offer = ReplicaOffer(close=False, global_step=entry.global_step, epoch=entry.epoch,
-                             samples_consumed=entry.samples_consumed, sha256=entry.sha256)
+                             samples_consumed=entry.samples_consumed, checksum=entry.checksum)
         try:
             accepted = self.transport.send(0, offer.to_header(), data)
             verdicts = (_report_round(self.group, len(self.group_ranks), True, self.send_deadline)
@@ -212,7 +213,7 @@ class SnapshotReplicator:
                 logger.warning("snapshot of step %d NOT replicated to node %d: %s", entry.global_step, node, reason)
                 self.events.emit(schema.REPLICATION_FAILED, global_step=entry.global_step, node=node, error=reason)
         if delivered:
-            self.events.emit(schema.SNAPSHOT_REPLICATED, global_step=entry.global_step, sha256=entry.sha256,
+            self.events.emit(schema.SNAPSHOT_REPLICATED, global_step=entry.global_step, checksum=entry.checksum,
                              nodes=delivered, seconds=round(time.monotonic() - started, 4))
 
     @staticmethod
@@ -274,9 +275,8 @@ class ReplicaReceiver:
         return True
 
     def _store(self, offer: ReplicaOffer, data: bytes) -> None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != offer.sha256:
-            raise ReplicationError(f"sha256 {digest[:12]}... does not match the sender's {offer.sha256[:12]}...")
-        entry = self.store.write(offer.global_step, offer.epoch, offer.samples_consumed, data, sha256=digest)
+        if not file_matches(data, offer.checksum):
+            raise ReplicationError(f"the payload does not match the sender's checksum {offer.checksum[:20]}...")
+        entry = self.store.write(offer.global_step, offer.epoch, offer.samples_consumed, data, checksum=offer.checksum)
         self.stored += 1
         logger.info("stored replica %s", self.store.describe(entry.file))

@@ -2,15 +2,18 @@
 
 After rank 0 has made a snapshot durable in its own `--checkpoint_dir`, a background thread on
 rank 0 sends the file to the local rank 0 of `--snapshot_replicas` other nodes, each of which
-verifies it (size, sha256) and writes it into its own `--checkpoint_dir` through a
+verifies it (size, checksum) and writes it into its own `--checkpoint_dir` through a
 `CheckpointStore` (same atomic write, manifest and pruning). If rank 0's node is then lost, the
 restore agreement (`recovery`) finds the replica on a surviving node and serves it to the others.
 
 Who holds replicas is decided at every worker-group start from the current membership: all ranks
-exchange (GROUP_RANK, LOCAL_RANK, the identity of their checkpoint directory, whether they can
-hold one), and every rank computes the same targets: the local rank 0 of the nodes that follow
-rank 0's node in group-rank order, skipping directories rank 0 already writes (a shared
-filesystem has one identity, so a job on shared storage replicates nothing; so does a URL).
+exchange (GROUP_RANK, LOCAL_RANK, whether they can hold one, and which checkpoint directories are
+the same place), and every rank computes the same targets: the local rank 0 of the nodes that
+follow rank 0's node in group-rank order, skipping directories rank 0 already writes (so a job on
+shared storage replicates nothing; neither does one on a URL). Whether two ranks' directories are
+the same place is tested, not assumed: each rank writes a probe file with a fresh random name into
+its own directory, and two ranks share a directory exactly when each sees the other's probe. (A
+directory copied from another, identity files and all, is still another place.)
 
 The bytes ride the snapshot transport (`snapshot.transport`) over a process group of their own,
 rank 0 and its targets (`dist.new_group`, gloo, created at every start): its collectives never
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,6 +49,9 @@ from elastic_ddp.snapshot.store import CheckpointStore, ManifestEntry
 
 logger = logging.getLogger(__name__)
 
+# Probe files that tell which ranks' checkpoint directories are the same place (see the docstring).
+PROBE_PREFIX = ".probe-"
+
 # The side group's own timeout: targets wait for the next snapshot for as long as training lasts.
 SIDE_GROUP_TIMEOUT = timedelta(days=365)
 
@@ -56,7 +63,7 @@ class Member:
     rank: int
     group_rank: int
     local_rank: int
-    store_id: str
+    directory: int  # the lowest rank whose checkpoint directory is the same place as this rank's
     can_receive: bool  # its node's local rank 0, with a local checkpoint directory of its own
 
 
@@ -67,13 +74,13 @@ def choose_replica_targets(members: list[Member], replicas: int) -> list[Member]
     """
     source = members[0]
     node_count = max(member.group_rank for member in members) + 1
-    seen = {source.store_id}
+    seen = {source.directory}
     targets: list[Member] = []
     for member in sorted(members, key=lambda m: ((m.group_rank - source.group_rank) % node_count, m.rank)):
         if len(targets) == replicas:
             break
-        if member.can_receive and member.store_id not in seen:
-            seen.add(member.store_id)
+        if member.can_receive and member.directory not in seen:
+            seen.add(member.directory)
             targets.append(member)
     return targets
 
@@ -95,12 +102,11 @@ class Replication:
         """Agree on the targets, form their group and start the threads. Collective over the job."""
         if replicas == 0 or not (context.is_distributed and dist.is_initialized()):
             return cls()
-        store_id = _store_identity(store)
-        can_receive = (context.local_rank == 0 and context.rank != 0 and store_id is not None
+        directories, writable = shared_directories(store, context)
+        can_receive = (context.local_rank == 0 and context.rank != 0 and writable
                        and store.storage.local_directory is not None)
         me = Member(rank=context.rank, group_rank=int(os.environ.get("GROUP_RANK", "0")),
-                    local_rank=context.local_rank, store_id=store_id or f"unidentified-rank{context.rank}",
-                    can_receive=can_receive)
+                    local_rank=context.local_rank, directory=directories[context.rank], can_receive=can_receive)
         members: list[Any] = [None] * context.world_size
         dist.all_gather_object(members, me)
         targets = choose_replica_targets(members, replicas)
@@ -135,21 +141,42 @@ class Replication:
             self.replicator.close()
 
 
-def _store_identity(store: CheckpointStore) -> str | None:
-    """The identity of this rank's checkpoint directory; None (and no replica here) if it has none."""
+def shared_directories(store: CheckpointStore, context: DistributedContext) -> tuple[list[int], bool]:
+    """For every rank, the lowest rank whose checkpoint directory is the same place as its own; and
+    whether this rank could write its own. A collective (two all-gathers)."""
+    probe = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
     try:
-        return store.storage.identity()
+        store.storage.make_location()  # (not prepare_for_writing: it clears other writers' temporaries)
+        store.storage.write_atomically(probe, b"")
+        written = True
     except OSError as exc:  # e.g. a read-only directory: this node can hold no replica
-        logger.warning("checkpoint directory %s has no identity (%s); this node will hold no replica",
+        logger.warning("cannot write to checkpoint directory %s (%s); this node will hold no replica",
                        store.describe(), exc)
-        return None
+        written = False
+    probes: list[Any] = [None] * context.world_size
+    dist.all_gather_object(probes, probe if written else None)
+    try:
+        present = set(store.storage.list_names())
+    except OSError:
+        present = set()
+    seen = [rank for rank, name in enumerate(probes) if name is not None and name in present]
+    seen_by: list[Any] = [None] * context.world_size
+    dist.all_gather_object(seen_by, seen)
+    if written:
+        try:
+            store.storage.delete(probe)
+        except OSError as exc:
+            logger.warning("could not delete %s: %s", store.describe(probe), exc)
+    sharing = [{other for other in seen_by[rank] if rank in seen_by[other]} | {rank}
+               for rank in range(context.world_size)]
+    return [min(group) for group in sharing], written
 
 
 def _announce(members: list[Member], targets: list[Member], replicas: int, events: EventLog) -> None:
     nodes = sorted(target.group_rank for target in targets)
     events.emit(schema.REPLICATION, replicas=replicas, target_nodes=nodes, target_ranks=[t.rank for t in targets])
     source = members[0]
-    other_directories = {m.store_id for m in members if m.group_rank != source.group_rank} - {source.store_id}
+    other_directories = {m.directory for m in members if m.group_rank != source.group_rank} - {source.directory}
     if targets:
         logger.info("snapshots are replicated to the checkpoint directory of node(s) %s", nodes)
     if len(targets) < min(replicas, len(other_directories)):

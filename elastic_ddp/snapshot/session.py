@@ -49,7 +49,7 @@ class SnapshotSession:
         self.writer: SnapshotWriter | None = None
         if context.is_main:
             self.writer = SnapshotWriter(self.store, on_written=self._written, on_failed=self._failed,
-                                         asynchronous=config.snapshot_async)
+                                         asynchronous=config.snapshot_async, write_timeout_s=config.snapshot_timeout_s)
         self.replication = Replication()  # the real one is agreed on in start()
         self.last_saved_step: int | None = None
 
@@ -105,11 +105,13 @@ class SnapshotSession:
                          blocked_seconds=round(blocked_seconds, 4))
 
     def finish(self) -> bool | None:
-        """Wait until the last snapshot is durable and replicated (bounded by half the collective
-        timeout for replication). Returns whether the last save is durable; None off rank 0."""
+        """Wait until the last snapshot is durable (at most --snapshot_timeout_s) and replicated (at
+        most half the collective timeout). Returns whether the last save is durable; None off rank 0."""
         durable = None
         if self.writer is not None:
-            self.writer.wait()
+            if not self.writer.wait(self.config.snapshot_timeout_s):
+                logger.error("the snapshot of step %s is still being written after %.0f s (storage hung?): not "
+                             "waiting longer", self.last_saved_step, self.config.snapshot_timeout_s)
             last = self.writer.last_written
             durable = last is not None and last.global_step == self.last_saved_step
         self.replication.finish(timeout=self.config.collective_timeout_s / 2)
@@ -125,7 +127,7 @@ class SnapshotSession:
 
     def _written(self, entry: ManifestEntry, write_seconds: float) -> None:
         self.events.emit(schema.SNAPSHOT, global_step=entry.global_step, epoch=entry.epoch, file=entry.file,
-                         sha256=entry.sha256, size_bytes=entry.size_bytes, write_seconds=round(write_seconds, 4))
+                         checksum=entry.checksum, size_bytes=entry.size_bytes, write_seconds=round(write_seconds, 4))
         self.replication.offer(entry)
 
     def _failed(self, global_step: int, reason: str) -> None:

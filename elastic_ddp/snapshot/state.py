@@ -18,6 +18,7 @@ afresh from (seed, global step, rank). Per-sample randomness (augmentation) neve
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
@@ -129,6 +130,22 @@ class Snapshot:
             restore_rng_state(self.rng_per_rank[rank])
         else:
             seed_rng_for_step(seed, self.global_step, rank)
+
+
+def non_finite_tensors(states: Any, path: str = "") -> list[str]:
+    """Where `states` holds a floating-point tensor with a NaN or an infinity (dotted paths, such
+    as `model.net.1.weight`); [] when every value is finite. One pass over the floating tensors."""
+    if isinstance(states, torch.Tensor):
+        finite = not (states.is_floating_point() or states.is_complex()) or bool(torch.isfinite(states).all())
+        return [] if finite else [path or "a tensor"]
+    if isinstance(states, float):
+        return [] if math.isfinite(states) else [path or "a number"]
+    items = (states.items() if isinstance(states, dict)
+             else enumerate(states) if isinstance(states, (list, tuple)) else ())
+    found = []
+    for key, value in items:
+        found += non_finite_tensors(value, f"{path}.{key}" if path else str(key))
+    return found
 
 
 def model_signature(model: nn.Module) -> str:

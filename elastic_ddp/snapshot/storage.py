@@ -22,7 +22,6 @@ import io
 import logging
 import os
 import re
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 # A temporary file of LocalDirectoryStorage: ".<final name>.tmp-<pid>".
 TEMPORARY_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
-IDENTITY_NAME = ".store-id"
 OBJECT_STORE_HINT = "pip install 'elastic_ddp[object-store]' and the protocol's package (s3fs, gcsfs, adlfs)"
 
 
@@ -63,8 +61,20 @@ class SnapshotStorage(ABC):
         """The path or URL of `name`, for messages."""
 
     @abstractmethod
-    def read_bytes(self, name: str) -> bytes:
-        """The content of `name`; FileNotFoundError when it does not exist, OSError on I/O errors."""
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """The content of `name`; FileNotFoundError when it does not exist, OSError on I/O errors.
+
+        With `limit`, at most `limit + 1` bytes are read: a longer file shows as longer than the
+        limit without being read whole (a manifest must not make a reader swallow /dev/zero).
+        """
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """The size of `name` in bytes (FileNotFoundError when it does not exist)."""
+
+    @abstractmethod
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """At most `length` bytes of `name` from offset `start`."""
 
     @abstractmethod
     def write_atomically(self, name: str, data: bytes) -> None:
@@ -87,12 +97,12 @@ class SnapshotStorage(ABC):
     def delete(self, name: str) -> None:
         """Remove `name`; a missing file is not an error."""
 
-    @abstractmethod
-    def identity(self) -> str:
-        """A string that two processes get alike exactly when they see the same files."""
+    def make_location(self) -> None:
+        """Create the location if it does not exist yet."""
 
     def prepare_for_writing(self) -> None:
         """Create the location if needed and clear what interrupted writes left; see subclasses."""
+        self.make_location()
 
     @property
     def local_directory(self) -> Path | None:
@@ -109,8 +119,21 @@ class LocalDirectoryStorage(SnapshotStorage):
     def describe(self, name: str) -> str:
         return str(self.directory / name)
 
-    def read_bytes(self, name: str) -> bytes:
-        return (self.directory / name).read_bytes()
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """See base class."""
+        if limit is None:
+            return (self.directory / name).read_bytes()
+        return self.read_range(name, 0, limit + 1)
+
+    def size(self, name: str) -> int:
+        """See base class."""
+        return (self.directory / name).stat().st_size
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """See base class."""
+        with open(self.directory / name, "rb") as handle:
+            handle.seek(start)
+            return handle.read(length)
 
     def write_atomically(self, name: str, data: bytes) -> None:
         """See base class. Temporary sibling, fsync, rename, fsync of the directory."""
@@ -140,28 +163,13 @@ class LocalDirectoryStorage(SnapshotStorage):
     def delete(self, name: str) -> None:
         (self.directory / name).unlink(missing_ok=True)
 
-    def identity(self) -> str:
-        """See base class. A random id kept in the directory, so a shared directory reads alike
-        on every machine and two local disks never do (inode numbers could collide)."""
-        path = self.directory / IDENTITY_NAME
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            pass
+    def make_location(self) -> None:
+        """See base class."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{IDENTITY_NAME}.tmp-{os.getpid()}")
-        temporary.write_text(uuid.uuid4().hex)
-        try:
-            os.link(temporary, path)  # create-if-absent with its content: the first writer wins
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink(missing_ok=True)
-        return path.read_text().strip()
 
     def prepare_for_writing(self) -> None:
         """See base class. Removes temporary files of writers that were killed mid-write."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.make_location()
         for name in self.list_names():
             if TEMPORARY_PATTERN.match(name):
                 logger.info("removing %s, left by an interrupted write", self.directory / name)
@@ -195,8 +203,19 @@ class FsspecStorage(SnapshotStorage):
     def describe(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self._path(name))
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """See base class."""
+        if limit is None:
+            return self.fs.cat_file(self._path(name))
+        return self.read_range(name, 0, limit + 1)
+
+    def size(self, name: str) -> int:
+        """See base class."""
+        return int(self.fs.size(self._path(name)))
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """See base class."""
+        return self.fs.cat_file(self._path(name), start=start, end=start + length)
 
     def write_atomically(self, name: str, data: bytes) -> None:
         """See base class. One `pipe_file`: object stores make the object visible only once complete."""
@@ -216,12 +235,13 @@ class FsspecStorage(SnapshotStorage):
         except FileNotFoundError:
             pass
 
-    def identity(self) -> str:
-        return self.url
-
-    def prepare_for_writing(self) -> None:
+    def make_location(self) -> None:
         """See base class. Object stores have no directories and no temporary objects to clear."""
         self.fs.makedirs(self.root, exist_ok=True)
+
+    def prepare_for_writing(self) -> None:
+        """See base class."""
+        self.make_location()
 
 
 class _WriteAll:

@@ -43,7 +43,7 @@ INSPECT_EXAMPLES = """examples:
   elastic-ddp inspect runs/job1/ck --checksum-only     # skip loading each snapshot (faster)
   elastic-ddp inspect s3://bucket/job1 --json
 
-Each snapshot the manifest lists is checked as a restart would check it: size and sha256 against
+Each snapshot the manifest lists is checked as a restart would check it: size and checksum against
 the manifest, then a safe load (weights_only=True). Exit status 0 when at least one is valid,
 1 when none is (a run started here would start from scratch), 2 when the path is missing or is
 not a checkpoint directory."""

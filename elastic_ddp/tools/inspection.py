@@ -2,13 +2,14 @@
 
     elastic-ddp inspect runs/job1/ck
 
-Reads the directory through `CheckpointStore`'s public methods only: the manifest's entries, then
-each entry's bytes checked against the manifest's size and sha256 (`read_verified`) and, unless
-`load=False`, loaded the way a restore loads them (`torch.load(weights_only=True)`). So "valid"
-here means what it means to a restart: the newest valid snapshot is the one training resumes from
-(when every node sees this directory). Files the manifest does not list are shown too: a
-snapshot file written by a writer that died before its manifest update, or a temporary file of an
-interrupted write; restores never use them.
+Reads the directory through `CheckpointStore`'s public methods only: its index (the manifest's
+entries, or, when the manifest is missing or unusable, the entries rebuilt from the self-describing
+snapshot files), then each entry's bytes checked against its size and checksum (`read_verified`)
+and, unless `load=False`, loaded the way a restore loads them (`torch.load(weights_only=True)`).
+So "valid" here means what it means to a restart: the newest valid snapshot is the one training
+resumes from (when every node sees this directory). Files the index does not list are shown too:
+a snapshot file written by a writer that died before its manifest update, or a temporary file of
+an interrupted write.
 
 Not checked: whether a snapshot fits the model and data of the run you will start (the restore
 compares its fingerprint and says so).
@@ -24,12 +25,12 @@ from typing import Any
 
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.errors import CheckpointError
-from elastic_ddp.snapshot.storage import IDENTITY_NAME, TEMPORARY_PATTERN, is_url
+from elastic_ddp.snapshot.storage import TEMPORARY_PATTERN, is_url
 from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore
 from elastic_ddp.tools.text import format_bytes, format_duration
 
 # Files a run leaves in its checkpoint directory besides snapshots and the manifest.
-RUN_FILES = {EVENT_LOG_NAME, "report.png", IDENTITY_NAME}
+RUN_FILES = {EVENT_LOG_NAME, "report.png", ".store-id"}  # (.store-id: left by versions before 0.2)
 
 
 class InspectionError(Exception):
@@ -53,6 +54,7 @@ class SnapshotStatus:
 class CheckpointInspection:
     location: str
     manifest_present: bool
+    index_rebuilt: bool = False  # the manifest was missing or unusable: entries come from the files
     snapshots: list[SnapshotStatus] = field(default_factory=list)  # oldest first
     unlisted_snapshot_files: list[str] = field(default_factory=list)
     temporary_files: list[str] = field(default_factory=list)
@@ -75,7 +77,9 @@ def inspect_checkpoints(location: str | os.PathLike, load: bool = True) -> Check
     store = CheckpointStore(location)
     names = set(store.storage.list_names())
     inspection = CheckpointInspection(location=store.describe(), manifest_present=MANIFEST_NAME in names)
-    entries = store.manifest_entries()
+    index = store.index()
+    inspection.index_rebuilt = index.rebuilt
+    entries = index.entries
     for entry in entries:
         inspection.snapshots.append(_check_entry(store, entry, load))
     listed = {entry.file for entry in entries}
@@ -124,7 +128,11 @@ def format_inspection(inspection: CheckpointInspection, now: float | None = None
     """The table `elastic-ddp inspect` prints."""
     now = time.time() if now is None else now
     lines = [f"Checkpoint directory {inspection.location}"]
-    if not inspection.manifest_present:
+    if inspection.index_rebuilt:
+        problem = "is missing" if not inspection.manifest_present else "cannot be used (see the message above)"
+        lines.append(f"  {MANIFEST_NAME} {problem}: the snapshots below are indexed from their own headers, as a "
+                     "restart indexes them")
+    elif not inspection.manifest_present:
         lines.append(f"  no {MANIFEST_NAME}: no snapshot has been completed here (yet)")
     elif not inspection.snapshots:
         lines.append(f"  {MANIFEST_NAME} lists no snapshot, or cannot be read (see the message above)")
@@ -141,8 +149,8 @@ def format_inspection(inspection: CheckpointInspection, now: float | None = None
             lines.append(f"  {snapshot.global_step:>9}  {snapshot.epoch:>5}  {snapshot.samples_consumed:>9}  "
                          f"{format_bytes(snapshot.size_bytes):>9}  {age:>13}  {world:>5}  {status}")
     for name in inspection.unlisted_snapshot_files:
-        lines.append(f"  {name}: not in the manifest (a write that did not complete); never restored, "
-                     "deleted by a later snapshot")
+        lines.append(f"  {name}: not in the index (a write that did not complete, or a format-1 file without "
+                     "its manifest entry); not restored")
     for name in inspection.temporary_files:
         lines.append(f"  {name}: temporary file of an interrupted write; removed by the next snapshot")
     newest = inspection.newest_valid

@@ -3,7 +3,8 @@
 Every test plays a fault plan with the chaos harness and asserts the promises of
 docs/failure-semantics.md: the run finishes at exactly epochs x steps per epoch, the audit log shows
 every sample of every epoch exactly once in the surviving trajectory, and every restore used a
-snapshot whose write had completed, with the checksum that write recorded.
+snapshot whose write had completed, with the checksum that write recorded. The job is held
+(tests/support/held_train.py) until every fault of the plan has fired, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from elastic_ddp.chaos.equivalence import (
 )
 from elastic_ddp.chaos.harness import ChaosHarness
 from elastic_ddp.chaos.plan import Fault, FaultPlan, random_plan
+from tests.support.cluster import hold_settings, release
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,10 @@ def training_args(epochs: int = 2, dataset_size: int = 4096, *extra: str) -> lis
 
 
 def play(tmp_path, args, plan, name="chaos", **kwargs):
-    harness = ChaosHarness(tmp_path / name, args, plan, **kwargs)
+    """Play `plan` on a job held until every fault has fired."""
+    hold = tmp_path / f"{name}-hold"
+    harness = ChaosHarness(tmp_path / name, args, plan, on_plan_done=lambda: release(hold),
+                           **hold_settings(hold), **kwargs)
     report = harness.run()
     return harness, report
 

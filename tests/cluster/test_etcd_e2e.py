@@ -16,7 +16,7 @@ import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.chaos.cluster import RDZV_CONF, LocalJob, wait_for
-from tests.support.cluster import assert_exactly_once, node_logs
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 if TYPE_CHECKING:
     from tests.support.etcd import EtcdCluster, EtcdServer
@@ -34,10 +34,12 @@ def training_args(dataset_size: int) -> list[str]:
 
 
 @pytest.fixture
-def etcd_job(local_jobs, etcd_server: EtcdServer):
+def etcd_job(local_jobs, etcd_server: EtcdServer, tmp_path):
+    """Jobs on the etcd server, held until `release(tmp_path / "hold")` (tests/support/held_train.py)."""
     def make(dataset_size: int, agent_env: dict[str, str] = AGENT_ENV) -> LocalJob:
         return local_jobs(training_args(dataset_size), nproc_per_node=1, rdzv_backend="etcd-v3",
-                          rdzv_endpoint=etcd_server.endpoint, run_id="e2e", agent_env=agent_env)
+                          rdzv_endpoint=etcd_server.endpoint, run_id="e2e", agent_env=agent_env,
+                          **hold_settings(tmp_path / "hold"))
 
     return make
 
@@ -46,17 +48,13 @@ def rendezvous_state_exists(etcd_server: EtcdServer) -> bool:
     return bool(etcd_server.etcdctl("get", "--keys-only", "/elastic_ddp/rendezvous/e2e/state").stdout.strip())
 
 
-def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
-    return job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == world_size, timeout,
-                              f"a worker group of world size {world_size}")
-
-
 def assert_finished(job: LocalJob, dataset_size: int) -> None:
     assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * dataset_size // BATCH
     assert_exactly_once(job, dataset_size, EPOCHS, BATCH)
 
 
-def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_server: EtcdServer) -> None:
+def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_server: EtcdServer,
+                                                                 tmp_path) -> None:
     dataset_size = 4096
     # Even a user who asked torchrun to share its store with the workers does not get it on etcd-v3:
     # the restart after the kill would hang on stale addresses (pytorch/pytorch#135712).
@@ -69,6 +67,7 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_
     job.wait_for_step(job.last_step() + 10, timeout=90)
     first.kill()
     job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120, "the job to go on in world 1")
+    release(tmp_path / "hold")
     assert survivor.wait(timeout=180) == 0, node_logs(job)
     assert_finished(job, dataset_size)
     logs = node_logs(job)
@@ -76,15 +75,15 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_
     assert "TORCHELASTIC_USE_AGENT_STORE" not in logs  # the workers' warning about a shared store
 
 
-def test_a_node_added_mid_run_joins(etcd_job) -> None:
-    # About 12 s of training alone: a joiner on a loaded machine needs 4-5 s to get in.
-    dataset_size = 18432
+def test_a_node_added_mid_run_joins(etcd_job, tmp_path) -> None:
+    dataset_size = 4096
     job = etcd_job(dataset_size)
     job.add_node("first")
     job.wait_for_step(5, timeout=90)
     job.add_node("joiner")
     restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 120,
                                  "the job to continue in world size 2")
+    release(tmp_path / "hold")
     assert restore["previous_world_size"] == 1
     assert restore["global_step"] < EPOCHS * dataset_size // BATCH, "joined too late to prove anything"
     assert job.wait(timeout=180) == {"first": 0, "joiner": 0}, node_logs(job)
@@ -92,8 +91,8 @@ def test_a_node_added_mid_run_joins(etcd_job) -> None:
     assert_finished(job, dataset_size)
 
 
-def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdServer) -> None:
-    dataset_size = 6144
+def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdServer, tmp_path) -> None:
+    dataset_size = 4096
     job = etcd_job(dataset_size)
     job.add_node("a")
     job.add_node("b")
@@ -102,6 +101,7 @@ def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdSer
     outage_started = time.time()
     etcd_server.restart(down_for=3.0)
     outage_ended = time.time()
+    release(tmp_path / "hold")
     assert job.wait(timeout=180) == {"a": 0, "b": 0}, node_logs(job)
     steps_during_outage = [e for e in job.events("step") if outage_started < e["time"] < outage_ended]
     assert steps_during_outage, "training paused while etcd was down"
@@ -109,24 +109,26 @@ def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdSer
     assert_finished(job, dataset_size)
 
 
-def test_training_runs_over_tls_with_the_ca(local_jobs, tls_etcd_server: EtcdServer) -> None:
+def test_training_runs_over_tls_with_the_ca(local_jobs, tls_etcd_server: EtcdServer, tmp_path) -> None:
     dataset_size = 1536
     tls = tls_etcd_server.tls
     assert tls is not None
     job = local_jobs(training_args(dataset_size), name="tls-job", nproc_per_node=1, rdzv_backend="etcd-v3",
                      rdzv_endpoint=tls_etcd_server.endpoint, run_id="e2e-tls", agent_env=AGENT_ENV,
-                     rdzv_conf=f"{RDZV_CONF},protocol=https,ca_cert={tls.ca_cert}")
+                     rdzv_conf=f"{RDZV_CONF},protocol=https,ca_cert={tls.ca_cert}", **hold_settings(tmp_path / "hold"))
     job.add_node("a")
     job.add_node("b")
+    world_reached(job, 2)
+    release(tmp_path / "hold")
     assert job.wait(timeout=240) == {"a": 0, "b": 0}, node_logs(job)
-    assert world_reached(job, 2, timeout=1)["world_size"] == 2
     assert_finished(job, dataset_size)
 
 
-def test_training_goes_on_when_the_etcd_leader_is_killed(local_jobs, etcd_cluster: EtcdCluster) -> None:
-    dataset_size = 6144
+def test_training_goes_on_when_the_etcd_leader_is_killed(local_jobs, etcd_cluster: EtcdCluster, tmp_path) -> None:
+    dataset_size = 4096
     job = local_jobs(training_args(dataset_size), name="cluster-job", nproc_per_node=1, rdzv_backend="etcd-v3",
-                     rdzv_endpoint=etcd_cluster.endpoints, run_id="e2e-cluster", agent_env=AGENT_ENV)
+                     rdzv_endpoint=etcd_cluster.endpoints, run_id="e2e-cluster", agent_env=AGENT_ENV,
+                     **hold_settings(tmp_path / "hold"))
     job.add_node("a")
     job.add_node("b")
     world_reached(job, 2)
@@ -135,6 +137,8 @@ def test_training_goes_on_when_the_etcd_leader_is_killed(local_jobs, etcd_cluste
     leader.stop()  # SIGKILL
     assert etcd_cluster.leader() is not leader
     killed_at = time.time()
+    job.wait_for_step(job.last_step() + 5, timeout=90)  # training goes on on the new leader
+    release(tmp_path / "hold")
     assert job.wait(timeout=240) == {"a": 0, "b": 0}, node_logs(job)
     assert [e for e in job.events("step") if e["time"] > killed_at], "no training after the leader died"
     assert_finished(job, dataset_size)

@@ -69,7 +69,8 @@ def test_kubernetes_pytorchjobs_are_elastic_and_use_the_shipped_settings():
         assert 1 <= policy["minReplicas"] <= job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] \
             <= policy["maxReplicas"]
         assert policy["maxRestarts"] > 0
-        assert ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"]) == RDZV_CONF
+        timing = [c for c in policy["rdzvConf"] if c["key"] in dict(kv.split("=") for kv in RDZV_CONF.split(","))]
+        assert ",".join(f"{c['key']}={c['value']}" for c in timing) == RDZV_CONF
         container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
         assert container["command"][:3] == ["python", "-m", "torch.distributed.run"]
         assert "elastic_ddp.train" in container["command"]
@@ -85,7 +86,9 @@ def test_the_etcd_statefulset_and_the_job_agree_on_the_members():
     assert len(members) == 3
     command = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]
     initial_cluster = next(arg for arg in command if arg.startswith("--initial-cluster="))
-    assert initial_cluster == "--initial-cluster=" + ",".join(f"{m}=http://{m}.etcd:2380" for m in members)
+    assert initial_cluster == "--initial-cluster=" + ",".join(f"{m}=https://{m}.etcd:2380" for m in members)
+    assert {"--cert-file=/etc/etcd-tls/tls.crt", "--peer-client-cert-auth"} <= set(command)
+    assert not [arg for arg in command if arg.startswith("--listen-client-urls=http:")], "clients over TLS only"
     assert any(arg.startswith("--auto-compaction-retention=") for arg in command)
     service = next(d for d in documents["etcd.yaml"] if d["kind"] == "Service")
     assert service["spec"]["clusterIP"] == "None" and service["metadata"]["name"] == statefulset["spec"]["serviceName"]
@@ -94,6 +97,14 @@ def test_the_etcd_statefulset_and_the_job_agree_on_the_members():
     env = {item["name"]: item["value"] for item in container["env"]}
     assert env["ETCD_ENDPOINTS"] == ",".join(f"{m}.etcd:2379" for m in members)
     assert "--rdzv_endpoint=$(ETCD_ENDPOINTS)" in container["command"]
+    conf = {c["key"]: c["value"] for c in job["spec"]["elasticPolicy"]["rdzvConf"]}
+    assert conf["protocol"] == "https" and conf["user"] == "trainer"
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert os.path.dirname(conf["ca_cert"]) in mounts and os.path.dirname(conf["password_file"]) in mounts
+    auth_job = next(d for d in documents["etcd.yaml"] if d["kind"] == "Job")
+    script = auth_job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "role grant-permission elastic-ddp readwrite --prefix=true /elastic_ddp/rendezvous/" in script
+    assert "auth enable" in script
 
 
 def test_node_sh_ships_the_tested_rendezvous_timing():

@@ -48,7 +48,7 @@ def test_warm_workers_end_with_their_agent(local_jobs, victims):
     # The workers are the fork server's children, not the agent's: they must not train on, unseen,
     # after their node was killed the way plain torchrun's nodes are (getting-started.md).
     args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "512", "--global_batch_size", "64",
-            "--log_interval", "1"]
+            "--log_interval", "1", "--min_step_time_s", "0.05"]  # 800 steps: 40 s at least, killed after 3
     job = local_jobs(args, nnodes="1", nproc_per_node=2)
     node = job.add_node("only")
     job.wait_for_step(3, timeout=180)

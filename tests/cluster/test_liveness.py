@@ -35,7 +35,7 @@ from elastic_ddp.rendezvous.liveness import (
     probe,
     with_dead_node_probes,
 )
-from tests.support.cluster import node_logs
+from tests.support.cluster import hold_settings, node_logs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,12 +154,13 @@ def test_the_elastic_c10d_backend_comes_from_the_entry_point_and_probes_unless_t
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_real_agents_resume_without_a_killed_node_long_before_its_heartbeat_expires(local_jobs):
+def test_real_agents_resume_without_a_killed_node_long_before_its_heartbeat_expires(local_jobs, tmp_path):
     conf = RDZV_CONF.replace("keep_alive_max_attempt=5", "keep_alive_max_attempt=60")
     assert conf != RDZV_CONF
     args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "1024", "--global_batch_size", "64",
             "--snapshot_every_steps", "5", "--log_interval", "1"]
-    job = local_jobs(args, nnodes="1:3", nproc_per_node=1, rdzv_conf=conf)
+    # Held (tests/support/held_train.py): 1600 steps cannot end before the probe has done its work.
+    job = local_jobs(args, nnodes="1:3", nproc_per_node=1, rdzv_conf=conf, **hold_settings(tmp_path / "hold"))
     host = job.add_node("host")
     lost = job.add_node("lost")
     job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 2, 120, "a group of world size 2")

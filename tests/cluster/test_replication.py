@@ -16,7 +16,7 @@ from torch.distributed import TCPStore
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.chaos.cluster import LocalJob, LocalNode, free_port
-from tests.support.cluster import assert_exactly_once, node_logs
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release
 
 DATASET, BATCH, EPOCHS, EVERY = 3840, 64, 2, 20
 STEPS = EPOCHS * DATASET // BATCH
@@ -68,7 +68,7 @@ def assert_resumed_from_the_newest_surviving_snapshot(job: LocalJob, victim: Loc
     # a replica landing and rank 0 logging it, the newest written): never an older one, never scratch.
     assert restore["global_step"] in {replicated["global_step"], max(written)}, (restore, replicated, max(written))
     assert restore["global_step"] >= replicated["global_step"] >= EVERY
-    assert restore["sha256"] == written[restore["global_step"]]["sha256"], "not the snapshot rank 0 wrote"
+    assert restore["checksum"] == written[restore["global_step"]]["checksum"], "not the snapshot rank 0 wrote"
     assert restore["verified"] and restore["lost_steps"] is not None
     assert not victim.is_running()
     return restore
@@ -76,14 +76,16 @@ def assert_resumed_from_the_newest_surviving_snapshot(job: LocalJob, victim: Loc
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store):
-    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True)
+def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store, tmp_path):
+    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
+                     **hold_settings(tmp_path / "hold"))
     job.add_node("a")
     job.add_node("b")
     victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=2)
     survivor = next(node for node in job.nodes if node is not victim)
 
     restore = assert_resumed_from_the_newest_surviving_snapshot(job, victim, replicated, survivors=1)
+    release(tmp_path / "hold")
     assert restore["file"], "the survivor read it from its own directory"
     assert survivor.wait(timeout=180) == 0, node_logs(job)
     assert load_snapshot(job.node_checkpoint_dir(survivor.name))["global_step"] == STEPS
@@ -92,14 +94,16 @@ def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_three_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store):
-    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True)
+def test_three_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store, tmp_path):
+    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
+                     **hold_settings(tmp_path / "hold"))
     for name in ("a", "b", "c"):
         job.add_node(name)
     victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=3)
     survivors = [node for node in job.nodes if node is not victim]
 
     assert_resumed_from_the_newest_surviving_snapshot(job, victim, replicated, survivors=2)
+    release(tmp_path / "hold")
     assert [node.wait(timeout=180) for node in survivors] == [0, 0], node_logs(job)
     # The new rank 0 replicated to the other survivor: both hold the final snapshot.
     for node in survivors:

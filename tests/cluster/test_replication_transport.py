@@ -70,3 +70,14 @@ def test_a_frozen_target_costs_rank_0_one_deadline_and_never_blocks_training(tmp
     assert source["broken"] and "replication_failed" in source["events"]
     assert source["seconds"][-1] < 20
     assert source["manifest"] == [7] and source["newest_ok"]  # rank 0's own snapshot is untouched
+
+
+def test_hundreds_of_random_frames_through_the_real_transport_never_stop_the_receiver(tmp_path):
+    source, target = play(tmp_path, "fuzz", world=2)  # FUZZ_FRAMES of tests/support/replication_peer.py
+    assert target["stored"] == 1 and target["manifest"] == [9] and target["newest_ok"]
+
+
+def test_shared_directories_are_found_by_probing_and_a_copied_directory_is_not_one_of_them(tmp_path):
+    results = play(tmp_path, "directories", world=3)
+    assert [result["directories"] for result in results] == [[0, 0, 2]] * 3
+    assert all(result["writable"] and result["probes_left"] == [] for result in results)

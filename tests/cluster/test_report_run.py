@@ -30,8 +30,11 @@ pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS, DATASET, BATCH = 2, 4096, 64
 STEPS = EPOCHS * DATASET // BATCH
+# --min_step_time_s: 128 steps take at least 13 s, so that the second node joins and is killed mid-run
+# however fast the machine trains (the documented way to simulate a slower model).
 TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET), "--global_batch_size",
-                 str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "5", "--log_interval", "2"]
+                 str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "5", "--log_interval", "2",
+                 "--min_step_time_s", "0.1"]
 # docs/getting-started.md, step 3: a node lost as a machine dies (workers first, then the agent).
 KILL_NODE = 'agent=$(cat "$1"); kill -KILL $(pgrep -P "$agent") "$agent"'
 
@@ -54,14 +57,18 @@ class RecordedRun:
         return "\n".join(path.read_text(errors="replace") for path in sorted((self.run_dir / "logs").glob("node*.log")))
 
 
-def wait_for_event(event_log: Path, predicate, timeout: float, what: str) -> dict:
+def wait_for_event(event_log: Path, predicate, timeout: float, what: str,
+                   script: subprocess.Popen | None = None) -> dict:
     found: list[dict] = []
 
     def seen() -> bool:
         found[:] = [e for e in read_events(event_log) if predicate(e)]
         return bool(found)
 
-    wait_for(seen, timeout, what)
+    def ended() -> str | None:
+        return None if script is None or script.poll() is None else f"the run ended ({script.returncode})"
+
+    wait_for(seen, timeout, what, still_possible=ended)
     return found[-1]
 
 
@@ -77,10 +84,10 @@ def recorded_run(tmp_path_factory) -> RecordedRun:
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         start = wait_for_event(event_log, lambda e: e["event"] == "start" and e["world_size"] == 2, 150,
-                               "world size 2")
+                               "world size 2", script)
         # Kill once this group has a snapshot, so that there is a restore to report.
         wait_for_event(event_log, lambda e: e["event"] == "snapshot" and e["incarnation"] == start["incarnation"],
-                       60, "a snapshot in world size 2")
+                       60, "a snapshot in world size 2", script)
         subprocess.run(["bash", "-c", KILL_NODE, "kill-node", str(logs / "node1.pid")], check=True, timeout=30)
         _, stderr = script.communicate(timeout=200)
     finally:

@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from elastic_ddp.chaos.cluster import LocalJob
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
+from tests.support.held_train import HOLD_VARIABLE
+
+REPO = Path(__file__).resolve().parents[2]
+HELD_MODULE = "tests.support.held_train"
+
+
+def hold_settings(hold_file: Path) -> dict:
+    """LocalJob/ChaosHarness keyword arguments for a job held until `release(hold_file)`.
+
+    The file is created now; while it exists every step sleeps (tests/support/held_train.py)."""
+    hold_file.parent.mkdir(parents=True, exist_ok=True)
+    hold_file.touch()
+    return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": str(REPO)}}
+
+
+def release(hold_file: Path) -> None:
+    """Let a held job run to its end at full speed."""
+    if os.path.exists(hold_file):
+        os.unlink(hold_file)
 
 
 def assert_exactly_once(job: LocalJob, dataset_size: int, epochs: int, global_batch_size: int) -> None:

@@ -39,7 +39,7 @@ def run_through_a_full_disk(config, make_disk_full, free_disk, caplog):
     assert trainer.snapshots.writer.failed_writes == 3
     for step in (12, 15, 18):
         assert f"SNAPSHOT NOT SAVED (step {step}): snapshot of step {step} could not be written to {directory} " \
-               "(No space left on device); the previous snapshots are intact" in caplog.text
+               "(No space left on device); the listed snapshots are intact" in caplog.text
     assert seen_while_full == {"leftovers": [], "newest": 10}, "partial files cleaned, last good one intact"
     assert load_snapshot(directory)["global_step"] == 30, "writes succeed again once there is space"
     assert leftovers(directory) == []

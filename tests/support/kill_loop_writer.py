@@ -9,7 +9,7 @@ It is a fork server, so that the test can SIGKILL hundreds of writers without pa
 
 Each writer is a real `CheckpointStore` client writing real `Snapshot`s of an MLP with SGD momentum
 (about 5 MB, so that a write takes long enough for kills to land inside it) the way the trainer's
-writer thread does (`write_serialized`), and appends the step of every write that returned to
+writer thread does (`write_stream`), and appends the step of every write that returned to
 DIR/durable.log with one O_APPEND write per line.
 
     python -m tests.support.kill_loop_writer
@@ -48,7 +48,7 @@ def write_forever(directory: str, first_step: int, state: dict[str, torch.Tensor
             tensor.add_(1.0)
         snapshot = make_snapshot(step, model=staging.copy(state, "model"), optimizer={"momentum": staging.copy(state, "m")},
                                  fingerprint={"writer": "kill-loop"}, incarnation=first_step)
-        store.write_serialized(step, 0, step, lambda file: write_snapshot(snapshot, file))  # the trainer's path: streamed, hashed on the way
+        store.write_stream(step, 0, step, lambda file: write_snapshot(snapshot, file))  # the writer's path
         os.write(durable, f"{step}\n".encode())
         step += 1
 

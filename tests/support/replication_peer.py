@@ -15,11 +15,14 @@ Scenarios:
 - `refuse`: the last target has (it is told) 1000 bytes of free disk; a snapshot is sent to all.
 - `frozen`: the target stops itself (SIGSTOP) before the snapshot is offered; rank 0's transfer must
   end at its deadline and leave training unblocked.
+- `fuzz`: rank 0 sends FUZZ_FRAMES random and mutated headers (seeded) with random payloads through
+  the real transport, then one good replica.
+- `directories`: ranks 0 and 1 share RUN_DIR/shared; rank 2's directory is a copy of it (files and
+  all); every rank reports which directories `shared_directories` finds to be the same place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.history import read_events
 from elastic_ddp.snapshot import replica_transfer
+from elastic_ddp.snapshot.checksum import checksum_of
 from elastic_ddp.snapshot.replica_transfer import (
     ReplicaOffer,
     ReplicaReceiver,
@@ -45,6 +49,7 @@ from elastic_ddp.snapshot.store import CheckpointStore
 from elastic_ddp.snapshot.transport import ProcessGroupTransport
 
 PAYLOAD = 300_000
+FUZZ_FRAMES = 300
 
 
 def payload(step: int) -> bytes:
@@ -60,6 +65,9 @@ def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) ->
     run = Path(run_dir)
     dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
+    if scenario == "directories":
+        report_directories(rank, run)
+        os._exit(0)
     store = CheckpointStore(run / f"rank{rank}", keep_last=2)
     group_ranks = list(range(world))
     group = dist.new_group(group_ranks, backend="gloo", timeout=SIDE_GROUP_TIMEOUT)
@@ -68,8 +76,8 @@ def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) ->
         targets = [ReplicaTarget(rank=r, node=r) for r in group_ranks[1:]]
         events = EventLog(run / "events.jsonl", incarnation=1, enabled=True)
         deadline = timedelta(seconds=3) if scenario == "frozen" else replica_transfer.SEND_DEADLINE
-        if scenario == "garbage":
-            send_garbage_then_one_replica(group, store)
+        if scenario in ("garbage", "fuzz"):
+            send_garbage_then_one_replica(group, store, fuzz=scenario == "fuzz")
         else:
             replicator = SnapshotReplicator(store, group, targets, group_ranks, events, send_deadline=deadline)
             if scenario == "frozen":
@@ -105,18 +113,42 @@ def wait_until_sent(replicator: SnapshotReplicator) -> None:
         replicator._condition.wait_for(lambda: replicator._pending is None and not replicator._busy, 30)
 
 
-def send_garbage_then_one_replica(group, store: CheckpointStore) -> None:
+def report_directories(rank: int, run: Path) -> None:
+    import shutil
+
+    from elastic_ddp.distributed import DistributedContext
+    from elastic_ddp.snapshot.replication import shared_directories
+
+    shared, copy = run / "shared", run / "copy"
+    if rank == 0:
+        CheckpointStore(shared).write(1, 0, 1, payload(1))
+        (shared / ".store-id").write_text("0123456789abcdef")  # as versions before 0.2 wrote it
+        shutil.copytree(shared, copy)  # pre-staged with rsync: the same files, another place
+    dist.barrier()
+    context = DistributedContext(rank=rank, local_rank=0, world_size=3, local_world_size=1,
+                                 device=__import__("torch").device("cpu"), backend="gloo")
+    directories, writable = shared_directories(CheckpointStore(copy if rank == 2 else shared), context)
+    dist.barrier()  # every rank has removed its probe
+    (run / f"result-{rank}.json").write_text(json.dumps({"rank": rank, "directories": directories,
+                                                         "writable": writable,
+                                                         "probes_left": sorted(p.name for p in (
+                                                             copy if rank == 2 else shared).glob(".probe-*"))}))
+
+
+def send_garbage_then_one_replica(group, store: CheckpointStore, fuzz: bool = False) -> None:
     """Frames a replica receiver must refuse, through the real transport, then a good one."""
     transport = ProcessGroupTransport(group)
     size = dist.get_world_size(group)
     good = payload(9)
-    digest = hashlib.sha256(good).hexdigest()
+    digest = checksum_of(good, "sha256")
+    if fuzz:
+        fuzz_frames(transport, group, size, digest)
     bad_frames = [
         ({"kind": "snapshot"}, good),  # a header of another shape
-        ({"kind": "snapshot", "global_step": -1, "epoch": 0, "samples_consumed": 0, "sha256": digest}, good),
-        ({"kind": "snapshot", "global_step": True, "epoch": 0, "samples_consumed": 0, "sha256": digest}, good),
-        ({"kind": "snapshot", "global_step": 9, "epoch": 0, "samples_consumed": 9, "sha256": "0" * 64}, good),
-        ({"kind": "snapshot", "global_step": 9, "epoch": 0, "samples_consumed": 9, "sha256": digest}, b"forged"),
+        ({"kind": "snapshot", "global_step": -1, "epoch": 0, "samples_consumed": 0, "checksum": digest}, good),
+        ({"kind": "snapshot", "global_step": True, "epoch": 0, "samples_consumed": 0, "checksum": digest}, good),
+        ({"kind": "snapshot", "global_step": 9, "epoch": 0, "samples_consumed": 9, "checksum": "sha256:" + "0" * 64}, good),
+        ({"kind": "snapshot", "global_step": 9, "epoch": 0, "samples_consumed": 9, "checksum": digest}, b"forged"),
     ]
     for header, data in bad_frames:
         transport.send(0, header, data)
@@ -128,6 +160,28 @@ def send_garbage_then_one_replica(group, store: CheckpointStore) -> None:
     transport.send(0, ReplicaOffer(False, 9, 0, 9, digest).to_header(), good)
     _report_round(group, size, True, None)
     transport.send(0, ReplicaOffer(close=True).to_header(), b"")
+
+
+def fuzz_frames(transport: ProcessGroupTransport, group, size: int, digest: str) -> None:
+    """FUZZ_FRAMES random frames: mutated good headers, random JSON, random bytes; random payloads."""
+    import random
+
+    rng = random.Random(4242)
+    seed = json.dumps(ReplicaOffer(False, 9, 0, 9, digest).to_header()).encode()
+    for _ in range(FUZZ_FRAMES):
+        kind = rng.randrange(3)
+        if kind == 0:
+            raw = bytearray(seed)
+            for _ in range(rng.randint(1, 6)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+        elif kind == 1:
+            # (never a well-formed `close`: that one legitimately ends the stream)
+            raw = json.dumps({rng.choice(["kind", "global_step", "checksum", "x"]): rng.choice(
+                [None, -1, "snapshot", "Close", [1], {"a": 1}, 2**70]) for _ in range(rng.randint(0, 5))}).encode()
+        else:
+            raw = bytes(rng.randrange(256) for _ in range(rng.randint(2, 200)))
+        transport_send_raw(transport, bytes(raw), bytes(rng.randrange(256) for _ in range(rng.randint(0, 4096))))
+        _report_round(group, size, True, None)
 
 
 def transport_send_raw(transport: ProcessGroupTransport, raw_header: bytes, data: bytes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -24,3 +25,13 @@ def make_snapshot(step: int, *, epoch: int = 0, samples_consumed: int | None = N
 
 def snapshot_bytes(step: int, **kwargs: Any) -> bytes:
     return snapshot_to_bytes(make_snapshot(step, **kwargs))
+
+
+def v1_snapshot_bytes(step: int) -> bytes:
+    """A format-1 snapshot file as versions before 0.2 wrote it (torch.save of one plain dict)."""
+    buffer = io.BytesIO()
+    torch.save({"global_step": step, "epoch": 0, "samples_consumed": step,
+                "model": {"weight": torch.full((4, 4), float(step))}, "optimizer": {}, "scheduler": None,
+                "grad_scaler": None, "rng_per_rank": [], "fingerprint": {}, "world_size": 1, "incarnation": 1,
+                "wall_time": 0.0, "extra": {}, "format_version": 1}, buffer)
+    return buffer.getvalue()

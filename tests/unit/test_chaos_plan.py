@@ -109,17 +109,17 @@ def test_the_report_flags_a_restore_of_a_snapshot_whose_write_never_completed(tm
     lines = [
         {"time": 1.0, "incarnation": 1, **start},
         {"time": 1.1, "incarnation": 1, "event": "snapshot_captured", "global_step": 1},
-        {"time": 1.2, "incarnation": 1, "event": "snapshot", "global_step": 1, "sha256": "aaa"},
+        {"time": 1.2, "incarnation": 1, "event": "snapshot", "global_step": 1, "checksum": "blake3:aaa"},
         {"time": 1.3, "incarnation": 1, "event": "snapshot_captured", "global_step": 2},  # killed mid-write
         {"time": 5.0, "incarnation": 2, **start},
-        {"time": 5.1, "incarnation": 2, "event": "restore", "global_step": 1, "sha256": "aaa", "verified": True},
-        {"time": 5.2, "incarnation": 2, "event": "restore", "global_step": 2, "sha256": "bbb", "verified": True},
+        {"time": 5.1, "incarnation": 2, "event": "restore", "global_step": 1, "checksum": "blake3:aaa", "verified": True},
+        {"time": 5.2, "incarnation": 2, "event": "restore", "global_step": 2, "checksum": "blake3:bbb", "verified": True},
         {"time": 6.0, "incarnation": 2, "event": "finished", "global_step": 2},
     ]
     harness.job.event_log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = harness._report([], [])
     assert [r["matches_a_completed_write"] for r in report.restores] == [True, False]
     assert report.interrupted_snapshot_writes == [2]
-    assert any("restore of step 2 (sha256 bbb" in problem for problem in report.problems)
+    assert any("restore of step 2 (checksum blake3:bbb" in problem for problem in report.problems)
     assert any(problem.startswith("exactly once") for problem in report.problems)  # no audit log here
     assert not report.ok

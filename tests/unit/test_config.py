@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from elastic_ddp.config import TrainingConfig, build_parser
 
@@ -35,12 +38,46 @@ def test_cli_parses_values_and_boolean_pairs():
     ({"collective_timeout_s": 0}, "--collective_timeout_s: got 0; expected a positive number"),
     ({"device": "tpu"}, "--device: got 'tpu'; expected auto, cpu or cuda"),
     ({"drop_last": True, "global_batch_size": 64, "dataset_size": 10}, "--global_batch_size: got 64 with --drop_last"),
+    ({"weight_decay": math.nan}, "--weight_decay: got nan; expected a finite number"),
+    ({"lr": math.inf}, "--lr: got inf; expected a finite number"),
+    ({"momentum": -math.inf}, "--momentum: got -inf; expected a finite number"),
+    ({"collective_timeout_s": math.inf}, "--collective_timeout_s: got inf; expected a finite number"),
+    ({"collective_timeout_s": 1e20}, "--collective_timeout_s: got 1e+20; expected a positive number of seconds, "
+                                     "at most 604800 (a week)"),
+    ({"snapshot_timeout_s": 0.0}, "--snapshot_timeout_s: got 0.0; expected a positive number of seconds"),
+    ({"min_step_time_s": -1.0}, "--min_step_time_s: got -1.0; expected 0 or more"),
+    ({"checkpoint_dir": ""}, "--checkpoint_dir: got an empty path; expected a directory"),
 ])
 def test_validation_names_flag_value_and_what_is_accepted(overrides, message):
     with pytest.raises(ValueError) as excinfo:
         TrainingConfig(**overrides)
     assert message in str(excinfo.value)
     assert "\n" not in str(excinfo.value)
+
+
+def test_a_checkpoint_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for location in (a_file, a_file / "ck"):
+        with pytest.raises(ValueError, match=rf"--checkpoint_dir: got '{location}', but '{a_file}' is a file; "
+                                             "expected a directory, or a path where one can be created"):
+            TrainingConfig(checkpoint_dir=str(location))
+    assert TrainingConfig(checkpoint_dir=str(tmp_path / "new" / "ck")).checkpoint_dir.endswith("ck")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^--device: got 'cuda', but CUDA is not available here; expected auto or cpu$"):
+        TrainingConfig(device="cuda")
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--weight_decay", "inf"), ("--collective_timeout_s", "inf")])
+def test_the_command_line_refuses_non_finite_numbers_with_the_flags_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        TrainingConfig.from_args([flag, value])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"{flag}: got {float(value)}; expected a "
+                                                                      "finite number")
 
 
 def test_steps_per_epoch_counts_the_partial_last_batch_unless_dropped():

@@ -54,7 +54,8 @@ def test_full_configuration_is_parsed(files: dict[str, str]) -> None:
 
 
 def test_password_never_shows(files: dict[str, str]) -> None:
-    options = EtcdV3Options.from_params(params("h", user="u", password_file=files["password"]))
+    options = EtcdV3Options.from_params(params("h", user="u", password_file=files["password"], protocol="https",
+                                               ca_cert=files["ca.pem"]))
     assert "hunter2" not in repr(options) and "hunter2" not in str(options)
     assert "hunter2" not in f"{options.password}"
 
@@ -86,6 +87,26 @@ def test_bad_values_raise_one_line_value_error(files: dict[str, str], conf: dict
     message = str(raised.value)
     assert "\n" not in message and expected in message
     assert message.startswith("rdzv_conf ")
+
+
+def test_a_password_is_not_sent_over_plain_http_to_another_host(files: dict[str, str]) -> None:
+    credentials = {"user": "trainer", "password_file": files["password"]}
+    with pytest.raises(ValueError) as raised:
+        EtcdV3Options.from_params(params("127.0.0.1:2379,etcd2:2379", **credentials))
+    message = str(raised.value)
+    assert message.startswith("rdzv_conf user='trainer' is invalid: its password would go over plain http to "
+                              "etcd2:2379: use protocol=https") and "plaintext_credentials=1" in message
+    assert "hunter2" not in message
+
+
+def test_plain_http_credentials_need_a_loopback_endpoint_or_an_explicit_choice(files, caplog) -> None:
+    credentials = {"user": "trainer", "password_file": files["password"]}
+    with caplog.at_level(logging.WARNING):
+        assert EtcdV3Options.from_params(params("localhost:2379,[::1]:2379", **credentials)).user == "trainer"
+        assert EtcdV3Options.from_params(params("etcd2", plaintext_credentials="1", **credentials)).user == "trainer"
+    assert caplog.text.count("goes over plain http (protocol=https keeps it private)") == 2
+    with pytest.raises(ValueError, match="plaintext_credentials='maybe' is invalid: expected 1 or 0"):
+        EtcdV3Options.from_params(params("etcd2", plaintext_credentials="maybe", **credentials))
 
 
 def test_bad_endpoint_is_named() -> None:

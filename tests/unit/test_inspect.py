@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from elastic_ddp.snapshot.store import CheckpointStore, snapshot_file_name
+from elastic_ddp.snapshot.store import CheckpointStore
 from elastic_ddp.tools import cli
 from elastic_ddp.tools.inspection import inspect_checkpoints
 from tests.support.snapshots import snapshot_bytes as make_snapshot_bytes
@@ -29,6 +29,11 @@ def good_dir(tmp_path):
     for step in (10, 20, 30):
         store.write(step, step // 10, step * 8, snapshot_bytes(step))
     return directory
+
+
+def file_of(directory, step: int):
+    [entry] = [e for e in CheckpointStore(directory).manifest_entries() if e.global_step == step]
+    return directory / entry.file
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -55,26 +60,26 @@ def test_a_good_directory_lists_every_snapshot_as_valid(good_dir, capsys):
 
 
 def test_a_corrupt_newest_snapshot_is_flagged_and_the_previous_one_is_used(good_dir, capsys):
-    flip_a_byte(good_dir / snapshot_file_name(30))
+    flip_a_byte(file_of(good_dir, 30))
     code, out, _ = run_cli(capsys, "inspect", str(good_dir))
     assert code == 0
     bad = next(line for line in out.splitlines() if line.split()[:1] == ["30"])
-    assert "BAD:" in bad and "does not match the manifest" in bad
+    assert "BAD:" in bad and "(corrupt)" in bad
     assert "newest valid: step 20" in out
 
 
 def test_a_truncated_snapshot_is_flagged(good_dir, capsys):
-    path = good_dir / snapshot_file_name(20)
+    path = file_of(good_dir, 20)
     path.write_bytes(path.read_bytes()[:100])
     code, out, _ = run_cli(capsys, "inspect", str(good_dir), "--checksum-only")
     assert code == 0
-    assert "100 bytes, the manifest says" in out
+    assert "100 bytes, the index says" in out
     assert "ok (checksum)" in out
 
 
 def test_a_directory_with_no_valid_snapshot_exits_1(good_dir, capsys):
     for step in (10, 20, 30):
-        flip_a_byte(good_dir / snapshot_file_name(step))
+        flip_a_byte(file_of(good_dir, step))
     code, out, _ = run_cli(capsys, "inspect", str(good_dir))
     assert code == 1
     assert out.count("BAD:") == 3
@@ -83,29 +88,28 @@ def test_a_directory_with_no_valid_snapshot_exits_1(good_dir, capsys):
 
 def test_a_file_that_verifies_but_does_not_load_safely_is_bad_unless_only_checksums_are_asked(tmp_path, capsys):
     store = CheckpointStore(tmp_path, keep_last=2)
-    store.write(5, 0, 40, b"not a torch file")
+    store.write(5, 0, 40, b"not a torch file")  # listed with its sha256, as a format-1 file would be
     code, out, _ = run_cli(capsys, "inspect", str(tmp_path))
-    assert code == 1 and "cannot be loaded safely with weights_only=True" in out
+    assert code == 1 and "not an elastic_ddp snapshot (neither format 1 nor 2)" in out
     code, out, _ = run_cli(capsys, "inspect", str(tmp_path), "--checksum-only")
     assert code == 0 and "ok (checksum)" in out
 
 
-def test_an_unreadable_manifest_means_no_valid_snapshot(good_dir, capsys):
+def test_an_unreadable_manifest_is_rebuilt_from_the_files(good_dir, capsys):
     (good_dir / "manifest.json").write_text("{ torn")
     code, out, err = run_cli(capsys, "inspect", str(good_dir))
-    assert code == 1
-    assert "lists no snapshot, or cannot be read" in out
-    # The files are still there; inspect says that restores will not use them.
-    assert "snapshot-000000030.pt: not in the manifest" in out
+    assert code == 0
+    assert "manifest.json cannot be used (see the message above): the snapshots below are indexed" in out
+    assert "3 of 3 snapshots valid; newest valid: step 30" in out
 
 
 def test_leftovers_of_interrupted_writes_are_shown(good_dir, capsys):
-    (good_dir / ".snapshot-000000040.pt.tmp-1234").write_bytes(b"partial")
-    (good_dir / snapshot_file_name(50)).write_bytes(snapshot_bytes(50))  # written, manifest never updated
+    (good_dir / ".snapshot-000000040-00c0ffee.pt.tmp-1234").write_bytes(b"partial")
+    (good_dir / "snapshot-000000050-0badf00d.pt").write_bytes(snapshot_bytes(50))  # manifest never updated
     code, out, _ = run_cli(capsys, "inspect", str(good_dir))
     assert code == 0
-    assert ".snapshot-000000040.pt.tmp-1234: temporary file of an interrupted write" in out
-    assert "snapshot-000000050.pt: not in the manifest" in out
+    assert ".snapshot-000000040-00c0ffee.pt.tmp-1234: temporary file of an interrupted write" in out
+    assert "snapshot-000000050-0badf00d.pt: not in the index" in out
     assert "newest valid: step 30" in out
 
 
@@ -141,7 +145,7 @@ def test_missing_and_foreign_paths_exit_2_with_one_line(tmp_path, capsys, make, 
 
 
 def test_json_output_carries_the_same_verdicts(good_dir, capsys):
-    flip_a_byte(good_dir / snapshot_file_name(30))
+    flip_a_byte(file_of(good_dir, 30))
     code, out, _ = run_cli(capsys, "inspect", str(good_dir), "--json")
     document = json.loads(out)
     assert code == 0

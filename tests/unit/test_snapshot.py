@@ -10,36 +10,24 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.config import TrainingConfig
-from elastic_ddp.data import SyntheticImageDataset
-from elastic_ddp.models import build_model
 from elastic_ddp.runlog.history import read_events
+from elastic_ddp.snapshot.container import TRAILER_BYTES, verify
 from elastic_ddp.snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from elastic_ddp.snapshot.format import check_compatible, snapshot_from_bytes
 from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.store import CheckpointStore
-from elastic_ddp.trainer import Trainer
 from tests.support.snapshots import make_snapshot
-
-
-def small_config(tmp_path, **overrides) -> TrainingConfig:
-    settings = dict(epochs=2, dataset_size=96, global_batch_size=16, micro_batch_size=8, model="mlp",
-                    checkpoint_dir=str(tmp_path / "ck"), snapshot_every_steps=4, log_interval=100, device="cpu")
-    settings.update(overrides)
-    return TrainingConfig(**settings)
-
-
-def make_trainer(config: TrainingConfig, **kwargs) -> Trainer:
-    return Trainer(model=build_model(config.model, config.seed),
-                   dataset=SyntheticImageDataset(config.dataset_size, config.seed), config=config, **kwargs)
+from tests.support.training import make_trainer, small_config
 
 
 def test_a_trained_snapshot_loads_with_weights_only(tmp_path):
     config = small_config(tmp_path)
     make_trainer(config).fit()
     entry, data = CheckpointStore(config.checkpoint_dir).latest_valid()
-    payload = torch.load(io.BytesIO(data), weights_only=True)
-    assert payload["global_step"] == config.epochs * config.steps_per_epoch == entry.global_step
+    seal = verify(data, entry.file)  # a self-describing file: its own checksum matches
+    payload = torch.load(io.BytesIO(data[seal.payload_start:-TRAILER_BYTES]), weights_only=True)
+    assert payload["states"]["progress"]["global_step"] == config.epochs * config.steps_per_epoch
+    assert seal.header.global_step == entry.global_step == config.epochs * config.steps_per_epoch
     public = load_snapshot(config.checkpoint_dir)
     assert {"model", "epoch", "global_step", "samples_consumed"} <= public.keys()
     assert public["epoch"] == config.epochs and public["samples_consumed"] == 0
@@ -71,7 +59,7 @@ def test_a_checksummed_but_unsafe_snapshot_is_skipped_for_the_previous_one(tmp_p
 def test_a_snapshot_from_another_model_is_refused_with_the_file_and_the_difference(tmp_path):
     make_trainer(small_config(tmp_path, model="mlp", epochs=1)).fit()
     other = make_trainer(small_config(tmp_path, model="mini_resnet", epochs=2))
-    newest = tmp_path / "ck" / "snapshot-000000006.pt"
+    newest = rf"{tmp_path / 'ck'}/snapshot-000000006-[0-9a-f]{{8}}\.pt"
     with pytest.raises(IncompatibleSnapshotError, match=rf"{newest} was written by an incompatible run \(model: "):
         other.fit()
     assert load_snapshot(tmp_path / "ck")["epoch"] == 1, "the refused snapshot must stay"
@@ -84,15 +72,15 @@ def test_a_foreign_snapshot_newer_than_ours_is_skipped_for_our_previous_one(tmp_
     foreign = small_config(tmp_path / "other", epochs=2, seed=1)
     make_trainer(foreign).fit()
     _, foreign_bytes = CheckpointStore(foreign.checkpoint_dir).latest_valid()
-    CheckpointStore(config.checkpoint_dir).write(9, epoch=1, samples_consumed=48, data=foreign_bytes)
+    foreign_entry = CheckpointStore(config.checkpoint_dir).write(12, epoch=2, samples_consumed=0, data=foreign_bytes)
 
     trainer = make_trainer(config)
     trainer.fit()
-    foreign_file = tmp_path / "ck" / "snapshot-000000009.pt"
+    foreign_file = tmp_path / "ck" / foreign_entry.file
     assert f"skipping snapshot: {foreign_file} was written by an incompatible run (seed: snapshot has 1, " \
            "this run has 0)" in caplog.text
     restores = [e for e in read_events(tmp_path / "ck" / "events.jsonl") if e["event"] == "restore"]
-    assert restores[-1]["global_step"] == 6 and restores[-1]["file"] == "snapshot-000000006.pt"
+    assert restores[-1]["global_step"] == 6 and restores[-1]["file"].startswith("snapshot-000000006-")
     assert trainer.global_step == config.epochs * config.steps_per_epoch
 
 

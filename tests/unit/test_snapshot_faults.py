@@ -15,7 +15,7 @@ import torch
 from elastic_ddp import load_snapshot
 from elastic_ddp.runlog.history import read_events
 from elastic_ddp.snapshot.storage import LocalDirectoryStorage
-from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore, snapshot_file_name
+from elastic_ddp.snapshot.store import SNAPSHOT_PATTERN, CheckpointStore
 from elastic_ddp.snapshot.writer import SnapshotWriter
 from tests.support.disk import run_through_a_full_disk
 from tests.support.snapshots import make_snapshot
@@ -77,6 +77,40 @@ def test_a_snapshot_point_during_a_write_waits_for_it_and_skips_nothing(tmp_path
     assert load_snapshot(tmp_path)["model"]["w"][0].item() == 2.0  # step 2's copy, not step 1's
 
 
+def test_hung_storage_skips_a_snapshot_point_instead_of_blocking_training_and_close_is_bounded(tmp_path, caplog):
+    storage = GatedStorage(tmp_path)  # a hard NFS mount that stopped answering: the gate never opens
+    failures: list[tuple[int, str]] = []
+    writer = SnapshotWriter(CheckpointStore(storage), on_failed=lambda step, why: failures.append((step, why)),
+                            write_timeout_s=0.5)
+    writer.submit(lambda staging: tiny_snapshot(1, staging))
+    assert storage.writing.wait(timeout=30)
+    captured: list[int] = []
+    blocked = writer.submit(lambda staging: captured.append(2) or tiny_snapshot(2, staging))
+    assert 0.5 <= blocked < 10 and captured == []
+    assert failures == [(1, "the write of step 1 is still running after 0 s (storage hung?); this snapshot "
+                            "point is skipped")]
+    assert writer.close(timeout=0.2) is False and "still running after 0 s (storage hung?)" in caplog.text
+    storage.gate.set()  # (lets the daemon thread end)
+
+
+def test_a_diverged_state_is_never_saved_and_the_last_finite_snapshot_stays(tmp_path, caplog):
+    config = small_config(tmp_path, epochs=2, keep_last=2)  # snapshots at 4, 6 (epoch end), 8, 12
+
+    def diverge(trainer):
+        if trainer.global_step == 7:
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("nan"))
+
+    trainer = make_trainer(config, after_step=diverge)
+    trainer.fit()
+    failed = snapshot_events(config, "snapshot_failed")
+    assert [e["global_step"] for e in failed] == [8, 12]
+    assert "non-finite values (NaN or infinity) in model.net.1.weight" in failed[0]["error"]
+    assert "the run has diverged" in caplog.text
+    assert [e.global_step for e in CheckpointStore(config.checkpoint_dir).manifest_entries()] == [4, 6]
+    assert load_snapshot(config.checkpoint_dir)["global_step"] == 6
+
+
 def test_a_synchronous_writer_returns_only_when_the_snapshot_is_durable(tmp_path):
     writer = SnapshotWriter(CheckpointStore(tmp_path), asynchronous=False)
     writer.submit(lambda staging: tiny_snapshot(7, staging))
@@ -128,7 +162,7 @@ def test_a_write_that_keeps_failing_is_reported_and_training_goes_on(tmp_path, m
     assert trainer.global_step == 12 and trainer.snapshots.writer.failed_writes == 1
     [failed] = snapshot_events(config, "snapshot_failed")
     assert failed["global_step"] == 8 and "Input/output error" in failed["error"]
-    assert "SNAPSHOT NOT SAVED (step 8)" in caplog.text and "previous snapshots are intact" in caplog.text
+    assert "SNAPSHOT NOT SAVED (step 8)" in caplog.text and "listed snapshots are intact" in caplog.text
     assert [e.global_step for e in CheckpointStore(config.checkpoint_dir).manifest_entries()] == [4, 6, 12]
     assert load_snapshot(config.checkpoint_dir)["global_step"] == 12
 
@@ -150,4 +184,5 @@ def test_a_full_disk_injected(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(os, "fsync", fsync)
     run_through_a_full_disk(config, full.set, full.clear, caplog)
-    assert (tmp_path / "ck" / MANIFEST_NAME).exists() and (tmp_path / "ck" / snapshot_file_name(30)).exists()
+    newest = CheckpointStore(tmp_path / "ck").manifest_entries()[-1]
+    assert newest.global_step == 30 and (tmp_path / "ck" / newest.file).exists()

@@ -14,7 +14,8 @@ import pytest
 from elastic_ddp import load_snapshot
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.snapshot.storage import FsspecStorage, LocalDirectoryStorage, open_storage
-from elastic_ddp.snapshot.store import MANIFEST_NAME, CheckpointStore, SnapshotWriteError, snapshot_file_name
+from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore, SnapshotWriteError
+from tests.support.snapshots import snapshot_bytes
 from tests.support.training import Crash, crash_at, make_trainer, small_config
 
 
@@ -35,7 +36,7 @@ def fsspec_storage(request, memory_url, tmp_path) -> FsspecStorage:
 
 
 def write(store: CheckpointStore, step: int) -> bytes:
-    data = f"snapshot of step {step}".encode() * 1000
+    data = snapshot_bytes(step)
     store.write(step, epoch=0, samples_consumed=step, data=data)
     return data
 
@@ -70,9 +71,10 @@ def test_snapshots_are_written_with_one_put_each_and_no_temporary_objects(fsspec
     store = CheckpointStore(fsspec_storage, keep_last=2)
     for step in (1, 2, 3):
         newest = write(store, step)
-    assert puts == [snapshot_file_name(1), MANIFEST_NAME, snapshot_file_name(2), MANIFEST_NAME,
-                    snapshot_file_name(3), MANIFEST_NAME]
-    assert sorted(fsspec_storage.list_names()) == [MANIFEST_NAME, snapshot_file_name(2), snapshot_file_name(3)]
+    assert [SNAPSHOT_PATTERN.sub(r"snapshot-\1", name) for name in puts] == [
+        "snapshot-000000001", MANIFEST_NAME, "snapshot-000000002", MANIFEST_NAME, "snapshot-000000003", MANIFEST_NAME]
+    listed = [entry.file for entry in store.manifest_entries()]
+    assert sorted(fsspec_storage.list_names()) == sorted([MANIFEST_NAME, *listed]) and listed == puts[2::2]
     entry, data = store.latest_valid()
     assert (entry.global_step, data) == (3, newest)
 
@@ -81,9 +83,10 @@ def test_a_corrupt_object_is_skipped_for_the_previous_one(fsspec_storage, caplog
     store = CheckpointStore(fsspec_storage, keep_last=3)
     previous = write(store, 1)
     write(store, 2)
-    fsspec_storage.fs.pipe_file(fsspec_storage._path(snapshot_file_name(2)), b"bit rot")
+    damaged = store.manifest_entries()[-1].file
+    fsspec_storage.fs.pipe_file(fsspec_storage._path(damaged), b"bit rot")
     assert store.latest_valid() == (store.manifest_entries()[0], previous)
-    assert f"{fsspec_storage.describe(snapshot_file_name(2))}: 7 bytes, the manifest says" in caplog.text
+    assert f"{fsspec_storage.describe(damaged)}: 7 bytes, the index says" in caplog.text
 
 
 def test_a_failed_manifest_put_leaves_the_previous_state_and_no_orphan(fsspec_storage, monkeypatch):
@@ -97,11 +100,11 @@ def test_a_failed_manifest_put_leaves_the_previous_state_and_no_orphan(fsspec_st
         return original(path, data, **kwargs)
 
     monkeypatch.setattr(fsspec_storage.fs, "pipe_file", pipe_file)
-    with pytest.raises(SnapshotWriteError, match="Access Denied.*previous snapshots are intact"):
+    with pytest.raises(SnapshotWriteError, match="Access Denied.*listed snapshots are intact"):
         write(store, 2)
     monkeypatch.undo()
     assert store.latest_valid()[1] == good
-    assert snapshot_file_name(2) not in fsspec_storage.list_names()
+    assert not [name for name in fsspec_storage.list_names() if name.startswith("snapshot-000000002")]
 
 
 def test_training_resumes_from_an_object_store_url(tmp_path, memory_url):
