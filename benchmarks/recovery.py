@@ -1,4 +1,5 @@
-"""Recovery speed: from a lost node to training again, and from a new node to training with it.
+"""Recovery: from a lost node to training again, and from a new node to training with it; in
+seconds, and in committed steps redone.
 
     python benchmarks/recovery.py --quick            # one kill and one join per setting (about 4 min)
     python benchmarks/recovery.py --repeats 3        # medians and spread (about 12 min)
@@ -10,14 +11,23 @@ for the first optimizer step of the group that continues without it, then starts
 waits for the first step of the group that includes it (world 2 -> 3, below --nnodes' maximum of
 4, so torchrun's last-call wait applies, as it does on a real cluster that is not full).
 
-Three settings are measured in the same run, interleaved, on the same machine:
+Four settings are measured in the same run, interleaved, on the same machine:
 - `ours`: what launch/node.sh ships: `python -m elastic_ddp.launcher` (torchrun with workers forked
-  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults;
-- `ours-cold`: the same rendezvous settings with plain torchrun (`python -m torch.distributed.run`),
-  to separate what the settings and what the warm workers contribute;
-- `stock`: plain torchrun with its defaults (no --rdzv_conf, --monitor_interval 0.1).
-All use the same training (`elastic_ddp.train`) and environment (`AGENT_ENV`: one thread per
-worker, the agent-shared store off), so the differences are the launch settings alone.
+  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults,
+  memory copies on (the default);
+- `ours-cold`: the same with plain torchrun (`python -m torch.distributed.run`), to separate what
+  the settings and what the warm workers contribute;
+- `stock`: plain torchrun with its defaults (no --rdzv_conf, --monitor_interval 0.1), and the
+  trainer with snapshot files alone (`--no-memory_copies`): periodic checkpoints every 20 steps;
+- `tutorial`: the same, with a snapshot at each epoch end only (`--snapshot_every_steps 0`), as the
+  PyTorch fault-tolerance tutorial saves (its script itself also loses the optimizer state and
+  tears its snapshot when killed mid-write; findings.md).
+All use the same training (`elastic_ddp.train`, 64 steps per epoch) and environment (`AGENT_ENV`:
+one thread per worker, the agent-shared store off), so the differences are the launch settings
+and the snapshot flags above.
+
+Lost steps are the `restore` event's `lost_steps`: committed steps of the group before that the
+resumed group redoes.
 
 Times are taken from the event log (`step` and `startup` events: wall-clock seconds) and the
 agents' logs (LOGLEVEL=INFO), and split into phases: the agents notice the failure, the
@@ -50,17 +60,27 @@ from elastic_ddp.chaos.cluster import (
     LocalJob,
     LocalNode,
 )
+from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.history import EventFollower, WorkerGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
     "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
     "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
+    "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
+}
+# Training flags of a setting beyond TRAINING_ARGS (see the module docstring).
+SNAPSHOT_FLAGS: dict[str, list[str]] = {
+    "stock": ["--no-memory_copies"],
+    "tutorial": ["--no-memory_copies", "--snapshot_every_steps", "0"],
 }
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
                  "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
                  "--log_interval", "100"]
 NODES = 3
+STEPS_PER_EPOCH = 4096 // 64
+# The kill lands mid-epoch, after the first epoch's snapshot: no setting restarts from scratch.
+KILL_AFTER_STEP = STEPS_PER_EPOCH + 30
 # glog-style lines of torchrun's loggers: "I1121 19:27:26.876000 15122 path.py:123] message"
 AGENT_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] (.*)$")
 PHASES = ("imports", "process_group", "built", "restored", "first_step")
@@ -96,7 +116,7 @@ def _wait_for_group(events: EventFollower, after: float, predicate, timeout: flo
 
 def _phases(group: WorkerGroup, events: EventFollower, origin: float) -> dict[str, float]:
     """Seconds from `origin` to the new worker process's start and to each start-up mark."""
-    startup = next((e for e in events.of_kind("startup") if e["incarnation"] == group.incarnation), None)
+    startup = next((e for e in events.of_kind(schema.STARTUP) if e["incarnation"] == group.incarnation), None)
     if startup is None:
         return {}
     phases = {"worker_process_started": round(startup["process_started"] - origin, 2)}
@@ -114,20 +134,21 @@ def with_keep_alive_max_attempt(attempts: int) -> dict[str, Any]:
 
 def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str, Any]:
     """One kill and one join under `setting`; seconds and their phases."""
-    job = LocalJob(run_dir, TRAINING_ARGS, nnodes="1:4", run_id=f"recovery-{setting}",
-                   agent_env={**AGENT_ENV, "LOGLEVEL": "INFO"}, **SETTINGS[setting])
+    job = LocalJob(run_dir, [*TRAINING_ARGS, *SNAPSHOT_FLAGS.get(setting, [])], nnodes="1:4",
+                   run_id=f"recovery-{setting}", agent_env={**AGENT_ENV, "LOGLEVEL": "INFO"}, **SETTINGS[setting])
     events = EventFollower(job.event_log)
     try:
         for index in range(NODES):
             job.add_node(f"node{index}")
         _wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
-        job.wait_for_step(events.newest_step() + 30, timeout)
+        job.wait_for_step(max(events.newest_step() + 30, KILL_AFTER_STEP), timeout)
 
         killed_at = time.time()
         job.nodes[-1].kill()
         resumed = _wait_for_group(events, killed_at, lambda g: True, timeout, "training after the kill")
         survivor = agent_log(job.nodes[0])
         kill = {"seconds": round(resumed.first_step["time"] - killed_at, 2),
+                "lost_steps": _lost_steps(resumed, events),
                 "agent_noticed": _since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
                 "rendezvous_complete": _since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
                 **_phases(resumed, events, killed_at)}
@@ -139,12 +160,23 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                                 "training with the new node")
         joiner_log = agent_log(joiner)
         join = {"seconds": round(grown.first_step["time"] - joined_at, 2),
+                "lost_steps": _lost_steps(grown, events),
                 "joiner_waiting": _since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
                 "rendezvous_complete": _since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
                 **_phases(grown, events, joined_at)}
         return {"setting": setting, "kill": kill, "join": join}
     finally:
         job.stop()
+
+
+def _lost_steps(group: WorkerGroup, events: EventFollower) -> int | None:
+    """The `lost_steps` of the restore that started `group`; without one (a start from scratch),
+    every step the run had committed: the step `group` began with, less one."""
+    restore = next((e for e in events.of_kind(schema.RESTORE) if e["incarnation"] == group.incarnation), None)
+    if restore is not None:
+        return restore["lost_steps"]
+    previous = [g for g in events.groups.values() if g.started < group.started and g.newest_step is not None]
+    return max(g.newest_step["global_step"] for g in previous) if previous else None
 
 
 def _since(moment: float | None, origin: float) -> float | None:
@@ -159,8 +191,9 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
         for setting in settings:
             record = measure_once(setting, run_root / f"{setting}-{repeat}")
             records.append(record)
-            print(f"{setting} #{repeat + 1}: kill -> training {record['kill']['seconds']:.1f} s, "
-                  f"join -> training {record['join']['seconds']:.1f} s", file=sys.stderr, flush=True)
+            print(f"{setting} #{repeat + 1}: kill -> training {record['kill']['seconds']:.1f} s "
+                  f"({record['kill']['lost_steps']} steps lost), join -> training {record['join']['seconds']:.1f} s "
+                  f"({record['join']['lost_steps']} lost)", file=sys.stderr, flush=True)
     return records
 
 

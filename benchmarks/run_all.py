@@ -13,7 +13,8 @@ Sections (each module's docstring says exactly what it measures and how):
 - snapshot            `benchmarks.snapshot_sweep` (10 MB, 100 MB, 1 GB against a synchronous save
   and the disk's own bandwidth) and `benchmarks.snapshot_cost` (slowdown of snapshots every 50 steps).
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new
-  node to its first step, with the shipped launch settings against stock torchrun's.
+  node to its first step, with the shipped launch settings against stock torchrun's; and the
+  committed steps each redoes, against periodic snapshots alone and the tutorial's per-epoch one.
 
 Each cell is `median [min..max]` over the repetitions; the ratio is elastic_ddp over the baseline
 (per repetition when the two were measured in pairs). The table is preceded by a description of
@@ -40,7 +41,7 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py`: make the reposi
 from benchmarks.table import Row, render_markdown  # noqa: E402
 
 SECTIONS = ("throughput", "data_path", "snapshot", "recovery")
-RECOVERY_SETTINGS = ("ours", "stock")
+RECOVERY_SETTINGS = ("ours", "stock", "tutorial")
 # One cadence run of benchmarks.snapshot_cost in --quick (its own default is the full one).
 QUICK_CADENCE = {"hidden": 512, "warmup": 2, "steps": 40, "every": 20, "repetitions": 1}
 
@@ -103,13 +104,23 @@ def run_recovery(quick: bool, repetitions: int | None, work_dir: Path, progress:
 def recovery_rows(records: list[dict]) -> list[Row]:
     """Rows from `benchmarks.recovery.measure` records: ours against stock, paired per round."""
     rows = []
+    note = "3 torchrun agents of 1 worker on 127.0.0.1, MLP, 64 steps per epoch"
     titles = {"kill": ("SIGKILL of 1 of 3 nodes -> first step without it, s", "< 5"),
               "join": ("new node started -> first step with it (world 2 -> 3), s", "< 8")}
+
+    def of(setting: str, event: str, key: str) -> list[float]:
+        return [r[event][key] for r in records if r["setting"] == setting and r[event].get(key) is not None]
+
     for event, (figure, target) in titles.items():
-        ours = [r[event]["seconds"] for r in records if r["setting"] == "ours"]
-        stock = [r[event]["seconds"] for r in records if r["setting"] == "stock"]
-        rows.append(Row("recovery", figure, ours, stock, "stock torchrun settings", target=target,
-                        target_on="elastic", note="3 torchrun agents of 1 worker on 127.0.0.1, MLP"))
+        rows.append(Row("recovery", figure, of("ours", event, "seconds"), of("stock", event, "seconds"),
+                        "stock torchrun settings", target=target, target_on="elastic", note=note))
+    for event, what in (("kill", "a SIGKILL of 1 of 3 nodes"), ("join", "a join")):
+        for baseline, name in (("stock", "stock torchrun, a snapshot every 20 steps"),
+                               ("tutorial", "stock torchrun, a snapshot per epoch (tutorial)")):
+            ours, theirs = of("ours", event, "lost_steps"), of(baseline, event, "lost_steps")
+            if ours and theirs:
+                rows.append(Row("recovery", f"committed steps redone after {what}", ours, theirs, name,
+                                target="<= 1", target_on="elastic", note=note))
     return rows
 
 

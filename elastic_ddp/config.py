@@ -63,6 +63,13 @@ class TrainingConfig:
         "waits for every durable write).", default=True)
     snapshot_every_steps: int = _help("Snapshot every N optimizer steps; 0: only at epoch ends.", default=50)
     keep_last: int = _help("Snapshots kept on disk (at least 2, so a good one survives a torn write).", default=3)
+    memory_copies: bool = _help(
+        "When a worker group stops (a peer failed, torchrun re-forms the group), every rank keeps the state of its "
+        "last committed step in node-local memory, and the restart resumes from it: a failure costs no "
+        "committed step (docs/failure-semantics.md).", default=True)
+    memory_dir: str = _help(
+        "Node-local directory for those copies; it should be in memory (tmpfs). A copy takes as much room as "
+        "the state.", default="/dev/shm")
     snapshot_timeout_s: float = _help(
         "Seconds a snapshot write may take before the run stops waiting for it (hung storage): the next "
         "snapshot point is skipped and reported, and the end of training waits no longer.", default=600.0)
@@ -122,6 +129,8 @@ class TrainingConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
         _check_checkpoint_dir(self.checkpoint_dir)
+        if self.memory_copies and not self.memory_dir:
+            raise ValueError("--memory_dir: got an empty path; expected a directory (or --no-memory_copies)")
 
     @property
     def steps_per_epoch(self) -> int:

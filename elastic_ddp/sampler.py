@@ -75,12 +75,22 @@ class StepPlan:
     """What one rank does in one optimizer step."""
 
     epoch: int
-    global_samples: int  # samples in the whole global batch (the loss is averaged over these)
+    global_batch: list[int]  # the whole step's dataset indices, over every rank
     micro_batches: list[list[int]]  # this rank's dataset indices, one list per forward pass
+
+    @property
+    def global_samples(self) -> int:
+        """Samples in the whole global batch (the loss is averaged over these)."""
+        return len(self.global_batch)
 
     @property
     def rank_samples(self) -> list[int]:
         return [index for batch in self.micro_batches for index in batch]
+
+    def samples_of(self, rank: int, world_size: int) -> list[int]:
+        """Rank `rank`'s share of this step in a world of `world_size` (every rank can compute it)."""
+        start, stop = even_split(len(self.global_batch), world_size, rank)
+        return self.global_batch[start:stop]
 
 
 class ElasticSampler:
@@ -141,7 +151,7 @@ class ElasticSampler:
             share_start, share_stop = even_split(len(global_batch), world_size, rank)
             plans.append(StepPlan(
                 epoch=self.epoch,
-                global_samples=len(global_batch),
+                global_batch=global_batch,
                 micro_batches=micro_batches(global_batch[share_start:share_stop], micro_batch_size),
             ))
         return plans

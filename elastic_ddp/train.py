@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
             trainer.fit()
         except DrainRequested as exc:
             # Never exit 0 here: torchrun closes the rendezvous for every node when a group exits 0.
-            logging.getLogger(__name__).warning("%s; exiting with %d so that torchrun restarts the group "
-                                                "without the drained node", exc, DRAIN_EXIT_CODE)
+            logging.getLogger(__name__).info("%s; exiting with %d (not 0, which would end the job)", exc,
+                                             DRAIN_EXIT_CODE)
             return DRAIN_EXIT_CODE
     return 0
 

@@ -17,6 +17,10 @@ Contracts:
   snapshot it triggered; an exception from it ends `fit()` as a crash would.
 - SIGTERM (torchrun forwards it when its node is drained) makes every rank stop at a step boundary
   after a final durable snapshot; `fit()` then raises `DrainRequested` (see elastic_ddp/drain.py).
+- When training stops early by any exception (a peer died and a collective failed, a drain), each
+  rank keeps the state of its last committed step in node memory before `fit()` re-raises, and
+  the next worker group resumes from it (elastic_ddp/snapshot/memory.py). A step is committed once
+  its optimizer step and bookkeeping are applied whole (`TrainingState.updating`).
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
@@ -90,6 +94,7 @@ class Trainer:
         self.log_prefix = log_prefix
         self.drain = DrainSignal(self.context.device)
         self._empty_batch: list[torch.Tensor] | None = None
+        self._last_plan: StepPlan | None = None  # of the last step committed in this fit()
         self.run_log: RunLog | None = None  # what this fit() reports, and
         self.snapshots: SnapshotSession | None = None  # its snapshots (both set during fit())
 
@@ -117,11 +122,12 @@ class Trainer:
             snapshots.start()
             log.restored(snapshots.restore(self.state))
             self._wrap_model()
-            with self.drain.catching_sigterm():
+            with self.drain.catching_sigterm(), self._keeping_state_if_stopped():
                 self._train_remaining_epochs()
                 self.drain.finish()
             snapshots.finish()
             log.finished(self.global_step, time.monotonic() - started)
+            snapshots.forget_memory_copies()
         self.drain.redeliver_unused()
 
     @contextlib.contextmanager
@@ -138,6 +144,18 @@ class Trainer:
                 self.snapshots.close()
         finally:
             self.run_log.close()
+
+    @contextlib.contextmanager
+    def _keeping_state_if_stopped(self) -> Iterator[None]:
+        """Whatever stops training early, keep its last committed step: in this node's memory, and
+        in the audit log for the ranks that may not have written it (docs/failure-semantics.md)."""
+        try:
+            yield
+        except BaseException as exc:
+            reason = "drain" if isinstance(exc, DrainRequested) else f"{type(exc).__name__}: {exc}"[:300]
+            self.run_log.stopped_early(self.global_step, self._last_plan, reason)
+            self.snapshots.keep_in_memory(self.state, reason)
+            raise
 
     def _wrap_model(self) -> None:
         if self._distributed:
@@ -164,16 +182,16 @@ class Trainer:
         self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
         for plan in plans:
             step_started = time.monotonic()
-            loss_sum = self._train_step(plan, batches)
+            loss_sum = self._forward_backward(plan, batches)
+            self._commit(plan)
             window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
-            sampler.advance(plan.global_samples)
-            self.state.progress.global_step += 1
             self._after_step(plan, window)
             if self.config.min_step_time_s:
                 time.sleep(max(0.0, self.config.min_step_time_s - (time.monotonic() - step_started)))
 
-    def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
-        """Forward/backward every micro-batch of `plan` (gradients synchronised on the last), step."""
+    def _forward_backward(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
+        """Forward/backward every micro-batch of `plan`, gradients synchronised on the last; the
+        summed loss. Changes no state: a failure here leaves the last committed step intact."""
         loss_sum = torch.zeros((), device=self.context.device)
         # DDP averages gradients over ranks; scale so the result is the mean over the global batch.
         loss_scale = self.context.world_size / plan.global_samples
@@ -189,11 +207,19 @@ class Trainer:
                 loss = losses.float().sum()
                 scaler.scale(loss * loss_scale).backward()
             loss_sum += loss.detach()
-        scaler.step(self.state.optimizer)
-        scaler.update()
-        self.state.optimizer.zero_grad(set_to_none=True)
-        self.state.scheduler.step()
         return loss_sum
+
+    def _commit(self, plan: StepPlan) -> None:
+        """Apply the step whole: optimizer, scaler, schedule, data position and step count."""
+        scaler, state = self.state.grad_scaler.scaler, self.state
+        with state.updating():
+            scaler.step(state.optimizer)
+            scaler.update()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.scheduler.step()
+            state.sampler.advance(plan.global_samples)
+            state.progress.global_step += 1
+            self._last_plan = plan
 
     def _to_device(self, batch: Any) -> Any:
         non_blocking = self.context.device.type == "cuda"
@@ -226,9 +252,10 @@ class Trainer:
         """If any rank got SIGTERM, stop every rank here: final snapshot, then DrainRequested."""
         if not self.drain.agreed() or self.state.sampler.epoch >= self.config.epochs:
             return  # (a run whose last step is done simply finishes)
+        self.snapshots.keep_in_memory(self.state, "drain")  # first: fast, and kept if SIGKILL comes early
         if self.snapshots.last_saved_step != self.global_step:
             self.snapshots.save(self.state)
         self.drain.finish()
         durable = self.snapshots.finish()  # a drained rank 0 takes its disk along: replicate first
         self.run_log.drained(self.global_step, durable, self.drain.seconds_since_request())
-        raise DrainRequested(f"drained at step {self.global_step}")
+        raise DrainRequested(f"stopped on SIGTERM at step {self.global_step}")

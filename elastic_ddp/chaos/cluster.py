@@ -206,6 +206,9 @@ class LocalJob:
     With `per_node_checkpoint_dirs`, each node gets its own `--checkpoint_dir` (`<name>-ck/`), as
     separate machines with local disks would (same flag, different disks); the event log, which
     is the harness's view of the run and not recovery state, then goes to `run_dir/events.jsonl`.
+
+    Every node gets its own `--memory_dir` (`<name>-memory/`): separate machines have separate
+    memory, and a lost node's memory copies must not be found by the others on this one machine.
     """
 
     def __init__(self, run_dir: Path, training_args: Sequence[str], *, nnodes: str = "1:4",
@@ -240,6 +243,7 @@ class LocalJob:
         command = self.command
         if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
             command = [*command, "--checkpoint_dir", str(self.node_checkpoint_dir(name))]
+        command = [*command, "--memory_dir", str(self.node_memory_dir(name))]
         node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
                          cwd=self.run_dir, agent_env=self.agent_env).start()
         self.nodes.append(node)
@@ -253,6 +257,10 @@ class LocalJob:
         """The `--checkpoint_dir` of node `name`."""
         return self.run_dir / f"{name}-ck" if self.per_node_checkpoint_dirs else self.checkpoint_dir
 
+    def node_memory_dir(self, name: str) -> Path:
+        """The `--memory_dir` of node `name` (its "node-local memory")."""
+        return self.run_dir / f"{name}-memory"
+
     def events(self, kind: str | None = None) -> list[dict]:
         events = read_events(self.event_log)
         return [e for e in events if kind is None or e["event"] == kind]
@@ -263,7 +271,7 @@ class LocalJob:
 
     def wait_for_step(self, step: int, timeout: float) -> None:
         wait_for(lambda: self.last_step() >= step, timeout, f"global step {step} in {self.event_log}", 0.05,
-                 still_possible=self._why_ended)
+                 still_possible=self.why_ended)
 
     def wait_for_event(self, predicate: Callable[[dict], bool], timeout: float, what: str) -> dict:
         """The newest event that satisfies `predicate`, once there is one. Fails at once (JobEnded)
@@ -274,10 +282,10 @@ class LocalJob:
             found[:] = [e for e in self.events() if predicate(e)]
             return bool(found)
 
-        wait_for(seen, timeout, what, still_possible=self._why_ended)
+        wait_for(seen, timeout, what, still_possible=self.why_ended)
         return found[-1]
 
-    def _why_ended(self) -> str | None:
+    def why_ended(self) -> str | None:
         """Why nothing more can happen in this job (None while a node still runs)."""
         if not self.nodes or any(node.is_running() for node in self.nodes):
             return None

@@ -366,7 +366,8 @@ class ChaosHarness:
         self.events.poll()
         return judge(self.job, self.plan, self.config, self.expected_steps, records, problems,
                      groups=sorted(self.events.groups.values(), key=lambda g: g.started),
-                     ended=self.ended, started_at=self.started_at)
+                     ended=self.ended, started_at=self.started_at,
+                     whole_job_nodes=frozenset({self.store_host} if self.store_host else ()))
 
 
 def _kill_process_tree(pid: int) -> None:

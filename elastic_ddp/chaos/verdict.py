@@ -6,7 +6,12 @@ checks, for the whole run:
 - it finished, and its final global step is exactly epochs x steps per epoch;
 - the audit log shows every sample of every epoch exactly once in the surviving trajectory
   (`runlog.audit.exactly_once_violations`);
-- every restore used a snapshot whose write had completed, with the checksum that write recorded;
+- every restore is trusted: a snapshot file whose write had completed, with the checksum that
+  write recorded, or a verified memory copy of a committed step (at most one step after the newest
+  step rank 0 had logged: the survivors may have committed the step rank 0 died in);
+- no fault cost more than one committed step (`lost_steps` of the restore that followed it is 0,
+  or 1 when the fault hit the middle of a step), except a fault that ended the whole job (the node
+  hosting the c10d store);
 - every fault of the plan fired;
 
 and it measures, per fault, the seconds from the fault to the first optimizer step of the group
@@ -90,17 +95,22 @@ class ChaosReport:
             lines.append(f"  [{record.index}] {record.description}: {', '.join(details)}")
         lines.append(f"  final step {self.final_step} (expected {self.expected_final_step}); "
                      f"exactly once: {'yes' if not self.exactly_once_problems else 'NO'}; "
-                     f"{len(self.restores)} restores, all verified: "
-                     f"{'yes' if all(r['matches_a_completed_write'] for r in self.restores) else 'NO'}")
+                     f"{len(self.restores)} restores ({sum(r['source'] == 'memory' for r in self.restores)} "
+                     f"from memory), all trusted: {'yes' if all(r['trusted'] for r in self.restores) else 'NO'}; "
+                     f"steps lost: {[r['lost_steps'] for r in self.restores]}")
         lines += [f"  problem: {problem}" for problem in self.problems]
         return "\n".join(lines)
 
 
+# A fault may cost the step it interrupted, never one that every survivor had committed.
+MAX_LOST_STEPS = 1
+
+
 def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps: int,
           records: list[FaultRecord], problems: list[str], groups: list[WorkerGroup],
-          ended: dict[str, float], started_at: float) -> ChaosReport:
+          ended: dict[str, float], started_at: float, whole_job_nodes: frozenset[str] = frozenset()) -> ChaosReport:
     """The report of a finished run: `problems` (the harness's own, such as a deadline) plus every
-    promise that broke."""
+    promise that broke. `whole_job_nodes`: the nodes whose loss ends the whole job."""
     events = read_events(job.event_log)
     for record in records:
         if record.fired:
@@ -109,11 +119,11 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     def of_kind(kind: schema.EventKind) -> list[dict[str, Any]]:
         return [event for event in events if event["event"] == kind.name]
 
-    written = {(e["global_step"], e["checksum"]) for e in of_kind(schema.SNAPSHOT)}
-    restores = [{"global_step": e["global_step"], "checksum": e["checksum"], "verified": e.get("verified"),
-                 "matches_a_completed_write": bool(e.get("verified")) and (e["global_step"], e["checksum"]) in written,
-                 "previous_world_size": e.get("previous_world_size"), "world_size": e.get("world_size"),
-                 "lost_steps": e.get("lost_steps"), "lost_seconds": e.get("lost_seconds")}
+    restores = [{"time": e["time"], "global_step": e["global_step"], "checksum": e["checksum"],
+                 "verified": e.get("verified"), "source": e.get("source") or "file",
+                 "trusted": _trusted(e, events), "previous_world_size": e.get("previous_world_size"),
+                 "world_size": e.get("world_size"), "lost_steps": e.get("lost_steps"),
+                 "lost_seconds": e.get("lost_seconds")}
                 for e in of_kind(schema.RESTORE)]
     captured = {(e["incarnation"], e["global_step"]) for e in of_kind(schema.SNAPSHOT_CAPTURED)}
     completed = {(e["incarnation"], e["global_step"]) for e in of_kind(schema.SNAPSHOT)}
@@ -126,7 +136,10 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
         problems.append(f"final step {final_step}, expected {expected_steps}")
     problems += [f"exactly once: {problem}" for problem in exactly_once]
     problems += [f"restore of step {r['global_step']} (checksum {r['checksum'][:20]}...) matches no completed "
-                 "snapshot write" for r in restores if not r["matches_a_completed_write"]]
+                 "snapshot write" for r in restores if r["source"] == "file" and not r["trusted"]]
+    problems += [f"restore of step {r['global_step']} from memory is not a verified copy of a committed step"
+                 for r in restores if r["source"] == "memory" and not r["trusted"]]
+    problems += _lost_steps_problems(records, restores, whole_job_nodes)
     problems += [f"fault {r.index} ({r.description}) did not fire: {r.not_fired_because}"
                  for r in records if not r.fired]
     return ChaosReport(
@@ -135,6 +148,34 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
         interrupted_snapshot_writes=interrupted, world_sizes=[g.start["world_size"] for g in groups],
         exit_codes={node.name: node.process.poll() for node in job.nodes}, ended=ended,
         seconds=round(time.time() - started_at, 1), problems=problems)
+
+
+def _trusted(restore: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+    """Whether a restore loaded a state the run had really reached (see the module docstring)."""
+    if not restore.get("verified"):
+        return False
+    earlier = [e for e in events if e["time"] < restore["time"]]
+    if (restore.get("source") or "file") == "file":
+        return any(e["event"] == schema.SNAPSHOT.name and (e["global_step"], e["checksum"]) ==
+                   (restore["global_step"], restore["checksum"]) for e in earlier)
+    logged = [e["global_step"] for e in earlier if e["event"] == schema.STEP.name]
+    return bool(logged) and restore["global_step"] <= max(logged) + 1
+
+
+def _lost_steps_problems(records: list[FaultRecord], restores: list[dict[str, Any]],
+                         whole_job_nodes: frozenset[str]) -> list[str]:
+    """A problem for each fault whose next restore redid more than MAX_LOST_STEPS committed steps."""
+    problems = []
+    for record in records:
+        if not record.fired or record.node in whole_job_nodes:
+            continue
+        following = next((r for r in restores if r["time"] > record.fired_at), None)
+        lost = following["lost_steps"] if following else None
+        if lost is not None and lost > MAX_LOST_STEPS:
+            problems.append(f"fault {record.index} ({record.description}) cost {lost} committed steps (the restore "
+                            f"of step {following['global_step']} from {following['source']}); at most "
+                            f"{MAX_LOST_STEPS} expected")
+    return problems
 
 
 def _recovery_seconds(record: FaultRecord, groups: list[WorkerGroup]) -> float | None:

@@ -127,21 +127,27 @@ class ProgressReporter:
 
     def announce_restore(self, event_log: str | Path, incarnation: int, restored_step: int, restored_epoch: int,
                          snapshot_world_size: int, world_size: int, lost_steps: int | None,
-                         lost_seconds: float | None) -> str | None:
+                         lost_seconds: float | None, source: str = "") -> str | None:
         """Log the one line that says what the restart was; return it (None on a disabled reporter)."""
         if not self.enabled:
             return None
         previous = previous_incarnation(event_log, incarnation)
         line = restore_message(previous, snapshot_world_size, world_size, restored_step, restored_epoch,
-                               self.epochs, lost_steps, lost_seconds, now=time.time())
+                               self.epochs, lost_steps, lost_seconds, now=time.time(), source=source)
         logger.info("%s", line)
         return line
 
 
+def source_text(source: str, rank: int | None, host: str | None) -> str:
+    """`memory of rank 3 on node-b`, or `a snapshot file`: where a restore's state came from."""
+    return f"memory of rank {rank} on {host}" if source == "memory" else "a snapshot file"
+
+
 def restore_message(previous: PreviousIncarnation | None, snapshot_world_size: int, world_size: int,
                     restored_step: int, restored_epoch: int, epochs: int, lost_steps: int | None,
-                    lost_seconds: float | None, now: float) -> str:
-    """`node lost: world 4 -> 3, resumed from step 1200 (epoch 2/10), lost 37 steps (9.8 s), ...`."""
+                    lost_seconds: float | None, now: float, source: str = "") -> str:
+    """`node lost: world 4 -> 3, resumed from step 1200 (epoch 2/10) from memory of rank 1 on b,
+    lost 0 steps (0.0 s), ...`."""
     before = previous.world_size if previous is not None and previous.world_size else snapshot_world_size
     if previous is not None and previous.finished:
         kind = "relaunched"
@@ -153,6 +159,8 @@ def restore_message(previous: PreviousIncarnation | None, snapshot_world_size: i
         kind = "restarted"
     epoch_text = f"epoch {min(restored_epoch + 1, epochs)}/{epochs}"
     line = f"{kind}: world {before} -> {world_size}, resumed from step {restored_step} ({epoch_text})"
+    if source:
+        line += f" from {source}"
     if lost_steps is not None and kind != "relaunched":
         line += f", lost {lost_steps} step{'' if lost_steps == 1 else 's'} ({lost_seconds or 0.0:.1f} s)"
     if previous is not None and kind != "relaunched":

@@ -23,7 +23,7 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.history import next_round, work_lost
-from elastic_ddp.runlog.progress import ProgressReporter
+from elastic_ddp.runlog.progress import ProgressReporter, source_text
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.tensorboard import TensorBoardScalars, open_scalars
 from elastic_ddp.runlog.worker_logging import RankPrefix
@@ -88,11 +88,13 @@ class RunLog:
         self.events.emit(
             schema.RESTORE, global_step=snapshot.global_step, epoch=snapshot.epoch,
             samples_consumed=snapshot.samples_consumed, checksum=restored.checksum, verified=True,
-            source_rank=restored.source_rank, file=restored.entry.file if restored.entry else None,
+            source=restored.source, source_rank=restored.source_rank, source_host=restored.source_host,
+            file=restored.entry.file if restored.entry else None,
             previous_world_size=snapshot.world_size, world_size=self.context.world_size,
             lost_steps=lost_steps, lost_seconds=lost_seconds)
         self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
-                                       snapshot.world_size, self.context.world_size, lost_steps, lost_seconds)
+                                       snapshot.world_size, self.context.world_size, lost_steps, lost_seconds,
+                                       source=source_text(restored.source, restored.source_rank, restored.source_host))
 
     def finished(self, global_step: int, seconds: float) -> None:
         self.events.emit(schema.FINISHED, global_step=global_step, seconds=round(seconds, 3))
@@ -102,8 +104,23 @@ class RunLog:
     def drained(self, global_step: int, durable: bool | None, seconds_since_signal: float | None) -> None:
         self.events.emit(schema.DRAIN, global_step=global_step, snapshot_durable=durable,
                          seconds_since_signal=seconds_since_signal)
-        logger.warning("drain requested (SIGTERM on a rank): stopped at step %d after the final snapshot "
-                       "(durable: %s)", global_step, "yes" if durable else "see rank 0" if durable is None else "NO")
+        # A worker cannot tell why torchrun sent SIGTERM: it re-forms the group (a node joined or
+        # left) or this node is leaving. Neither is an error.
+        logger.info("SIGTERM from torchrun (the worker group is re-formed, or this node leaves): stopped at step %d; "
+                    "final snapshot durable: %s", global_step,
+                    "yes" if durable else "see rank 0" if durable is None else "NO")
+
+    def stopped_early(self, global_step: int, last_plan: StepPlan | None, reason: str) -> None:
+        """Training stopped before its end (`reason`). The audit log gets every rank's share of the
+        last step this rank committed: a finished gradient all-reduce means every rank trained its
+        share, and a rank that died right after cannot write its line (docs/failure-semantics.md)."""
+        logger.info("training stopped at step %d: %s", global_step, reason)
+        if self.audit is not None and last_plan is not None:
+            world_size = self.context.world_size
+            for rank in range(world_size):
+                if rank != self.context.rank:
+                    self.audit.record_step_for(rank, last_plan.epoch, global_step,
+                                               last_plan.samples_of(rank, world_size))
 
     def close(self) -> None:
         for close in (self.audit.close if self.audit else None, self.progress.close,

@@ -37,9 +37,10 @@ START = EventKind(
     "start", ("round", "world_size", "local_world_size", "nodes", "ranks", "restart_count", "run_id"),
     "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs")
 RESTORE = EventKind(
-    "restore", ("global_step", "epoch", "samples_consumed", "checksum", "verified", "source_rank", "file",
-                "previous_world_size", "world_size", "lost_steps", "lost_seconds"),
-    "the group resumed from a snapshot, and what that cost")
+    "restore", ("global_step", "epoch", "samples_consumed", "checksum", "verified", "source", "source_rank",
+                "source_host", "file", "previous_world_size", "world_size", "lost_steps", "lost_seconds"),
+    "the group resumed from a snapshot file or a memory copy (`source`: file or memory, kept by `source_rank` "
+    "on `source_host`), and what that cost")
 STARTUP = EventKind(
     "startup", ("global_step", "process_started", "seconds"),
     "seconds from rank 0's process start to each stage of its start-up, after the first step")
@@ -66,6 +67,10 @@ SNAPSHOT_REPLICATED = EventKind(
 REPLICATION_FAILED = EventKind(
     "replication_failed", ("global_step", "node", "error"),
     "a snapshot did not reach a node's checkpoint directory")
+MEMORY_COPY = EventKind(
+    "memory_copy", ("global_step", "reason", "size_bytes", "seconds", "written"),
+    "training stopped early (`reason`); rank 0 kept the state of its last committed step in its node's memory "
+    "(`written` false: a sibling rank of the node had already kept it)")
 DRAIN = EventKind(
     "drain", ("global_step", "snapshot_durable", "seconds_since_signal"),
     "the group stopped on a SIGTERM after its final snapshot (a drain, or torchrun re-forming the group)")
@@ -73,4 +78,4 @@ FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is tra
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
-    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, DRAIN, FINISHED)}
+    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, DRAIN, FINISHED)}

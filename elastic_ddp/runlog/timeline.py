@@ -92,6 +92,7 @@ class RunHistory:
     replication_plans: list[dict[str, Any]] = field(default_factory=list)
     replications: list[dict[str, Any]] = field(default_factory=list)
     replication_failures: list[dict[str, Any]] = field(default_factory=list)
+    memory_copies: list[dict[str, Any]] = field(default_factory=list)
     epochs_completed: int = 0
     other_events: dict[str, int] = field(default_factory=dict)
 
@@ -169,6 +170,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.REPLICATION.name: _appending_to("replication_plans"),
     schema.SNAPSHOT_REPLICATED.name: _appending_to("replications"),
     schema.REPLICATION_FAILED.name: _appending_to("replication_failures"),
+    schema.MEMORY_COPY.name: _appending_to("memory_copies"),
     schema.DRAIN.name: _marking("drained"),
     schema.FINISHED.name: _marking("finished"),
 }

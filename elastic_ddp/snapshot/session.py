@@ -4,13 +4,15 @@
     session.start()                       # collective: replica targets
     restored = session.restore(state)     # collective: the newest state any rank can read
     ... session.save(state) at the trainer's cadence (collective: every rank's RNG) ...
+    session.keep_in_memory(state, why)    # training stopped early: this node keeps the last step
     session.finish()                      # the last snapshot durable and replicated
     session.close()                       # always, also when training raised
 
-Behind it: the store (`store`, on `storage`), rank 0's background writer (`writer`), the restore
-agreement (`recovery`) and replication (`replication`), which move bytes through `transport`.
-The session emits the snapshot events (`snapshot_captured`, `snapshot`, `snapshot_failed`) to the
-event log it is given; nothing calls back into the trainer.
+Behind it: the store (`store`, on `storage`), rank 0's background writer (`writer`), the node's
+memory copies (`memory`), the restore agreement (`recovery`) and replication (`replication`),
+which move bytes through `transport`. The session emits the snapshot events (`snapshot_captured`,
+`snapshot`, `snapshot_failed`, `memory_copy`) to the event log it is given; nothing calls back
+into the trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from elastic_ddp.config import TrainingConfig
 from elastic_ddp.distributed import DistributedContext
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.snapshot.errors import SnapshotError
+from elastic_ddp.snapshot.memory import KeptCopy, MemoryTier, scope_token
 from elastic_ddp.snapshot.recovery import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.replication import Replication
 from elastic_ddp.snapshot.staging import StagingBuffers
@@ -51,7 +55,18 @@ class SnapshotSession:
             self.writer = SnapshotWriter(self.store, on_written=self._written, on_failed=self._failed,
                                          asynchronous=config.snapshot_async, write_timeout_s=config.snapshot_timeout_s)
         self.replication = Replication()  # the real one is agreed on in start()
+        self.memory = self._memory_tier() if config.memory_copies else None
         self.last_saved_step: int | None = None
+        self._kept_in_memory: int | None = None  # the step this worker kept in memory
+
+    def _memory_tier(self) -> MemoryTier | None:
+        try:
+            token = scope_token(self.store.storage)
+        except (OSError, SnapshotError) as exc:
+            logger.error("memory copies are off for this worker group: no scope token in %s (%s)",
+                         self.config.checkpoint_dir, exc)
+            return None
+        return MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint, token)
 
     @property
     def _distributed(self) -> bool:
@@ -62,20 +77,21 @@ class SnapshotSession:
         self.replication = Replication.start(self.store, self.context, self.config.snapshot_replicas, self.events)
 
     def restore(self, state: TrainingState) -> RestoredSnapshot | None:
-        """Load the newest state the group can read into `state` (collective); None: from scratch."""
-        restored = agree_on_latest_snapshot(self.store, self.context, self.fingerprint)
+        """Load the newest state the group can offer into `state` (collective); None: from scratch."""
+        restored = agree_on_latest_snapshot(self.store, self.context, self.fingerprint, self.memory)
         if restored is None:
             logger.info("no snapshot in %s: starting from scratch", self.config.checkpoint_dir)
             seed_rng_for_step(self.config.seed, 0, self.context.rank)
             return None
-        restored.snapshot.restore_into(state, self.context.rank, self.context.world_size, self.config.seed)
+        with state.updating():
+            restored.snapshot.restore_into(state, self.context.rank, self.context.world_size, self.config.seed)
         self.last_saved_step = restored.snapshot.global_step
         self._keep_restored_copies(restored)
         return restored
 
     def _keep_restored_copies(self, restored: RestoredSnapshot) -> None:
-        """Rank 0: write the restored snapshot here if it came from a peer, and to the replicas, so
-        that losing the node it came from next does not lose it (local checkpoint directories)."""
+        """Rank 0: write the restored state here if it came from memory or a peer, and to the
+        replicas, so that losing the node it came from next (or the whole job) does not lose it."""
         if self.writer is None:
             return
         if restored.entry is None:
@@ -104,6 +120,28 @@ class SnapshotSession:
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
 
+    def keep_in_memory(self, state: TrainingState, reason: str) -> KeptCopy | None:
+        """Keep the last committed step of `state` in this node's memory, as training stops early
+        (not a collective: the group may be broken). Nothing when the state is half updated."""
+        if self.memory is None or self._kept_in_memory == state.global_step:
+            return None
+        with state.lock:  # no step is applied meanwhile, from whatever thread this is called
+            if not state.consistent:
+                logger.error("stopped in the middle of applying step %d: that state is not kept",
+                             state.global_step + 1)
+                return None
+            snapshot = Snapshot(states=state.state_dicts(), rng_per_rank=[], fingerprint=self.fingerprint,
+                                world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time())
+            kept = self.memory.keep(snapshot)
+        if kept is None:
+            return None
+        self._kept_in_memory = state.global_step
+        logger.info("%s: kept the state of step %d in memory (%s, %.1f MB, %.2f s)", reason, state.global_step,
+                    kept.path if kept.written else "written by a sibling rank", kept.size_bytes / 1e6, kept.seconds)
+        self.events.emit(schema.MEMORY_COPY, global_step=state.global_step, reason=reason,
+                         size_bytes=kept.size_bytes, seconds=round(kept.seconds, 4), written=kept.written)
+        return kept
+
     def finish(self) -> bool | None:
         """Wait until the last snapshot is durable (at most --snapshot_timeout_s) and replicated (at
         most half the collective timeout). Returns whether the last save is durable; None off rank 0."""
@@ -116,6 +154,11 @@ class SnapshotSession:
             durable = last is not None and last.global_step == self.last_saved_step
         self.replication.finish(timeout=self.config.collective_timeout_s / 2)
         return durable
+
+    def forget_memory_copies(self) -> None:
+        """The run is complete: remove this node's memory copies (its local rank 0 does)."""
+        if self.memory is not None and self.context.local_rank == 0:
+            self.memory.clear()
 
     def close(self) -> None:
         """Finish a write in flight (so that a clean exit keeps it) and stop every thread."""

@@ -18,8 +18,11 @@ afresh from (seed, global step, rank). Per-sample randomness (augmentation) neve
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -71,7 +74,13 @@ class ScalerState:
 
 @dataclass
 class TrainingState:
-    """Everything of a run that a restart carries over; every field is a `Stateful` component."""
+    """Everything of a run that a restart carries over; every field is a `Stateful` component.
+
+    `updating()` brackets every change of the state (an optimizer step and its bookkeeping, a
+    restore): if it is left by an exception, the state may be half changed and `consistent` stays
+    False, so that no copy of it is ever kept (an optimizer step half applied is no state to resume).
+    It holds `lock`, which whoever copies the state from another thread holds too.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -80,9 +89,21 @@ class TrainingState:
     sampler: ElasticSampler
     progress: StepCounter
 
+    def __post_init__(self) -> None:
+        # Not fields: the fields are the components.
+        self.consistent = True
+        self.lock = threading.RLock()
+
     @property
     def global_step(self) -> int:
         return self.progress.global_step
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        with self.lock:
+            self.consistent = False
+            yield
+            self.consistent = True
 
     def components(self) -> dict[str, Stateful]:
         return {component.name: getattr(self, component.name) for component in fields(self)}

@@ -80,6 +80,18 @@ class SnapshotStorage(ABC):
     def write_atomically(self, name: str, data: bytes) -> None:
         """Make `data` the durable content of `name`, or raise and leave `name` as it was."""
 
+    def create_if_absent(self, name: str, data: bytes, limit: int) -> bytes:
+        """Give `name` the content `data` unless it exists; return its content either way (at most
+        `limit + 1` bytes of it, as `read_bytes`). Of two writers racing, the first wins on a local
+        directory; an object store has no such primitive (the last PUT wins, and a reader may have
+        seen the other)."""
+        try:
+            return self.read_bytes(name, limit)
+        except FileNotFoundError:
+            self.make_location()
+            self.write_atomically(name, data)
+            return self.read_bytes(name, limit)
+
     def write_stream_atomically(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         """Like `write_atomically`, the content being what `produce(file)` writes into `file`.
 
@@ -153,6 +165,21 @@ class LocalDirectoryStorage(SnapshotStorage):
             temporary.unlink(missing_ok=True)
             raise
         _fsync_directory(self.directory)
+
+    def create_if_absent(self, name: str, data: bytes, limit: int) -> bytes:
+        """See base class. A hard link of a complete temporary file: the first writer wins."""
+        path = self.directory / name
+        if not path.exists():
+            self.make_location()
+            temporary = path.with_name(f".{name}.tmp-{os.getpid()}")
+            temporary.write_bytes(data)
+            try:
+                os.link(temporary, path)  # fails if `name` exists: someone else was first
+            except FileExistsError:
+                pass
+            finally:
+                temporary.unlink(missing_ok=True)
+        return self.read_bytes(name, limit)
 
     def list_names(self) -> list[str]:
         try:

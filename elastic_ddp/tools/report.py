@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elastic_ddp.runlog.progress import source_text
 from elastic_ddp.runlog.timeline import RunHistory, Transition
 from elastic_ddp.tools.text import format_bytes, format_clock, format_duration, plural
 
@@ -95,10 +96,18 @@ def _transition_dict(transition: Transition, started: float) -> dict[str, Any]:
         "to_world_size": transition.after.world_size,
         "last_step_before": transition.before.final_step,
         "resumed_from_step": transition.after.resumed_from_step,
+        "resumed_from": _restore_source(transition.after.restore),
         "lost_steps": transition.lost_steps,
         "lost_seconds": transition.lost_seconds,
         "downtime_seconds": round(transition.downtime, 3),
     }
+
+
+def _restore_source(restore: dict[str, Any] | None) -> str | None:
+    """`memory of rank 1 on node-b`, `a snapshot file`, or None (from scratch, or an older log)."""
+    if not restore or not restore.get("source"):
+        return None
+    return source_text(restore["source"], restore.get("source_rank"), restore.get("source_host"))
 
 
 def _stats(values: list[float], digits: int = 4) -> dict[str, float | None]:
@@ -180,6 +189,8 @@ def describe_transition(transition: dict[str, Any]) -> str:
     """One line per membership change, as the progress output announces it."""
     line = (f"{transition['kind']}: world {transition['from_world_size']} -> {transition['to_world_size']}, "
             f"resumed from step {transition['resumed_from_step']}")
+    if transition.get("resumed_from"):
+        line += f" from {transition['resumed_from']}"
     if transition["kind"] == "relaunch after finish":
         return line + " (no work to redo)"
     return (line + f", lost {plural(transition['lost_steps'], 'step')} ({transition['lost_seconds']:.1f} s), "
@@ -206,9 +217,9 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
         + f" over {plural(summary.incarnations, 'incarnation')}",
     ]
     lines += [f"  at {format_clock(t['at_seconds'])}  {describe_transition(t)}" for t in summary.transitions]
-    lines.append(f"Work lost    {plural(summary.lost_steps_total, 'step')} "
-                 f"({summary.lost_seconds_total:.1f} s of training "
-                 f"redone); {summary.downtime_seconds_total:.1f} s without training between failure and resume")
+    lines.append(f"Work lost    {plural(summary.lost_steps_total, 'step')} redone "
+                 f"({summary.lost_seconds_total:.1f} s of training); "
+                 f"{summary.downtime_seconds_total:.1f} s without training between failure and resume")
     snapshots = summary.snapshots
     if snapshots["count"]:
         size = format_bytes(snapshots["size_bytes_max"])

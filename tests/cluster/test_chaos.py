@@ -2,8 +2,9 @@
 
 Every test plays a fault plan with the chaos harness and asserts the promises of
 docs/failure-semantics.md: the run finishes at exactly epochs x steps per epoch, the audit log shows
-every sample of every epoch exactly once in the surviving trajectory, and every restore used a
-snapshot whose write had completed, with the checksum that write recorded. The job is held
+every sample of every epoch exactly once in the surviving trajectory, every restore used a
+snapshot whose write had completed (with the checksum that write recorded) or a verified memory
+copy of a committed step, and no fault cost more than one committed step. The job is held
 (tests/support/held_train.py) until every fault of the plan has fired, whatever the machine's speed.
 """
 
@@ -46,7 +47,7 @@ def assert_promises_kept(report) -> None:
     assert report.ok, report.summary() + "\n" + "\n".join(report.problems)
     assert report.final_step == report.expected_final_step
     assert not report.exactly_once_problems
-    assert report.restores and all(r["matches_a_completed_write"] for r in report.restores)
+    assert report.restores and all(r["trusted"] for r in report.restores)
 
 
 @pytest.mark.timeout(420)
@@ -65,6 +66,9 @@ def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
     assert any(r.fault["action"] == "kill_worker" for r in fired)
     assert any(r.fault["action"] == "add_node" and r.recovery_seconds is not None for r in fired)
     assert 1 <= min(report.world_sizes) and max(report.world_sizes) <= 4
+    # Memory copies: no fault of this plan (none ends the whole job) costs a committed step.
+    assert [r["lost_steps"] for r in report.restores] == [0] * len(report.restores), report.summary()
+    assert all(r["source"] == "memory" for r in report.restores), report.summary()
 
 
 @pytest.mark.timeout(420)
@@ -89,8 +93,10 @@ def test_kills_and_joins_end_with_the_same_model_as_an_uninterrupted_run(tmp_pat
     reference = run_reference(tmp_path / "reference", args)
     equivalence = compare_runs(reference, harness.job.checkpoint_dir)
     print(equivalence.describe())
-    assert not equivalence.missing_steps
-    assert equivalence.steps_compared == report.expected_final_step
+    # A step committed just before a rank died may lack its loss (its reduction needed that rank);
+    # it is the step the next group resumed from.
+    assert set(equivalence.missing_steps) <= {restore["global_step"] for restore in report.restores}
+    assert equivalence.steps_compared + len(equivalence.missing_steps) == report.expected_final_step
     assert equivalence.parameter_difference <= DEFAULT_PARAMETER_TOLERANCE, equivalence.describe()
     assert equivalence.loss_difference <= DEFAULT_LOSS_TOLERANCE, equivalence.describe()
 

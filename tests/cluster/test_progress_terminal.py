@@ -79,7 +79,7 @@ def test_real_runs_show_a_bar_on_a_terminal_log_lines_elsewhere_and_tensorboard_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stderr.splitlines()
     assert "\r" not in resumed.stderr
-    assert any(line.endswith("relaunched: world 1 -> 1, resumed from step 8 (epoch 2/2)") for line in lines)
+    assert any(line.endswith("relaunched: world 1 -> 1, resumed from step 8 (epoch 2/2) from a snapshot file") for line in lines)
     assert any("epoch 2/2, step 2/8 of the epoch: loss" in line and line.endswith("samples/s, world 1")
                for line in lines), lines
     assert any("epoch 2/2 done: 8 steps in" in line for line in lines)

@@ -1,5 +1,7 @@
 """No shared filesystem: snapshots are replicated to other nodes' local directories, and losing the
-node that holds rank 0 resumes from the newest snapshot a survivor holds.
+node that holds rank 0 resumes from the newest snapshot a survivor holds, or, with memory copies
+(the default), from the last step the survivors committed, which the new rank 0 then writes to its
+own disk.
 
 The multi-node tests give every node its own --checkpoint_dir (LocalJob(per_node_checkpoint_dirs=True)).
 The c10d rendezvous store is hosted by the test process, not by a node: with c10d the node that hosts
@@ -23,6 +25,7 @@ STEPS = EPOCHS * DATASET // BATCH
 TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
                  "--global_batch_size", str(BATCH), "--micro_batch_size", "32",
                  "--snapshot_every_steps", str(EVERY), "--log_interval", "20", "--no-augment"]
+FILES_ONLY = [*TRAINING_ARGS, "--no-memory_copies"]  # what the replicas alone guarantee
 
 
 # ------------------------------------------------------------------------------ real jobs
@@ -77,16 +80,22 @@ def assert_resumed_from_the_newest_surviving_snapshot(job: LocalJob, victim: Loc
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store, tmp_path):
+    """Memory copies on: the survivor resumes from the step it had committed (not the replica),
+    and, as the new rank 0, writes that state to its own disk."""
     job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
                      **hold_settings(tmp_path / "hold"))
     job.add_node("a")
     job.add_node("b")
     victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=2)
+    committed = job.last_step()
     survivor = next(node for node in job.nodes if node is not victim)
 
-    restore = assert_resumed_from_the_newest_surviving_snapshot(job, victim, replicated, survivors=1)
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120, "the restore")
+    assert restore["source"] == "memory" and restore["source_host"] and restore["verified"], restore
+    assert restore["global_step"] >= max(committed - 1, replicated["global_step"]), (restore, committed)
+    job.wait_for_event(lambda e: e["event"] == "snapshot" and e["incarnation"] == restore["incarnation"]
+                       and e["global_step"] == restore["global_step"], 60, "the restored state written to disk")
     release(tmp_path / "hold")
-    assert restore["file"], "the survivor read it from its own directory"
     assert survivor.wait(timeout=180) == 0, node_logs(job)
     assert load_snapshot(job.node_checkpoint_dir(survivor.name))["global_step"] == STEPS
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
@@ -95,7 +104,7 @@ def test_two_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jobs, external_store, tmp_path):
-    job = local_jobs(TRAINING_ARGS, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
+    job = local_jobs(FILES_ONLY, rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
                      **hold_settings(tmp_path / "hold"))
     for name in ("a", "b", "c"):
         job.add_node(name)

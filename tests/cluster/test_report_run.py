@@ -23,6 +23,7 @@ import pytest
 
 from elastic_ddp.chaos.cluster import free_port, signal_tree, wait_for
 from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.progress import source_text
 from elastic_ddp.tools import cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -173,8 +174,9 @@ def test_nodes_log_plain_progress_lines_and_the_restore_in_one_line(recorded_run
     assert "\r" not in logs  # files get log lines, never a bar
     assert f"epoch 1/{EPOCHS}, step 2/{DATASET // BATCH} of the epoch: loss" in logs
     restore = next(e for e in reversed(read_events(recorded_run.event_log)) if e["event"] == "restore")
+    source = source_text(restore["source"], restore["source_rank"], restore["source_host"])
     assert (f"node lost: world 2 -> 1, resumed from step {restore['global_step']} (epoch {restore['epoch'] + 1}/"
-            f"{EPOCHS}), lost {restore['lost_steps']} step") in logs
+            f"{EPOCHS}) from {source}, lost {restore['lost_steps']} step") in logs
 
 
 @pytest.mark.slow

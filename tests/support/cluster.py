@@ -22,6 +22,13 @@ def hold_settings(hold_file: Path) -> dict:
     return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": str(REPO)}}
 
 
+def pause_at(hold_file: Path, step: int) -> None:
+    """Make a held job stop after `step` until released (or SIGTERMed by torchrun)."""
+    temporary = hold_file.with_name(hold_file.name + ".tmp")
+    temporary.write_text(f"pause_at={step}")
+    os.replace(temporary, hold_file)
+
+
 def release(hold_file: Path) -> None:
     """Let a held job run to its end at full speed."""
     if os.path.exists(hold_file):

@@ -8,28 +8,124 @@ at once) but cannot finish before the test's scenario (kills, joins, freezes) ha
 however fast the machine. The test deletes the file once the scenario is done, and the job runs
 to its end at full speed. Trainers got 10x faster once and tests sized for the old speed broke;
 holding the job makes them independent of it.
+
+A hold file that says `pause_at=N` (tests.support.cluster.pause_at) also stops every rank after
+step N, until the file changes or the worker gets SIGTERM (torchrun stopping the group for a
+join must not wait for the test): a scenario that takes long (a join) then happens mid-epoch.
+
+A test-only fault switch makes a worker SIGKILL itself at a precise moment of a step, which a kill
+from outside can only hit by chance:
+
+    ELASTIC_DDP_TEST_FAULT=rank=3,step=30,at=allreduce,once=/tmp/x/fired
+
+- `at=allreduce`: rank 3 dies inside DDP's gradient all-reduce of step 30, before it sends its
+  gradients (a DDP comm hook): the other ranks are inside the all-reduce and cannot finish it;
+- `at=after_allreduce`: rank 3 dies after the all-reduce of step 30 has finished everywhere and
+  before it applies the step itself (an optimizer pre-step hook that waits until every other rank
+  has written its audit line for step 30, that is, committed it): the survivors committed a step
+  whose audit line rank 3 never wrote.
+`once` names a file created when the fault fires, so that it fires once per job, whatever the
+restarts. Every rank installs the same comm hook (torch's default all-reduce), so that the ranks
+compute the same sums.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
 from elastic_ddp.distributed import exit_worker
 
 HOLD_VARIABLE = "ELASTIC_DDP_TEST_HOLD"
+FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
 HELD_STEP_S = 0.05
+FAULT_MOMENTS = ("allreduce", "after_allreduce")
+PEERS_COMMIT_TIMEOUT_S = 120
+
+
+class FaultSwitch:
+    """The fault of ELASTIC_DDP_TEST_FAULT, installed into a trainer (see the module docstring)."""
+
+    def __init__(self, spec: str):
+        fields = dict(item.split("=", 1) for item in spec.split(","))
+        self.rank, self.step, self.moment = int(fields["rank"]), int(fields["step"]), fields["at"]
+        self.once = Path(fields["once"])
+        if self.moment not in FAULT_MOMENTS:
+            raise ValueError(f"{FAULT_VARIABLE}: at={self.moment!r}; expected one of {FAULT_MOMENTS}")
+        self.trainer = None
+
+    def install(self, trainer) -> None:
+        if self.trainer is not None or trainer.ddp_model is trainer.model:
+            return
+        self.trainer = trainer
+        trainer.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
+        trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _armed(self, moment: str) -> bool:
+        return (self.moment == moment and self.trainer.context.rank == self.rank
+                and self.trainer.global_step + 1 == self.step and not self.once.exists())
+
+    def _die(self) -> None:
+        self.once.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _all_reduce(self, process_group, bucket):
+        if self._armed("allreduce"):
+            self._die()
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self._armed("after_allreduce"):
+            return
+        deadline = time.monotonic() + PEERS_COMMIT_TIMEOUT_S
+        while not self._peers_committed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other ranks did not commit step {self.step} within {PEERS_COMMIT_TIMEOUT_S} s")
+            time.sleep(0.01)
+        self._die()
+
+    def _peers_committed(self) -> bool:
+        """Whether every other rank's audit log of this incarnation has its line for the step."""
+        audit = self.trainer.run_log.audit
+        for rank in range(self.trainer.context.world_size):
+            if rank == self.rank:
+                continue
+            path = Path(self.trainer.config.audit_log) / f"audit-{audit.incarnation}-rank{rank}.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            if not any(json.loads(line)["step"] == self.step for line in lines if line.endswith("}")):
+                return False
+        return True
 
 
 def main() -> int:
     hold = os.environ.get(HOLD_VARIABLE)
+    fault = FaultSwitch(os.environ[FAULT_VARIABLE]) if os.environ.get(FAULT_VARIABLE) else None
 
     def after_step(trainer) -> None:
+        if fault is not None:
+            fault.install(trainer)
+        while hold and not trainer.drain.requested and trainer.global_step >= pause_step(hold):
+            time.sleep(0.01)
         if hold and os.path.exists(hold):
             time.sleep(HELD_STEP_S)
 
     return train.main(after_step=after_step)
+
+
+def pause_step(hold: str) -> float:
+    """The step the hold file pauses at (`pause_at=N`); infinity when it pauses nowhere."""
+    try:
+        text = Path(hold).read_text()
+    except FileNotFoundError:
+        return float("inf")
+    return int(text.removeprefix("pause_at=")) if text.startswith("pause_at=") else float("inf")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ from elastic_ddp.trainer import Trainer
 
 
 def small_config(tmp_path: Path, **overrides: Any) -> TrainingConfig:
-    """Two epochs of 6 steps of the MLP on 96 samples, a snapshot every 4 steps, on the CPU."""
+    """Two epochs of 6 steps of the MLP on 96 samples, a snapshot every 4 steps, on the CPU; memory
+    copies in the test's own directory."""
     settings = dict(epochs=2, dataset_size=96, global_batch_size=16, micro_batch_size=8, model="mlp",
-                    checkpoint_dir=str(tmp_path / "ck"), snapshot_every_steps=4, log_interval=100, device="cpu")
+                    checkpoint_dir=str(tmp_path / "ck"), memory_dir=str(tmp_path / "memory"), snapshot_every_steps=4,
+                    log_interval=100, device="cpu")
     settings.update(overrides)
     return TrainingConfig(**settings)
 

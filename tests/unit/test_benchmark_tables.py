@@ -82,6 +82,19 @@ def test_recovery_records_become_paired_rows():
     assert join.ratio == pytest.approx(statistics.median([7.0 / 40.0, 7.4 / 41.0]))
 
 
+def test_recovery_records_give_lost_step_rows_against_both_baselines():
+    records = [{"setting": setting, "kill": {"seconds": 5.0, "lost_steps": kill}, "join": {"seconds": 8.0, "lost_steps": 0}}
+               for setting, kill in (("ours", 0), ("stock", 12), ("tutorial", 40), ("ours", 0), ("stock", 7),
+                                     ("tutorial", 55))]
+    rows = run_all.recovery_rows(records)
+    lost = {(row.figure, row.baseline_name): row for row in rows if row.figure.startswith("committed steps")}
+    kill_vs_tutorial = lost[("committed steps redone after a SIGKILL of 1 of 3 nodes",
+                             "stock torchrun, a snapshot per epoch (tutorial)")]
+    assert kill_vs_tutorial.elastic == [0, 0] and kill_vs_tutorial.baseline == [40, 55]
+    assert kill_vs_tutorial.target_met() is True
+    assert len(lost) == 4
+
+
 def test_thread_cpu_splits_a_window_per_thread_group_and_per_step():
     from benchmarks import thread_cpu
 

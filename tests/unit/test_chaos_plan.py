@@ -118,8 +118,40 @@ def test_the_report_flags_a_restore_of_a_snapshot_whose_write_never_completed(tm
     ]
     harness.job.event_log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = harness._report([], [])
-    assert [r["matches_a_completed_write"] for r in report.restores] == [True, False]
+    assert [r["trusted"] for r in report.restores] == [True, False]
     assert report.interrupted_snapshot_writes == [2]
     assert any("restore of step 2 (checksum blake3:bbb" in problem for problem in report.problems)
     assert any(problem.startswith("exactly once") for problem in report.problems)  # no audit log here
     assert not report.ok
+
+
+def test_the_report_trusts_memory_restores_of_committed_steps_and_counts_lost_steps(tmp_path):
+    """A memory restore may be one step past rank 0's log (the step rank 0 died in), not more; a
+    fault may cost one committed step, not more."""
+    from elastic_ddp.chaos.harness import ChaosHarness
+    from elastic_ddp.chaos.verdict import FaultRecord
+
+    args = ["--model", "mlp", "--epochs", "1", "--dataset_size", "128", "--global_batch_size", "64"]
+    harness = ChaosHarness(tmp_path / "run", args, FaultPlan((), initial_nodes=1))
+    harness.job.checkpoint_dir.mkdir(parents=True)
+    start = {"event": "start", "world_size": 1, "ranks": [{"rank": 0, "pid": 1, "agent_pid": 2}]}
+    memory = {"event": "restore", "checksum": "blake3:ccc", "verified": True, "source": "memory"}
+    lines = [
+        {"time": 1.0, "incarnation": 1, **start},
+        *({"time": 1.0 + step / 10, "incarnation": 1, "event": "step", "global_step": step} for step in (1, 2, 3)),
+        {"time": 5.0, "incarnation": 2, **start},
+        {"time": 5.1, "incarnation": 2, **memory, "global_step": 4, "lost_steps": 0},
+        {"time": 7.0, "incarnation": 3, **start},
+        {"time": 7.1, "incarnation": 3, **memory, "global_step": 9, "lost_steps": 0},
+        {"time": 9.0, "incarnation": 4, **start},
+        {"time": 9.1, "incarnation": 4, **memory, "global_step": 1, "lost_steps": 2},
+    ]
+    harness.job.event_log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    faults = [FaultRecord(index, "kill_node random", {"action": "kill_node"}, fired=True, fired_at=at, node=node)
+              for index, (at, node) in enumerate([(4.0, "node1"), (6.0, "node1"), (8.0, "node1")])]
+    report = harness._report(faults, [])
+    assert [(r["source"], r["trusted"]) for r in report.restores] == [("memory", True), ("memory", False),
+                                                                       ("memory", True)]
+    assert "restore of step 9 from memory is not a verified copy of a committed step" in report.problems
+    assert [p for p in report.problems if "committed steps" in p] == [
+        "fault 2 (kill_node random) cost 2 committed steps (the restore of step 1 from memory); at most 1 expected"]

@@ -13,7 +13,7 @@ import pytest
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.history import PreviousIncarnation, previous_incarnation
-from elastic_ddp.runlog.progress import ProgressReporter, restore_message
+from elastic_ddp.runlog.progress import ProgressReporter, restore_message, source_text
 from elastic_ddp.runlog.tensorboard import open_scalars
 
 
@@ -39,6 +39,15 @@ def test_the_line_names_what_happened(before, after, finished, kind):
     line = restore_message(previous, before, after, 50, 0, 3, lost_steps=1, lost_seconds=0.5, now=2.0)
     assert line.startswith(f"{kind}: world {before} -> {after}, resumed from step 50 (epoch 1/3)")
     assert ("lost 1 step (0.5 s), 2.0 s without training" in line) == (kind != "relaunched")
+
+
+def test_the_line_says_where_the_state_came_from():
+    previous = PreviousIncarnation(world_size=4, last_event_time=100.0, finished=False)
+    line = restore_message(previous, 4, 3, 1237, 1, 10, lost_steps=0, lost_seconds=0.0, now=101.5,
+                           source=source_text("memory", 2, "node-b"))
+    assert line == ("node lost: world 4 -> 3, resumed from step 1237 (epoch 2/10) from memory of rank 2 on node-b, "
+                    "lost 0 steps (0.0 s), 1.5 s without training")
+    assert source_text("file", 0, "node-a") == "a snapshot file"
 
 
 def test_without_an_event_log_the_snapshot_tells_the_previous_world():

@@ -83,13 +83,15 @@ def synthetic_log(path: Path) -> None:
     emit(20.3, 1, "replication_failed", global_step=20, node=1, error="transfer failed: timed out")
     emit(20.5, 1, "drain", global_step=20, snapshot_durable=True)
     emit(30.0, 2, "start", world_size=3, nodes=2)
-    emit(30.1, 2, "restore", global_step=20, epoch=0, lost_steps=0, lost_seconds=0.0)
+    emit(30.1, 2, "restore", global_step=20, epoch=0, lost_steps=0, lost_seconds=0.0, source="memory", source_rank=1,
+         source_host="node-b")
     for step in range(21, 31):
         emit(10 + step, 2, "step", global_step=step, epoch=0)
     emit(35.5, 2, "snapshot", global_step=25, epoch=0, size_bytes=1000, write_seconds=0.25)
     emit(40.5, 2, "snapshot_failed", global_step=30, error="disk full")
     emit(50.0, 3, "start", world_size=3, nodes=2)
-    emit(50.1, 3, "restore", global_step=25, epoch=0, lost_steps=5, lost_seconds=5.0)
+    emit(50.1, 3, "restore", global_step=25, epoch=0, lost_steps=5, lost_seconds=5.0, source="file", source_rank=0,
+         source_host="node-a")
     emit(51.0, 3, "step", global_step=26, epoch=1)
     emit(51.5, 3, "epoch_end", epoch=0, global_step=26)
     emit(52.0, 3, "mystery", detail="from a newer version")
@@ -104,6 +106,8 @@ def test_drains_restarts_relaunches_and_failed_writes_are_told_apart(tmp_path, c
     synthetic_log(tmp_path / "events.jsonl")
     summary = report_json(tmp_path, capsys, "--plot", str(tmp_path / "plot.png"))
     assert [t["kind"] for t in summary["transitions"]] == ["node drained", "restart", "relaunch after finish"]
+    assert [t["resumed_from"] for t in summary["transitions"]] == [
+        "memory of rank 1 on node-b", "a snapshot file", None]  # None: a restore event without `source` (older logs)
     assert (summary["failures"], summary["drains"], summary["joins"], summary["restores"]) == (1, 1, 0, 3)
     assert summary["lost_steps_total"] == 5
     # Without training: 20.5 -> 31 (drain), 40.5 -> 51 (crash); a relaunch after finishing is not downtime.
@@ -120,7 +124,10 @@ def test_drains_restarts_relaunches_and_failed_writes_are_told_apart(tmp_path, c
     assert cli.main(["report", str(tmp_path / "events.jsonl"), "--no-plot"]) == 0
     text = capsys.readouterr().out
     assert "Incidents    1 failure, 1 drain, 0 joins, 3 restores over 4 incarnations" in text
-    assert "node drained: world 4 -> 3, resumed from step 20, lost 0 steps (0.0 s), 10.5 s without training" in text
+    assert ("node drained: world 4 -> 3, resumed from step 20 from memory of rank 1 on node-b, lost 0 steps (0.0 s), "
+            "10.5 s without training") in text
+    assert "restart: world 3 -> 3, resumed from step 25 from a snapshot file, lost 5 steps" in text
+    assert "Work lost    5 steps redone (5.0 s of training);" in text
     assert "relaunch after finish: world 3 -> 3, resumed from step 26 (no work to redo)" in text
     assert "1 snapshot write FAILED" in text
     assert ("Replication  3 snapshots copied to other nodes (newest: step 15); 1 delivery FAILED (last: "

@@ -1,0 +1,218 @@
+"""Memory copies: the last committed step kept in node memory as training stops, and what a restore
+accepts from them (elastic_ddp/snapshot/memory.py, docs/failure-semantics.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.distributed import DistributedContext
+from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
+from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.run_log import RunLog
+from elastic_ddp.runlog.startup import StartupTimeline
+from elastic_ddp.sampler import ElasticSampler
+from elastic_ddp.snapshot.errors import SnapshotError
+from elastic_ddp.snapshot.memory import SCOPE_TOKEN_NAME, MemoryTier, scope_token
+from elastic_ddp.snapshot.state import Snapshot
+from elastic_ddp.snapshot.storage import open_storage
+from tests.support.training import Crash, assert_same_parameters, crash_at, make_trainer, small_config
+
+FINGERPRINT = {"model": "m", "dataset_size": 10}
+
+
+def snapshot_of(step: int, fingerprint: dict | None = None) -> Snapshot:
+    return Snapshot(states={"progress": {"global_step": step}, "sampler": {"epoch": 0, "samples_consumed": step},
+                            "model": {"w": torch.full((4,), float(step))}},
+                    rng_per_rank=[], fingerprint=fingerprint or FINGERPRINT, world_size=2, incarnation=0, wall_time=0.0)
+
+
+def tier(tmp_path, token: str = "a" * 32, fingerprint: dict | None = None) -> MemoryTier:
+    return MemoryTier(tmp_path / "memory", "run", str(tmp_path / "ck"), fingerprint or FINGERPRINT, token)
+
+
+def restore_events(config) -> list[dict]:
+    return [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == "restore"]
+
+
+# ------------------------------------------------------------------------------- the tier itself
+
+def test_a_kept_copy_is_found_again_and_a_sibling_reuses_it(tmp_path):
+    memory = tier(tmp_path)
+    kept = memory.keep(snapshot_of(7))
+    assert kept is not None and kept.written and kept.path.name.startswith("memory-000000007-")
+    again = memory.keep(snapshot_of(7))  # a second rank of the node, same step
+    assert again is not None and not again.written and again.path == kept.path
+    newest = memory.newest()
+    assert newest.global_step == 7 and torch.equal(newest.snapshot.states["model"]["w"], torch.full((4,), 7.0))
+    assert oct(memory.directory.stat().st_mode & 0o777) == "0o700"
+
+
+def test_copies_are_pruned_to_the_newest_two_and_cleared_at_the_end(tmp_path):
+    memory = tier(tmp_path)
+    for step in (3, 4, 5):
+        memory.keep(snapshot_of(step))
+    assert sorted(path.name[7:16] for path in memory.directory.glob("memory-*")) == ["000000004", "000000005"]
+    memory.clear()
+    assert not memory.directory.exists() and memory.newest() is None
+
+
+def test_a_torn_copy_is_refused_with_a_line_and_the_previous_one_is_used(tmp_path, caplog):
+    memory = tier(tmp_path)
+    memory.keep(snapshot_of(4))
+    newest = memory.keep(snapshot_of(5)).path
+    newest.write_bytes(newest.read_bytes()[:-100])
+    with caplog.at_level(logging.WARNING):
+        assert memory.newest().global_step == 4
+    assert f"memory copy refused: {newest}" in caplog.text
+
+
+def test_a_stale_copy_of_an_earlier_run_is_refused(tmp_path, caplog):
+    tier(tmp_path, token="a" * 32).keep(snapshot_of(5))
+    with caplog.at_level(logging.WARNING):  # the checkpoint directory was created anew: another token
+        assert tier(tmp_path, token="b" * 32).newest() is None
+    assert "is stale: it is from an earlier run whose checkpoint directory has since been created anew" in caplog.text
+
+
+def test_a_copy_of_another_model_is_refused(tmp_path, caplog):
+    tier(tmp_path).keep(snapshot_of(5))
+    with caplog.at_level(logging.WARNING):
+        assert tier(tmp_path, fingerprint={**FINGERPRINT, "model": "other"}).newest() is None
+    assert "written by an incompatible run (model: snapshot has 'm', this run has 'other')" in caplog.text
+
+
+def test_a_directory_others_can_write_is_not_used(tmp_path, caplog):
+    memory = tier(tmp_path)
+    memory.keep(snapshot_of(5))
+    memory.directory.chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        assert memory.newest() is None
+        assert memory.keep(snapshot_of(6)) is None
+    assert "is not a private directory of this user" in caplog.text
+    memory.directory.chmod(0o700)
+    (tmp_path / "memory").chmod(0o777)  # a root anyone may write to, without the sticky bit
+    assert memory.newest() is None
+    assert "is writable by every user and not sticky" in caplog.text
+
+
+def test_the_partial_copy_of_a_killed_writer_is_removed(tmp_path):
+    memory = tier(tmp_path)
+    memory.keep(snapshot_of(1))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60)
+    partial = memory.directory / f".memory-000000002-0badc0de.pt.tmp-{dead.stdout.strip()}"
+    partial.write_bytes(b"half a copy")
+    ours = memory.directory / f".memory-000000002-0badc0de.pt.tmp-{os.getpid()}"  # a live writer's
+    ours.write_bytes(b"being written")
+    assert memory.newest().global_step == 1
+    assert not partial.exists() and ours.exists()
+
+
+def test_the_scope_token_is_created_once_and_checked(tmp_path):
+    storage = open_storage(str(tmp_path / "ck"))
+    first = scope_token(storage)
+    assert len(first) == 32 and scope_token(storage) == first
+    (tmp_path / "ck" / SCOPE_TOKEN_NAME).write_bytes(b"\xff" * 10_000)
+    with pytest.raises(SnapshotError, match="is not a scope token"):
+        scope_token(storage)
+
+
+# ------------------------------------------------------------------------------- in the trainer
+
+def test_a_crash_resumes_from_the_last_committed_step_not_the_last_snapshot(tmp_path):
+    reference = small_config(tmp_path / "reference", snapshot_every_steps=0)
+    make_trainer(reference).fit()
+    config = small_config(tmp_path / "run", snapshot_every_steps=0)  # files only at epoch ends (6, 12)
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(9)).fit()
+    assert load_snapshot(config.checkpoint_dir)["global_step"] == 6
+    resumed = make_trainer(config)
+    resumed.fit()
+    restore = restore_events(config)[-1]
+    assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (9, "memory", 0)
+    assert restore["file"] is None and restore["source_rank"] == 0
+    assert_same_parameters(load_snapshot(config.checkpoint_dir)["model"], load_snapshot(reference.checkpoint_dir)["model"])
+    assert not any((tmp_path / "run" / "memory").glob("*/memory-*")), "a finished run leaves no memory copy"
+
+
+def test_a_step_half_applied_is_never_kept(tmp_path, caplog):
+    config = small_config(tmp_path, snapshot_every_steps=0, memory_dir=str(tmp_path / "memory"))
+    trainer = make_trainer(config)
+
+    def fail_in_step_4(optimizer, args, kwargs):
+        if trainer.global_step == 3:  # the parameters have moved, the step count has not
+            raise Crash("in the middle of step 4")
+
+    trainer.state.optimizer.register_step_post_hook(fail_in_step_4)
+    with caplog.at_level(logging.ERROR), pytest.raises(Crash):
+        trainer.fit()
+    assert "stopped in the middle of applying step 4: that state is not kept" in caplog.text
+    assert not any((tmp_path / "memory").glob("*/memory-*"))
+    resumed = make_trainer(config)
+    resumed.fit()
+    assert restore_events(config) == [], "nothing to restore: started again from scratch"
+
+
+def test_a_failure_in_forward_or_backward_keeps_the_step_before(tmp_path):
+    config = small_config(tmp_path, snapshot_every_steps=0)
+    trainer = make_trainer(config)
+    forward = trainer.model.forward
+
+    def forward_that_fails_in_step_5(inputs):
+        if trainer.global_step == 4:
+            raise Crash("a collective failed in step 5")
+        return forward(inputs)
+
+    trainer.model.forward = forward_that_fails_in_step_5
+    with pytest.raises(Crash):
+        trainer.fit()
+    resumed = make_trainer(config)
+    resumed.fit()
+    assert restore_events(config)[-1]["global_step"] == 4
+
+
+def test_the_audit_log_gets_every_ranks_share_of_the_last_committed_step(tmp_path):
+    """One rank, as the survivor of a world of 3 that stopped after step 5: it writes the shares of
+    ranks 1 and 2 too, and the oracle accepts them as a whole world (and a repeat as one)."""
+    config = small_config(tmp_path, audit_log=str(tmp_path / "audit"))
+    sampler = ElasticSampler(config.dataset_size, config.global_batch_size, config.seed, config.drop_last)
+    plans = sampler.plan_epoch_remainder(0, 3, config.micro_batch_size)
+    context = DistributedContext(rank=0, local_rank=0, world_size=3, local_world_size=1, device=torch.device("cpu"),
+                                 backend="gloo")
+    log = RunLog(config, context, 0, len(plans), StartupTimeline())
+    for step, plan in enumerate(plans[:5], start=1):
+        log.step_committed(plan, step)
+    log.stopped_early(5, plans[4], "RuntimeError: Connection reset by peer")
+    log.stopped_early(5, plans[4], "again")
+    log.close()
+    entries = read_entries(tmp_path / "audit")
+    assert sorted(e["rank"] for e in entries if e["step"] == 5) == [0, 1, 1, 2, 2]
+    assert [e["samples"] for e in entries if e["step"] == 5 and e["rank"] == 2][0] == plans[4].samples_of(2, 3)
+    # Steps 1-4 lack ranks 1 and 2 (they were never written here); step 5 is whole.
+    problems = exactly_once_violations(entries, config.dataset_size, 1, config.global_batch_size)
+    assert not any(problem.startswith("step 5:") for problem in problems)
+    assert any(problem.startswith("step 4:") for problem in problems)
+
+
+def test_a_memory_copy_wins_a_tie_and_a_newer_file_wins_over_an_older_copy(tmp_path):
+    config = small_config(tmp_path, snapshot_every_steps=0)
+    with pytest.raises(Crash):  # step 6 ends epoch 0: a file and a memory copy of the same step
+        make_trainer(config, after_step=crash_at(6)).fit()
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(8)).fit()
+    assert [(e["global_step"], e["source"]) for e in restore_events(config)] == [(6, "memory")]
+    # A restart that uses no copies (--no-memory_copies) redoes 7 and 8 and stops after the next
+    # file snapshot (12); the copy of step 8 is still there, and loses to the newer file.
+    no_copies = small_config(tmp_path, snapshot_every_steps=0, memory_copies=False)
+    with pytest.raises(Crash):
+        make_trainer(no_copies, after_step=crash_at(12)).fit()
+    assert sorted(path.name[7:16] for path in (tmp_path / "memory").glob("*/memory-*")) == ["000000006", "000000008"]
+    make_trainer(config).fit()
+    assert [(e["global_step"], e["source"]) for e in restore_events(config)] == [
+        (6, "memory"), (6, "file"), (12, "file")]
