@@ -1,24 +1,29 @@
-"""Recovery: from a lost node to training again, and from a new node to training with it; in
-seconds, and in committed steps redone.
+"""Recovery: from a lost node, a new node and a frozen node to training again; in seconds, and in
+committed steps redone.
 
-    python benchmarks/recovery.py --quick            # one kill and one join per setting (about 4 min)
-    python benchmarks/recovery.py --repeats 3        # medians and spread (about 12 min)
-    python benchmarks/recovery.py --settings ours    # only the shipped settings
+    python benchmarks/recovery.py --quick            # one round per setting (about 6 min)
+    python benchmarks/recovery.py --repeats 3        # medians and spread (about 18 min)
+    python benchmarks/recovery.py --settings ours plain   # only some settings
 
 (run from the repository root). Each repetition starts a job of three torchrun agents ("nodes")
 on 127.0.0.1 with one worker each, lets it train, SIGKILLs one node (agent and workers), waits
 for the first optimizer step of the group that continues without it, then starts a new node and
 waits for the first step of the group that includes it (world 2 -> 3, below --nnodes' maximum of
-4, so torchrun's last-call wait applies, as it does on a real cluster that is not full).
+4, so torchrun's last-call wait applies, as it does on a real cluster that is not full), then
+SIGSTOPs that new node and waits for the first step of the group that goes on without it.
 
-Four settings are measured in the same run, interleaved, on the same machine:
+Five settings are measured in the same run, interleaved, on the same machine:
 - `ours`: what launch/node.sh ships: `python -m elastic_ddp.launcher` (torchrun with workers forked
-  from a warm fork server) with `RDZV_CONF` and `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults,
-  memory copies on (the default);
-- `ours-cold`: the same with plain torchrun (`python -m torch.distributed.run`), to separate what
-  the settings and what the warm workers contribute;
-- `stock`: plain torchrun with its defaults (no --rdzv_conf, --monitor_interval 0.1), and the
-  trainer with snapshot files alone (`--no-memory_copies`): periodic checkpoints every 20 steps;
+  from a warm fork server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
+  `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults; memory copies and the watchdog on (the
+  defaults);
+- `plain`: plain torchrun (`python -m torch.distributed.run`) with `--rdzv_backend=elastic-c10d`
+  and nothing else: the README's main command;
+- `ours-cold`: plain torchrun with torch's `c10d` and `RDZV_CONF`, the way to run before
+  elastic-c10d existed;
+- `stock`: plain torchrun with torch's `c10d` and its defaults (no --rdzv_conf, --monitor_interval
+  0.1), and the trainer with snapshot files alone (`--no-memory_copies --watchdog_timeout_s 0`):
+  periodic checkpoints every 20 steps, a frozen peer left to the collective timeout (60 s);
 - `tutorial`: the same, with a snapshot at each epoch end only (`--snapshot_every_steps 0`), as the
   PyTorch fault-tolerance tutorial saves (its script itself also loses the optimizer state and
   tears its snapshot when killed mid-write; findings.md).
@@ -60,19 +65,23 @@ from elastic_ddp.chaos.cluster import (
     LocalJob,
     LocalNode,
 )
+from elastic_ddp.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.history import EventFollower, WorkerGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
+    "plain": {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None,
+              "launcher": STOCK_LAUNCHER},
     "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
     "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
     "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
 }
 # Training flags of a setting beyond TRAINING_ARGS (see the module docstring).
+WITHOUT_OURS = ["--no-memory_copies", "--watchdog_timeout_s", "0"]
 SNAPSHOT_FLAGS: dict[str, list[str]] = {
-    "stock": ["--no-memory_copies"],
-    "tutorial": ["--no-memory_copies", "--snapshot_every_steps", "0"],
+    "stock": WITHOUT_OURS,
+    "tutorial": [*WITHOUT_OURS, "--snapshot_every_steps", "0"],
 }
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
                  "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
@@ -84,6 +93,9 @@ KILL_AFTER_STEP = STEPS_PER_EPOCH + 30
 # glog-style lines of torchrun's loggers: "I1121 19:27:26.876000 15122 path.py:123] message"
 AGENT_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] (.*)$")
 PHASES = ("imports", "process_group", "built", "restored", "first_step")
+EVENTS = {"kill": "SIGKILL of 1 of 3 nodes -> first step without it",
+          "join": "new node started -> first step with it (world 2 -> 3)",
+          "freeze": "SIGSTOP of 1 of 3 nodes -> first step without it"}
 
 
 def agent_log(node: LocalNode) -> list[tuple[float, str]]:
@@ -133,7 +145,7 @@ def with_keep_alive_max_attempt(attempts: int) -> dict[str, Any]:
 
 
 def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str, Any]:
-    """One kill and one join under `setting`; seconds and their phases."""
+    """One kill, one join and one freeze under `setting`; seconds, lost steps and their phases."""
     job = LocalJob(run_dir, [*TRAINING_ARGS, *SNAPSHOT_FLAGS.get(setting, [])], nnodes="1:4",
                    run_id=f"recovery-{setting}", agent_env={**AGENT_ENV, "LOGLEVEL": "INFO"}, **SETTINGS[setting])
     events = EventFollower(job.event_log)
@@ -148,7 +160,7 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
         resumed = _wait_for_group(events, killed_at, lambda g: True, timeout, "training after the kill")
         survivor = agent_log(job.nodes[0])
         kill = {"seconds": round(resumed.first_step["time"] - killed_at, 2),
-                "lost_steps": _lost_steps(resumed, events),
+                "lost_steps": _lost_steps(resumed, events), "without_training": _paused(resumed, events),
                 "agent_noticed": _since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
                 "rendezvous_complete": _since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
                 **_phases(resumed, events, killed_at)}
@@ -160,13 +172,33 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                                 "training with the new node")
         joiner_log = agent_log(joiner)
         join = {"seconds": round(grown.first_step["time"] - joined_at, 2),
-                "lost_steps": _lost_steps(grown, events),
+                "lost_steps": _lost_steps(grown, events), "without_training": _paused(grown, events),
                 "joiner_waiting": _since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
                 "rendezvous_complete": _since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
                 **_phases(grown, events, joined_at)}
-        return {"setting": setting, "kill": kill, "join": join}
+
+        job.wait_for_step(grown.first_step["global_step"] + 30, timeout)
+        frozen_at = time.time()
+        joiner.freeze()
+        unfrozen = _wait_for_group(events, frozen_at, lambda g: joiner.pid not in g.agent_pids, timeout,
+                                   "training without the frozen node")
+        survivor = agent_log(job.nodes[0])
+        freeze = {"seconds": round(unfrozen.first_step["time"] - frozen_at, 2),
+                  "lost_steps": _lost_steps(unfrozen, events), "without_training": _paused(unfrozen, events),
+                  "agent_noticed": _since(first_after(survivor, frozen_at, "Worker group FAILED"), frozen_at),
+                  "rendezvous_complete": _since(first_after(survivor, frozen_at, "Rendezvous complete"), frozen_at),
+                  **_phases(unfrozen, events, frozen_at)}
+        return {"setting": setting, "kill": kill, "join": join, "freeze": freeze}
     finally:
         job.stop()
+
+
+def _paused(group: WorkerGroup, events: EventFollower) -> float | None:
+    """Seconds without training before `group`'s first step: since the newest step of the groups
+    that started before it (for a join, how long the running nodes waited for the new one)."""
+    before = [g.newest_step["time"] for g in events.groups.values()
+              if g.started < group.started and g.newest_step is not None]
+    return round(group.first_step["time"] - max(before), 2) if before else None
 
 
 def _lost_steps(group: WorkerGroup, events: EventFollower) -> int | None:
@@ -191,9 +223,9 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
         for setting in settings:
             record = measure_once(setting, run_root / f"{setting}-{repeat}")
             records.append(record)
-            print(f"{setting} #{repeat + 1}: kill -> training {record['kill']['seconds']:.1f} s "
-                  f"({record['kill']['lost_steps']} steps lost), join -> training {record['join']['seconds']:.1f} s "
-                  f"({record['join']['lost_steps']} lost)", file=sys.stderr, flush=True)
+            print(f"{setting} #{repeat + 1}: " + ", ".join(
+                f"{event} -> training {record[event]['seconds']:.1f} s ({record[event]['lost_steps']} steps lost)"
+                for event in EVENTS), file=sys.stderr, flush=True)
     return records
 
 
@@ -202,7 +234,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for setting in dict.fromkeys(r["setting"] for r in records):
         summary[setting] = {}
-        for event in ("kill", "join"):
+        for event in EVENTS:
             keys = dict.fromkeys(key for r in records if r["setting"] == setting for key in r[event])
             summary[setting][event] = {}
             for key in keys:
@@ -214,8 +246,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
 
 
 def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
-    for event, title in (("kill", "SIGKILL of 1 of 3 nodes -> first step without it"),
-                         ("join", "new node started -> first step with it (world 2 -> 3)")):
+    for event, title in EVENTS.items():
         print(f"\n{title} (seconds after the event; median [min-max] over n runs)")
         settings = list(summary)
         keys = list(dict.fromkeys(key for s in settings for key in summary[s][event]))

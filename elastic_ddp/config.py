@@ -2,8 +2,15 @@
 
 The CLI is derived from the dataclass fields, so a field, its type, its default and its help text
 live in one place (docs/configuration.md is generated from the same fields). Booleans become
-`--flag/--no-flag`. Validation happens in `__post_init__`, before any process group exists, and
-raises `ValueError` with one line naming the flag, the value and what is accepted.
+`--flag/--no-flag`; a `tuple[float, float]` field takes two numbers. A subclass with fields of its
+own gets flags for them from `from_args`. `--config FILE.toml` supplies values for any of them
+(elastic_ddp/config_file.py); the command line wins over the file. Flags are never abbreviated:
+`--dataset x` is `--dataset`, never a prefix of `--dataset_size`.
+
+Validation happens in `__post_init__`, before any process group exists, and raises `ValueError`
+with one line naming the flag, the value and what is accepted. Import paths (`--model`,
+`--dataset`, `--eval_dataset`, `--loss`) are checked for their form here and imported by
+elastic_ddp/user_code.py, also before any process group.
 """
 
 from __future__ import annotations
@@ -17,12 +24,24 @@ from typing import Any, Sequence
 
 import torch
 
+from elastic_ddp.config_file import ConfigFileError, load_config_file
 from elastic_ddp.sampler import steps_per_epoch
 from elastic_ddp.snapshot.storage import is_url, open_storage
+from elastic_ddp.user_code import has_import_path_form
 
 MODELS = ("mini_resnet", "mlp")
+SYNTHETIC = "synthetic"  # the built-in dataset (elastic_ddp/data.py)
+SYNTHETIC_SIZE = 4096  # its default length
+OPTIMIZERS = ("sgd", "adamw")
+LOSSES = ("cross_entropy", "mse")
+IMPORT_PATH_FORM = "package.module:callable"
 # timedelta's limit is far above this; a collective that may block for more than a week is a mistake.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# The peer watchdog's bound (elastic_ddp/watchdog.py) and the least it may be. Heartbeats every
+# bound / 8 stayed unchanged for at most 0.77 s (two heartbeat periods) on a 2-core machine running
+# 4 workers and 12 busy loops (docs/failure-semantics.md, "The watchdog"): 3 s is 4x that.
+WATCHDOG_TIMEOUT_S = 3.0
+MIN_WATCHDOG_TIMEOUT_S = 1.0
 PROGRESS_MODES = ("auto", "bar", "log", "off")  # see elastic_ddp/runlog/progress.py
 
 
@@ -40,17 +59,36 @@ class TrainingConfig:
     micro_batch_size: int = _help(
         "Most samples one rank pushes through one forward pass; gradient accumulation steps follow "
         "from this, the global batch and the current world size.", default=32)
-    lr: float = _help("Peak learning rate (SGD with momentum, linear warm-up then cosine decay).", default=0.05)
-    momentum: float = _help("SGD momentum.", default=0.9)
-    weight_decay: float = _help("SGD weight decay.", default=0.0)
+    lr: float = _help("Peak learning rate (linear warm-up, then cosine decay to zero).", default=0.05)
+    optimizer: str = _help(f"Optimizer: {' or '.join(OPTIMIZERS)}.", default="sgd")
+    momentum: float = _help("SGD momentum (--optimizer sgd).", default=0.9)
+    betas: tuple[float, float] = _help("AdamW's two betas (--optimizer adamw), e.g. --betas 0.9 0.95.",
+                                       default=(0.9, 0.999))
+    weight_decay: float = _help("Weight decay: SGD adds it to the gradient, AdamW decouples it.", default=0.0)
     warmup_steps: int = _help("Optimizer steps of linear learning-rate warm-up.", default=0)
     seed: int = _help("Seed of the model initialisation, the data order and the augmentation.", default=0)
-    model: str = _help(f"Built-in model: {' or '.join(MODELS)} (mlp has no batch-dependent layers).",
-                       default="mini_resnet")
-    dataset_size: int = _help("Length of the built-in synthetic dataset.", default=4096)
+    model: str = _help(
+        f"A built-in model ({' or '.join(MODELS)}; mlp has no batch-dependent layers) or {IMPORT_PATH_FORM}: a "
+        "callable with no arguments that returns a torch.nn.Module (torch is seeded from --seed first).",
+        default="mini_resnet")
+    dataset: str = _help(
+        f"Training data: {SYNTHETIC} (built-in images) or {IMPORT_PATH_FORM}: a callable with no arguments "
+        "that returns a map-style dataset of (input, target) samples.", default=SYNTHETIC)
+    dataset_size: int | None = _help(
+        f"Length of the built-in {SYNTHETIC} dataset (default {SYNTHETIC_SIZE}); built-in only: an error with "
+        "--dataset of your own.", default=None)
     drop_last: bool = _help("Drop the last global batch of an epoch when it is not full.", default=False)
-    augment: bool = _help("Random flips of the built-in images, drawn from (seed, epoch, sample index).",
-                          default=True)
+    augment: bool | None = _help(
+        "Random flips of the built-in images, drawn from (seed, epoch, sample index) (default on); built-in "
+        "only: an error with --dataset of your own.", default=None)
+    eval_dataset: str | None = _help(
+        f"Held-out data, evaluated every --eval_every_steps and at each epoch end: {SYNTHETIC} (held-out "
+        f"images of the built-in data, a quarter of --dataset_size) or {IMPORT_PATH_FORM}, as --dataset.",
+        default=None)
+    eval_every_steps: int = _help("Evaluate every N optimizer steps as well; 0: at each epoch end only.", default=0)
+    loss: str = _help(
+        f"Per-sample loss: {' or '.join(LOSSES)} or {IMPORT_PATH_FORM}: loss(outputs, targets) returning one "
+        "loss per sample (reduction='none').", default="cross_entropy")
     checkpoint_dir: str = _help(
         "Where snapshots go: a local directory (each node's own disk is fine), or an fsspec URL such as "
         "s3://bucket/run (needs the object-store extra; see docs/snapshots.md).", default="checkpoints")
@@ -93,28 +131,40 @@ class TrainingConfig:
         "JSON-lines event log of the run (restores, snapshots, membership); default: "
         "CHECKPOINT_DIR/events.jsonl.", default=None)
     collective_timeout_s: float = _help(
-        "Seconds a collective may block before the rank gives up (a frozen peer is detected within "
-        "this time).", default=60.0)
+        "Seconds a collective may block before the rank gives up: the last resort when the watchdog "
+        "is off (it bounds a step, a snapshot broadcast or a restore, so keep it well above the slowest).",
+        default=60.0)
+    watchdog_timeout_s: float = _help(
+        "Seconds without a heartbeat from a peer (frozen, partitioned, or dead under NCCL) before this worker "
+        "stops so that torchrun re-forms the group without it; 0 turns the watchdog off. A live peer "
+        "heartbeats from a thread of its own, however slow its steps (docs/failure-semantics.md).",
+        default=WATCHDOG_TIMEOUT_S)
     device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")
 
     def __post_init__(self) -> None:
+        self._check_workload()
         _check_finite(self)
         _check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
         _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
-                            "snapshot_replicas", "min_step_time_s")
+                            "snapshot_replicas", "min_step_time_s", "eval_every_steps")
         if not self.lr > 0:
             raise ValueError(f"--lr: got {self.lr}; expected a positive number")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum: got {self.momentum}; expected a number in [0, 1)")
-        if self.model not in MODELS:
-            raise ValueError(f"--model: got {self.model!r}; expected one of {', '.join(MODELS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer: got {self.optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+        if not (len(self.betas) == 2 and all(0 <= beta < 1 for beta in self.betas)):
+            raise ValueError(f"--betas: got {' '.join(map(str, self.betas))}; expected two numbers in [0, 1)")
+        if self.eval_every_steps and self.eval_dataset is None:
+            raise ValueError(f"--eval_every_steps: got {self.eval_every_steps} without --eval_dataset; expected "
+                             "--eval_dataset too (or 0)")
         if self.keep_last < 2:
             raise ValueError(f"--keep_last: got {self.keep_last}; expected at least 2 (the previous good "
                              "snapshot must survive a torn write)")
         if self.micro_batch_size > self.global_batch_size:
             raise ValueError(f"--micro_batch_size: got {self.micro_batch_size}; expected at most "
                              f"--global_batch_size ({self.global_batch_size})")
-        if self.drop_last and self.global_batch_size > self.dataset_size:
+        if self.drop_last and self.dataset_size is not None and self.global_batch_size > self.dataset_size:
             raise ValueError(f"--global_batch_size: got {self.global_batch_size} with --drop_last; expected at "
                              f"most --dataset_size ({self.dataset_size}), or no step would run")
         for name in ("collective_timeout_s", "snapshot_timeout_s"):
@@ -128,22 +178,66 @@ class TrainingConfig:
             raise ValueError(f"--device: got {self.device!r}; expected auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
+        if not (self.watchdog_timeout_s == 0 or MIN_WATCHDOG_TIMEOUT_S <= self.watchdog_timeout_s
+                < self.collective_timeout_s):
+            raise ValueError(f"--watchdog_timeout_s: got {self.watchdog_timeout_s}; expected 0 (off) or at least "
+                             f"{MIN_WATCHDOG_TIMEOUT_S:g} s and below --collective_timeout_s "
+                             f"({self.collective_timeout_s:g} s)")
         _check_checkpoint_dir(self.checkpoint_dir)
         if self.memory_copies and not self.memory_dir:
             raise ValueError("--memory_dir: got an empty path; expected a directory (or --no-memory_copies)")
 
+    def _check_workload(self) -> None:
+        """The form of the workload flags; fills in the built-in dataset's defaults."""
+        self.betas = tuple(self.betas)  # a list from a config file or the library
+        _check_choice_or_import_path("model", self.model, MODELS)
+        _check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC,))
+        _check_choice_or_import_path("loss", self.loss, LOSSES)
+        if self.eval_dataset is not None:
+            _check_choice_or_import_path("eval_dataset", self.eval_dataset, (SYNTHETIC,))
+            if self.eval_dataset == SYNTHETIC != self.dataset:
+                raise ValueError(f"--eval_dataset: got {SYNTHETIC} with --dataset {self.dataset}; the built-in "
+                                 "held-out set goes with the built-in data: expected an import path")
+        if self.dataset == SYNTHETIC:
+            self.dataset_size = SYNTHETIC_SIZE if self.dataset_size is None else self.dataset_size
+            self.augment = True if self.augment is None else self.augment
+            return
+        for name in ("dataset_size", "augment"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"--{name}: got {getattr(self, name)} with --dataset {self.dataset}; it applies to "
+                                 f"the built-in {SYNTHETIC} dataset only: leave it out")
+
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch; depends on the dataset and global batch, never on the world size."""
+        """Optimizer steps per epoch of the built-in dataset (a dataset of yours: `ElasticSampler`'s);
+        depends on the dataset and global batch, never on the world size."""
+        if self.dataset_size is None:
+            raise ValueError(f"steps_per_epoch: --dataset {self.dataset} is not the built-in one; its length "
+                             "is known once it is built (ElasticSampler.steps_per_epoch)")
         return steps_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> TrainingConfig:
-        """Parse a command line; bad values exit with argparse's usage line and our one-line reason."""
-        parser = build_parser()
-        namespace = parser.parse_args(argv)
+        """Parse a command line (with `--config FILE.toml` under it): a config of this class, whose
+        own fields have flags too. Bad values exit with argparse's usage line and our one-line reason."""
+        config, _ = cls._parse(argv, known_only=False)
+        return config
+
+    @classmethod
+    def from_known_args(cls, argv: Sequence[str]) -> tuple[TrainingConfig, list[str]]:
+        """As `from_args`, for a command line that also carries flags of others: (config, the rest)."""
+        return cls._parse(argv, known_only=True)
+
+    @classmethod
+    def _parse(cls, argv: Sequence[str] | None, known_only: bool) -> tuple[TrainingConfig, list[str]]:
+        parser = build_parser(cls)
+        file_values = _config_file_values(parser, cls, argv)
+        parser.set_defaults(**file_values)
+        namespace, rest = parser.parse_known_args(argv) if known_only else (parser.parse_args(argv), [])
+        values = vars(namespace)
+        values.pop(CONFIG_FILE_FLAG[2:])
         try:
-            return cls(**vars(namespace))
+            return cls(**values), rest
         except ValueError as exc:
             parser.error(str(exc))
 
@@ -157,6 +251,12 @@ def _check_finite(config: TrainingConfig) -> None:
         value = getattr(config, config_field.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{config_field.name}: got {value}; expected a finite number")
+
+
+def _check_choice_or_import_path(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices and not has_import_path_form(value):
+        raise ValueError(f"--{name}: got {value!r}; expected {' or '.join(choices)}, or an import path "
+                         f"{IMPORT_PATH_FORM}")
 
 
 def _check_checkpoint_dir(location: str) -> None:
@@ -176,7 +276,7 @@ def _check_checkpoint_dir(location: str) -> None:
 def _check_positive(config: TrainingConfig, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if not value > 0:
+        if value is not None and not value > 0:
             raise ValueError(f"--{name}: got {value}; expected a positive integer")
 
 
@@ -187,30 +287,61 @@ def _check_non_negative(config: TrainingConfig, *names: str) -> None:
             raise ValueError(f"--{name}: got {value}; expected 0 or more")
 
 
+CONFIG_FILE_FLAG = "--config"
+PAIR = "tuple[float, float]"
+
+
 def _field_type(config_field: dataclasses.Field) -> type:
+    """The flag's type: bool, int, float, str, or tuple (for `tuple[float, float]`)."""
     # Annotations are strings under `from __future__ import annotations`.
     annotation = str(config_field.type)
+    if annotation == PAIR:
+        return tuple
     for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if annotation.startswith(name):
             return kind
-    raise TypeError(f"TrainingConfig.{config_field.name}: unsupported type {annotation}")
+    raise TypeError(f"{config_field.name}: unsupported field type {annotation} for a flag; expected bool, int, "
+                    f"float, str (optionally `| None`) or {PAIR}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """An argparse parser with one flag per `TrainingConfig` field."""
+def build_parser(config_class: type[TrainingConfig] | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per field of `config_class` (TrainingConfig or a subclass),
+    and `--config FILE.toml`. Prefix matching is off: an unknown flag is an error, never another flag."""
     parser = argparse.ArgumentParser(
         prog="python -m elastic_ddp.train",
         description="Elastic DDP training; launch it with torchrun (see README.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
-    for config_field in dataclasses.fields(TrainingConfig):
+    parser.add_argument(CONFIG_FILE_FLAG, metavar="FILE.toml", default=None,
+                        help="Values for any flag below from a TOML file (keys are flag names without the dashes: "
+                             "epochs = 3); flags given on the command line win.")
+    for config_field in dataclasses.fields(config_class or TrainingConfig):
         kind = _field_type(config_field)
         flag = f"--{config_field.name}"
-        help_text = config_field.metadata["help"]
+        help_text = config_field.metadata.get("help", "")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=config_field.default, help=help_text)
+        elif kind is tuple:
+            parser.add_argument(flag, type=float, nargs=2, default=config_field.default, help=help_text,
+                                metavar=(f"{config_field.name.upper()}1", f"{config_field.name.upper()}2"))
         else:
             parser.add_argument(flag, type=kind, default=config_field.default, help=help_text,
                                 metavar=config_field.name.upper())
     return parser
+
+
+def _config_file_values(parser: argparse.ArgumentParser, config_class: type[TrainingConfig],
+                        argv: Sequence[str] | None) -> dict[str, Any]:
+    """The values of the `--config` file named on the command line, checked against the fields."""
+    finder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    finder.add_argument(CONFIG_FILE_FLAG, default=None)
+    path = finder.parse_known_args(argv)[0].config
+    if path is None:
+        return {}
+    kinds = {config_field.name: _field_type(config_field) for config_field in dataclasses.fields(config_class)}
+    try:
+        return load_config_file(path, kinds)
+    except ConfigFileError as exc:
+        parser.error(str(exc))

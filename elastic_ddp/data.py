@@ -26,6 +26,8 @@ NUM_CLASSES = 10
 class SyntheticImageDataset(Dataset):
     """Noisy images around one fixed pattern per class: learnable, deterministic per index.
 
+    `held_out=True` draws other samples around the same class patterns: data for evaluation.
+
     Making a sample costs about 15 us of CPU (seeding a generator and drawing the noise), a third
     of the MLP's whole training step per sample on one core. So a dataset of at most
     `CACHE_LIMIT_BYTES` of images keeps every sample it made (the default 4096 samples: 12 MiB)
@@ -35,14 +37,15 @@ class SyntheticImageDataset(Dataset):
     CACHE_LIMIT_BYTES = 256 * 2**20
 
     def __init__(self, size: int, seed: int = 0, image_shape: tuple[int, ...] = IMAGE_SHAPE,
-                 num_classes: int = NUM_CLASSES):
+                 num_classes: int = NUM_CLASSES, held_out: bool = False):
         self.size = size
         self.seed = seed
         self.image_shape = image_shape
         self.num_classes = num_classes
         generator = torch.Generator().manual_seed(derive_seed("class-patterns", seed))
         self.class_patterns = torch.randn((num_classes, *image_shape), generator=generator)
-        self._sample_base = derive_seed("sample", seed)
+        # A held-out set: the same class patterns, other noise (and so other samples).
+        self._sample_base = derive_seed("held-out-sample" if held_out else "sample", seed)
         self._generator = torch.Generator()  # reseeded per sample
         image_bytes = self.class_patterns[0].numel() * self.class_patterns.element_size()
         self._made: dict[int, tuple[torch.Tensor, int]] | None = (

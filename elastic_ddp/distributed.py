@@ -12,6 +12,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -97,14 +98,35 @@ def warn_if_agent_store_shared() -> None:
     """Name the fix when torchrun shares its rendezvous store with the workers.
 
     With the shared store, workers restarted after a re-rendezvous read the previous round's gloo
-    addresses (pytorch/pytorch#135712). Installing elastic_ddp turns sharing off for torchrun
-    (see elastic_ddp/rendezvous/plugin.py); this fires only if something turned it back on.
+    addresses (pytorch/pytorch#135712). Our backends (`--rdzv_backend=elastic-c10d`, `etcd-v3`)
+    never share it, and with torch's `c10d` the plugin turns sharing off for `-m elastic_ddp.train`
+    (elastic_ddp/rendezvous/plugin.py); this fires for a script of your own on torch's `c10d`, or
+    when something turned sharing back on.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         logger.warning(
             "torchrun shares its rendezvous TCPStore with the workers: restarts and joins may hang in "
-            "init_process_group. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
-            "environment (the launch/ scripts do).")
+            "init_process_group. Use --rdzv_backend=elastic-c10d, or start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (the launch/ scripts do).")
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Whether `host:port` accepted a TCP connection within `timeout_s` (tried every `poll_s`).
+
+    The other ranks call it before `init_process_group`, whose store client, started before rank
+    0's store listens, retries with a backoff that cost 0.15-0.9 s after the store was up (measured
+    on torch 2.13): on the critical path of every restart. Connecting once the port listens takes
+    one attempt. The probe connects and closes; the store server takes that as a client leaving.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(poll_s, 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False  # init_process_group will say why, with its own timeout
+            time.sleep(poll_s)
 
 
 @contextlib.contextmanager
@@ -118,6 +140,8 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
         yield
         return
     warn_if_agent_store_shared()
+    if context.rank != 0:
+        wait_until_listening(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout.total_seconds())
     if context.device.type == "cuda":
         torch.cuda.set_device(context.device)
     dist.init_process_group(
@@ -173,6 +197,13 @@ def exit_worker(exit_code: int) -> NoReturn:
     """
     if multiprocessing.parent_process() is not None:
         sys.exit(exit_code)
+    end_worker_now(exit_code)
+
+
+def end_worker_now(exit_code: int) -> NoReturn:
+    """End this process with `exit_code` at once, from any thread: flush logging and stdio, then
+    `os._exit` (see `exit_worker` for why no teardown). For a worker that must stop while its main
+    thread is blocked in a collective (the peer watchdog)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken stream must not change the exit code

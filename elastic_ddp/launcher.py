@@ -8,10 +8,12 @@ first difference is how workers start. After every failure or join, torchrun sta
 a new `python -m MODULE` process, which imports torch (1.3-2 s on a small CPU, several times that
 when all workers of a machine start at once) and, at the first `torch.optim` call, torch._dynamo
 (another 1.4-1.6 s). Here the agent first starts a multiprocessing fork server that imports
-torch, torch._dynamo and elastic_ddp's trainer once, while the agent is still in the rendezvous;
+torch, torch._dynamo and elastic_ddp's trainer once (started before the agent imports torch
+itself, so that the two imports run side by side), while the agent is still in the rendezvous;
 torchrun then forks every worker from it (`--start-method forkserver`) and the worker runs
-`MODULE` with `runpy`, as `python -m MODULE` would. docs/failure-semantics.md ("Recovery speed")
-has the measured difference.
+`MODULE` with `runpy`, as `python -m MODULE` would. (Entering the rendezvous only once the fork
+server is ready was tried: a join then kept the running nodes waiting 0.2 s less, and took 0.8 s
+longer in all, median of 3.) docs/failure-semantics.md ("Recovery speed") has the measured difference.
 
 The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.rendezvous.liveness):
 a killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
@@ -160,10 +162,20 @@ def probed_c10d_arguments(argv: list[str]) -> list[str]:
     return argv
 
 
+def may_run_warm(argv: Sequence[str]) -> bool:
+    """A cheap guess, before torch is imported, that `warm_arguments` will accept `argv`."""
+    flags = set(argv)
+    return bool(flags & {"-m", "--module"}) and not flags & {"--no-python", "--no_python", "--run-path", "--run_path"}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if may_run_warm(argv):
+        start_fork_server()  # first: it imports torch while this agent imports torch too
+
     from torch.distributed import run as torchrun
 
-    argv = probed_c10d_arguments(list(sys.argv[1:] if argv is None else argv))
+    argv = probed_c10d_arguments(argv)
     warm = warm_arguments(argv)
     if warm is not None:
         # torchrun's --run-path entry point, pointed at runpy.run_module instead of run_path.

@@ -1,4 +1,4 @@
-"""Per-sample losses: the trainer sums them and scales the sum to the mean over the global batch."""
+"""Per-sample losses (`--loss`): the trainer sums them and scales the sum to the mean over the global batch."""
 
 from __future__ import annotations
 
@@ -12,3 +12,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def per_sample_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of each sample over its own elements. Targets of the outputs' size in
+    another shape (a regression target of shape (N,) for outputs of (N, 1)) are reshaped to it."""
+    targets = targets.to(outputs.dtype)
+    if targets.shape != outputs.shape and targets.numel() == outputs.numel():
+        targets = targets.reshape(outputs.shape)
+    squared = nn.functional.mse_loss(outputs, targets, reduction="none")
+    return squared.reshape(len(squared), -1).mean(dim=1)

@@ -11,7 +11,9 @@ from elastic_ddp.config import TrainingConfig
 
 
 def build_optimizer(config: TrainingConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD with momentum and weight decay from the config."""
+    """`--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr` and `--weight_decay`."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 

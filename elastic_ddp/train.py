@@ -1,7 +1,11 @@
-"""What torchrun runs: parse the config, build the built-in model and data, train, tear down.
+"""What torchrun runs: parse the config, build the model and data, train, tear down.
 
-    torchrun --nnodes=1:4 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 \\
+    torchrun --nnodes=1:4 --nproc_per_node=2 --rdzv_backend=elastic-c10d --rdzv_endpoint=127.0.0.1:29400 \\
         --rdzv_id=demo --max_restarts=10 -m elastic_ddp.train --epochs 3 --checkpoint_dir runs/demo
+
+Your own model and data need no script: `--model my_pkg.models:build --dataset my_pkg.data:train`
+(elastic_ddp/workload.py). To add flags of your own, subclass `TrainingConfig` and pass it as
+`config_class`: `main(config_class=MyConfig)`.
 
 Run it with plain `python -m elastic_ddp.train ...` for a single process without torchrun.
 `python -m elastic_ddp.train --help` lists every flag (also in docs/configuration.md).
@@ -14,32 +18,51 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.data import SyntheticImageDataset, random_horizontal_flip
 from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
 from elastic_ddp.drain import DRAIN_EXIT_CODE, DrainRequested
-from elastic_ddp.models import build_model
+from elastic_ddp.prefetch import start_prefetching_dynamo
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
 from elastic_ddp.trainer import Trainer
+from elastic_ddp.user_code import UserCodeError
+from elastic_ddp.workload import build_workload
+
+logger = logging.getLogger(__name__)
+
+FAILED_EXIT_CODE = 1
+BAD_INPUT_EXIT_CODE = 2  # argparse's, for a value that only fails when it is used (an import path)
 
 
-def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None] | None = None) -> int:
-    """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM).
+def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None] | None = None,
+         config_class: type[TrainingConfig] = TrainingConfig) -> int:
+    """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM). An
+    error in training ends the process at once with FAILED_EXIT_CODE, after logging it: this is a
+    worker's main, not a library call (use `Trainer.fit` for that). A model, dataset or loss that
+    cannot be built ends it with BAD_INPUT_EXIT_CODE and one line, before any process group.
 
     `after_step` goes to the Trainer (see its contract): for wrappers that add a hook to this run.
+    `config_class`: a subclass of TrainingConfig whose extra fields become flags too.
     """
     startup = StartupTimeline()
     startup.mark("imports")
-    config = TrainingConfig.from_args(argv)
+    start_prefetching_dynamo()  # overlaps the process group's set-up and the restore
+    config = config_class.from_args(argv)
     context = DistributedContext.from_env(config.device)
     log_prefix = configure_worker_logging(context.rank, context.world_size)
+    try:
+        workload = build_workload(config)
+    except UserCodeError as exc:
+        logger.error("%s", exc)
+        return BAD_INPUT_EXIT_CODE
     with process_group(context, timedelta(seconds=config.collective_timeout_s)):
         startup.mark("process_group")
         trainer = Trainer(
-            model=build_model(config.model, config.seed),
-            dataset=SyntheticImageDataset(config.dataset_size, config.seed),
+            model=workload.model,
+            dataset=workload.dataset,
+            eval_dataset=workload.eval_dataset,
+            loss_fn=workload.loss_fn,
             config=config,
-            sample_transform=random_horizontal_flip if config.augment else None,
+            sample_transform=workload.sample_transform,
             context=context,
             log_prefix=log_prefix,
             startup=startup,
@@ -50,9 +73,13 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
             trainer.fit()
         except DrainRequested as exc:
             # Never exit 0 here: torchrun closes the rendezvous for every node when a group exits 0.
-            logging.getLogger(__name__).info("%s; exiting with %d (not 0, which would end the job)", exc,
-                                             DRAIN_EXIT_CODE)
+            logger.info("%s; exiting with %d (not 0, which would end the job)", exc, DRAIN_EXIT_CODE)
             return DRAIN_EXIT_CODE
+        except Exception:
+            # fit() has kept the last committed step and closed its files. Exit now, without tearing
+            # down a process group whose peer may be gone: torchrun sees the failure sooner.
+            logger.exception("training stopped by an error; exiting with %d", FAILED_EXIT_CODE)
+            exit_worker(FAILED_EXIT_CODE)
     return 0
 
 

@@ -6,8 +6,11 @@ Usable as a library with your own objects:
     trainer.fit()
 
 Contracts:
-- `dataset` is map-style and returns (input, target) samples that the default collate can batch.
-- `loss_fn(outputs, targets)` returns one loss per sample (reduction="none"); the trainer scales
+- `dataset` is map-style and returns (input, target) samples that the default collate can batch;
+  so is `eval_dataset` (optional): held-out data evaluated every `--eval_every_steps` steps and at
+  each epoch end on every rank, reported by rank 0 (elastic_ddp/evaluation.py). Evaluation draws no
+  random number and moves no data cursor: the training trajectory is the same without it.
+- `loss_fn(outputs, targets)` returns one loss per sample (reduction="none", checked); the trainer scales
   the sum so that the averaged gradient is the mean over the *global* batch, whatever the split.
 - `optimizer` was built on `model.parameters()`; `scheduler` (optional) is stepped once per
   optimizer step. Without one, a warm-up plus cosine schedule over all epochs is used.
@@ -21,6 +24,9 @@ Contracts:
   rank keeps the state of its last committed step in node memory before `fit()` re-raises, and
   the next worker group resumes from it (elastic_ddp/snapshot/memory.py). A step is committed once
   its optimizer step and bookkeeping are applied whole (`TrainingState.updating`).
+- With `--watchdog_timeout_s` (on by default) a peer that sends no heartbeat for that long (frozen,
+  or dead under NCCL) makes `fit()` keep the last committed step the same way and end the process
+  with `SILENT_PEER_EXIT_CODE`, from the watchdog's thread (elastic_ddp/watchdog.py).
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
@@ -46,6 +52,7 @@ from elastic_ddp.config import TrainingConfig
 from elastic_ddp.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
 from elastic_ddp.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
 from elastic_ddp.drain import DrainRequested, DrainSignal
+from elastic_ddp.evaluation import evaluate
 from elastic_ddp.losses import LossFn, per_sample_cross_entropy
 from elastic_ddp.optim import build_optimizer, warmup_cosine_schedule
 from elastic_ddp.runlog.metrics import LossWindow
@@ -55,6 +62,7 @@ from elastic_ddp.runlog.worker_logging import RankPrefix
 from elastic_ddp.sampler import ElasticSampler, StepPlan
 from elastic_ddp.snapshot.session import SnapshotSession
 from elastic_ddp.snapshot.state import ScalerState, StepCounter, TrainingState, run_fingerprint
+from elastic_ddp.stopping import StopGuard
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,7 @@ class Trainer:
     """Trains `model` on `dataset` with elastic DDP; all state lives in snapshots."""
 
     def __init__(self, model: nn.Module, dataset: Dataset, config: TrainingConfig,
+                 eval_dataset: Dataset | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  loss_fn: LossFn = per_sample_cross_entropy,
@@ -87,6 +96,7 @@ class Trainer:
         self.fingerprint = run_fingerprint(self.model, len(dataset), config.global_batch_size, config.seed,
                                            config.drop_last)
         self.samples = EpochSampleView(dataset, config.seed, sample_transform)
+        self.eval_dataset = eval_dataset
         self.loss_fn = loss_fn
         self.autocast_dtype = (torch.float16 if use_cuda else torch.bfloat16) if config.use_amp else None
         self.after_step = after_step
@@ -94,7 +104,7 @@ class Trainer:
         self.log_prefix = log_prefix
         self.drain = DrainSignal(self.context.device)
         self._empty_batch: list[torch.Tensor] | None = None
-        self._last_plan: StepPlan | None = None  # of the last step committed in this fit()
+        self.stop_guard: StopGuard | None = None  # keeps the last committed step (set during fit())
         self.run_log: RunLog | None = None  # what this fit() reports, and
         self.snapshots: SnapshotSession | None = None  # its snapshots (both set during fit())
 
@@ -118,13 +128,16 @@ class Trainer:
         started = time.monotonic()
         incarnation = agree_on_incarnation(self.context)
         with self._incarnation(incarnation) as (log, snapshots):
-            log.started()
-            snapshots.start()
-            log.restored(snapshots.restore(self.state))
-            self._wrap_model()
-            with self.drain.catching_sigterm(), self._keeping_state_if_stopped():
-                self._train_remaining_epochs()
-                self.drain.finish()
+            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context,
+                                                self.config.watchdog_timeout_s, self._distributed)
+            with guard.watching_peers(incarnation):
+                log.started()
+                snapshots.start()
+                log.restored(snapshots.restore(self.state))
+                self._wrap_model()
+                with self.drain.catching_sigterm(), guard.keeping_the_last_step():
+                    self._train_remaining_epochs()
+                    self.drain.finish()
             snapshots.finish()
             log.finished(self.global_step, time.monotonic() - started)
             snapshots.forget_memory_copies()
@@ -144,18 +157,6 @@ class Trainer:
                 self.snapshots.close()
         finally:
             self.run_log.close()
-
-    @contextlib.contextmanager
-    def _keeping_state_if_stopped(self) -> Iterator[None]:
-        """Whatever stops training early, keep its last committed step: in this node's memory, and
-        in the audit log for the ranks that may not have written it (docs/failure-semantics.md)."""
-        try:
-            yield
-        except BaseException as exc:
-            reason = "drain" if isinstance(exc, DrainRequested) else f"{type(exc).__name__}: {exc}"[:300]
-            self.run_log.stopped_early(self.global_step, self._last_plan, reason)
-            self.snapshots.keep_in_memory(self.state, reason)
-            raise
 
     def _wrap_model(self) -> None:
         if self._distributed:
@@ -204,6 +205,7 @@ class Trainer:
                 with torch.autocast(self.context.device.type, dtype=self.autocast_dtype,
                                     enabled=self.autocast_dtype is not None):
                     losses = self.loss_fn(self.ddp_model(inputs), targets)
+                _check_per_sample(losses, len(inputs))
                 loss = losses.float().sum()
                 scaler.scale(loss * loss_scale).backward()
             loss_sum += loss.detach()
@@ -219,7 +221,7 @@ class Trainer:
             state.scheduler.step()
             state.sampler.advance(plan.global_samples)
             state.progress.global_step += 1
-            self._last_plan = plan
+            self.stop_guard.committed(plan)
 
     def _to_device(self, batch: Any) -> Any:
         non_blocking = self.context.device.type == "cuda"
@@ -238,24 +240,41 @@ class Trainer:
             self.run_log.report_progress(self.global_step, plan.epoch, loss, self.state.scheduler.get_last_lr()[0],
                                       samples_per_second)
         every = self.config.snapshot_every_steps
-        if sampler.epoch_finished:
+        epoch_ended = sampler.epoch_finished
+        if epoch_ended:
             sampler.start_next_epoch()
             self.run_log.epoch_ended(plan.epoch, self.global_step)
             self.snapshots.save(self.state)
         elif every and self.global_step % every == 0:
             self.snapshots.save(self.state)
+        eval_every = self.config.eval_every_steps
+        if self.eval_dataset is not None and (epoch_ended or (eval_every and self.global_step % eval_every == 0)):
+            self._evaluate(plan.epoch)
         self._drain_if_agreed()
         if self.after_step is not None:
             self.after_step(self)
+
+    def _evaluate(self, epoch: int) -> None:
+        """Held-out loss and accuracy over all ranks, reported by rank 0 (a collective)."""
+        ctx = self.context
+        result = evaluate(self.model, self.eval_dataset, self.loss_fn, ctx.rank, ctx.world_size,
+                          self.config.micro_batch_size, ctx.device, self._distributed)
+        self.run_log.evaluated(self.global_step, epoch, result)
 
     def _drain_if_agreed(self) -> None:
         """If any rank got SIGTERM, stop every rank here: final snapshot, then DrainRequested."""
         if not self.drain.agreed() or self.state.sampler.epoch >= self.config.epochs:
             return  # (a run whose last step is done simply finishes)
-        self.snapshots.keep_in_memory(self.state, "drain")  # first: fast, and kept if SIGKILL comes early
+        self.stop_guard.keep("drain")  # first: fast, and kept if SIGKILL comes during the snapshot write
         if self.snapshots.last_saved_step != self.global_step:
             self.snapshots.save(self.state)
         self.drain.finish()
         durable = self.snapshots.finish()  # a drained rank 0 takes its disk along: replicate first
         self.run_log.drained(self.global_step, durable, self.drain.seconds_since_request())
         raise DrainRequested(f"stopped on SIGTERM at step {self.global_step}")
+
+
+def _check_per_sample(losses: torch.Tensor, samples: int) -> None:
+    if losses.dim() != 1 or losses.shape[0] != samples:
+        raise ValueError(f"--loss: the loss returned a tensor of shape {tuple(losses.shape)} for {samples} samples; "
+                         "expected one loss per sample, shape (samples,) (reduction='none')")

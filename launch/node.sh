@@ -9,18 +9,17 @@
 # Settings (environment variables, defaults in brackets):
 #   NNODES          min:max nodes of the elastic job                 [1:4]
 #   NPROC_PER_NODE  worker processes on this node (GPUs per node)    [1]
-#   RDZV_BACKEND    c10d or etcd-v3                                   [c10d]
+#   RDZV_BACKEND    elastic-c10d (torch's c10d with our additions), c10d or etcd-v3 [elastic-c10d]
 #   RDZV_ENDPOINT   host:port (c10d) or comma-separated etcd members [127.0.0.1:29400]
 #   RDZV_ID         job id, the same on every node                    [elastic-ddp]
 #   MAX_RESTARTS    worker-group restarts before the agent gives up   [10]
 #   RDZV_CONF       torchrun --rdzv_conf (timeouts, heartbeats, etcd TLS/auth keys)
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
-#   MONITOR_INTERVAL seconds between the agent's worker checks        [0.5]
+#   MONITOR_INTERVAL seconds between the agent's worker checks        [0.1]
 #   LAUNCHER        the agent program: elastic_ddp.launcher (torchrun whose workers are forked
-#                   warm from a fork server: restarts and joins 4-5 s faster, see docs/benchmarks.md;
-#                   its workers end with the agent; with c10d, a killed node leaves the rendezvous
-#                   without waiting for its heartbeat to expire) or torch.distributed.run (plain torchrun)
-#                   [elastic_ddp.launcher]
+#                   warm from a fork server: restarts 2-3 s faster, see docs/benchmarks.md; its
+#                   workers end with the agent; it runs c10d as elastic-c10d) or
+#                   torch.distributed.run (plain torchrun)                [elastic_ddp.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]
 set -euo pipefail
@@ -31,12 +30,12 @@ fi
 
 # Keep these in step with elastic_ddp/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
-DEFAULT_MONITOR_INTERVAL=0.5
+DEFAULT_MONITOR_INTERVAL=0.1
 DEFAULT_LAUNCHER=elastic_ddp.launcher
 
 nnodes="${NNODES:-1:4}"
 nproc="${NPROC_PER_NODE:-1}"
-backend="${RDZV_BACKEND:-c10d}"
+backend="${RDZV_BACKEND:-elastic-c10d}"
 endpoint="${RDZV_ENDPOINT:-127.0.0.1:29400}"
 run_id="${RDZV_ID:-elastic-ddp}"
 max_restarts="${MAX_RESTARTS:-10}"
@@ -45,8 +44,8 @@ monitor_interval="${MONITOR_INTERVAL:-$DEFAULT_MONITOR_INTERVAL}"
 launcher="${LAUNCHER:-$DEFAULT_LAUNCHER}"
 
 case "$backend" in
-  c10d|etcd-v3) ;;
-  *) echo "launch/node.sh: RDZV_BACKEND: got '$backend'; expected c10d or etcd-v3" >&2; exit 2 ;;
+  elastic-c10d|c10d|etcd-v3) ;;
+  *) echo "launch/node.sh: RDZV_BACKEND: got '$backend'; expected elastic-c10d, c10d or etcd-v3" >&2; exit 2 ;;
 esac
 case "$launcher" in
   elastic_ddp.launcher|torch.distributed.run) ;;

@@ -23,6 +23,9 @@ from pathlib import Path
 
 from elastic_ddp.procfs import process_tree
 from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+
+# The backends whose store lives in the first node's agent (torch's, and ours built on it).
+C10D_BACKENDS = ("c10d", "elastic-c10d")
 from elastic_ddp.runlog.history import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 
@@ -247,7 +250,7 @@ class LocalJob:
         node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
                          cwd=self.run_dir, agent_env=self.agent_env).start()
         self.nodes.append(node)
-        if self.rdzv_backend == "c10d" and len(self.nodes) == 1 and hosts_store:
+        if self.rdzv_backend in C10D_BACKENDS and len(self.nodes) == 1 and hosts_store:
             host, port = self.rdzv_endpoint.rsplit(":", 1)
             wait_for(lambda: port_is_listening(host, int(port)) or not node.is_running(), start_timeout,
                      f"the c10d store of {name} on {self.rdzv_endpoint}")

@@ -34,10 +34,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.chaos.cluster import LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
+from elastic_ddp.chaos.cluster import C10D_BACKENDS, LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
 from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
-from elastic_ddp.config import TrainingConfig, build_parser
+from elastic_ddp.config import TrainingConfig
 from elastic_ddp.procfs import process_is_alive, process_tree
 from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.runlog import schema
@@ -63,8 +63,7 @@ class DeadlineExceeded(Exception):
 
 def expected_final_step(training_args: Sequence[str]) -> tuple[TrainingConfig, int]:
     """The run's config (elastic_ddp flags; others are ignored) and epochs x steps per epoch."""
-    namespace, _ = build_parser().parse_known_args(list(training_args))
-    config = TrainingConfig(**vars(namespace))
+    config, _ = TrainingConfig.from_known_args(list(training_args))
     return config, config.epochs * config.steps_per_epoch
 
 
@@ -85,16 +84,17 @@ class ChaosHarness:
         self.plan = plan
         self.config, self.expected_steps = expected_final_step(training_args)
         self.deadline_s = deadline_s
-        self.standalone_store = rdzv_backend == "c10d" and store == "standalone"
+        self.standalone_store = rdzv_backend in C10D_BACKENDS and store == "standalone"
         if self.standalone_store:
             rdzv_conf = f"{rdzv_conf},is_host=false" if rdzv_conf else "is_host=false"
         self.job = LocalJob(self.run_dir, training_args, nnodes=plan.nnodes, nproc_per_node=nproc_per_node,
                             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
                             max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
                             agent_env=agent_env, module=module, launcher=launcher, env=env)
-        self.on_plan_done = on_plan_done  # e.g. let a held job (tests/support/held_train.py) finish
+        self.on_plan_done = on_plan_done  # e.g. let a held job (elastic_ddp/chaos/held_train.py) finish
         self.nproc_per_node = nproc_per_node
-        self.store_host: str | None = None if self.standalone_store or rdzv_backend != "c10d" else "node0"
+        self.store_host: str | None = (None if self.standalone_store or rdzv_backend not in C10D_BACKENDS
+                                       else "node0")
         self.store_process: subprocess.Popen | None = None
         self.events = EventFollower(self.job.event_log)
         self.rng = random.Random(plan.seed)

@@ -1,9 +1,11 @@
-"""`--rdzv_backend=elastic-c10d`: torch's c10d rendezvous with dead-node probes.
+"""`--rdzv_backend=elastic-c10d`: torch's c10d rendezvous with what `rendezvous.handler` adds.
 
 The rendezvous is torch's own (`c10d`: a TCPStore on the node at `--rdzv_endpoint`, torch's
-dynamic rendezvous algorithm, every `--rdzv_conf` key of it), with elastic_ddp's dead-node probes
-(`liveness`; `probe_dead_nodes=0` turns them off): a killed node leaves the rendezvous as soon as
-a survivor waits for it, instead of when its heartbeat expires.
+dynamic rendezvous algorithm, every `--rdzv_conf` key of it), with our shipped timing for the keys
+you leave out, dead-node probes (`probe_dead_nodes=0` turns them off), prompt completion
+(`prompt_completion=0`), a waiting agent looking at the state ten times a second, and a store of
+their own for the workers of every round. A killed node's survivors train again in about a second
+instead of after a heartbeat expiry, a last call and torch's once-a-second polling.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
-    create_handler,
 )
 
-from elastic_ddp.rendezvous.liveness import probes_enabled, with_dead_node_probes
+from elastic_ddp.rendezvous.handler import check_options, elastic_handler
 
 BACKEND_NAME = "elastic-c10d"
 
@@ -43,11 +44,10 @@ class NamedBackend(RendezvousBackend):
 
 
 def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """torch's `c10d` rendezvous handler, with dead-node probes unless `probe_dead_nodes=0`."""
+    """torch's `c10d` rendezvous handler with our additions (ValueError for a bad `--rdzv_conf`
+    value, before any connection)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-    enabled = probes_enabled(params)
+    check_options(params)
     c10d_backend, store = create_backend(params)
-    backend = NamedBackend(c10d_backend)
-    handler = create_handler(store, backend, params)
-    return with_dead_node_probes(handler, backend) if enabled else handler
+    return elastic_handler(params, store, NamedBackend(c10d_backend))

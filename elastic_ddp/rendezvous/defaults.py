@@ -1,17 +1,28 @@
 """The torchrun settings elastic_ddp ships, in one place.
 
-launch/node.sh, the local cluster (`chaos.cluster`), the benchmarks and docs/configuration.md use
-these values; tests/cluster/test_launch.py checks that node.sh carries the same ones. Why these
-values (each one watched to work on a loaded 2-core machine): docs/operations.md, "Rendezvous timing".
+Our backends (`elastic-c10d`, `etcd-v3`) apply `SHIPPED_RDZV_DEFAULTS` themselves to every key the
+user's `--rdzv_conf` leaves out; `RDZV_CONF` is the same settings as a `--rdzv_conf` value, for
+torch's own `c10d` (launch/node.sh, the local cluster (`chaos.cluster`), the benchmarks and
+docs/configuration.md use these values; tests/cluster/test_launch_recipes.py checks that node.sh
+carries the same ones). Why these values (each one watched to work on a loaded 2-core machine):
+docs/operations.md, "Rendezvous timing".
 """
 
 from __future__ import annotations
 
 # torch's dynamic rendezvous settings: a 1 s last call, heartbeats every second that expire after
 # five missed ones (keep_alive_max_attempt=2 stops heartbeats altogether: docs/operations.md).
-RDZV_CONF = "join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
-# Seconds between the agent's checks of its workers.
-MONITOR_INTERVAL_S = 0.5
+# torch's own defaults: join 600 s, last call 30 s, close 30 s, heartbeats every 5 s, 3 missed.
+SHIPPED_RDZV_DEFAULTS: dict[str, int] = {
+    "join_timeout": 300, "last_call_timeout": 1, "close_timeout": 10, "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 5,
+}
+RDZV_CONF = ",".join(f"{key}={value}" for key, value in SHIPPED_RDZV_DEFAULTS.items())
+# Seconds between the agent's checks of its workers (torchrun's own default since torch 2.3).
+MONITOR_INTERVAL_S = 0.1
+# Seconds between two looks of a waiting agent at the rendezvous state, with our backends
+# (torch polls once a second); also how long such an agent reuses a state it has read.
+SYNC_POLL_S = 0.1
 # torch reads this in the agent: "1" gives each worker group a store of its own (the shared store
 # makes restarted workers read stale addresses, pytorch/pytorch#135712).
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

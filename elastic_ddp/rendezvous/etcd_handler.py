@@ -4,7 +4,8 @@ It builds torch's own dynamic rendezvous (the algorithm behind `c10d`) on top of
 `EtcdV3RendezvousBackend` and `EtcdV3Store`, so every `--rdzv_conf` setting of torch's dynamic
 rendezvous (join_timeout, last_call_timeout, close_timeout, keep_alive_interval,
 keep_alive_max_attempt, ...) works as documented by torch, next to the etcd keys of docs/etcd.md.
-It adds dead-node probes (elastic_ddp.rendezvous.liveness; `probe_dead_nodes=0` turns them off).
+It adds what `rendezvous.handler` adds for both our backends: the shipped timing for the keys you
+leave out, dead-node probes, prompt completion and faster polling.
 
 Workers never share the agent's store with etcd-v3: they would read stale addresses after a
 re-rendezvous (pytorch/pytorch#135712). Rank 0's agent instead publishes its own address
@@ -15,31 +16,16 @@ starts a fresh TCPStore there for every round.
 from __future__ import annotations
 
 import logging
-import os
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT
 from elastic_ddp.rendezvous.etcd_backend import EtcdV3RendezvousBackend
 from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
 from elastic_ddp.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
-from elastic_ddp.rendezvous.liveness import probes_enabled, with_dead_node_probes
+from elastic_ddp.rendezvous.handler import check_options, elastic_handler
 
 logger = logging.getLogger(__name__)
-
-
-def _never_share_agent_store() -> None:
-    # torch's DynamicRendezvousHandler reads this variable both for `use_agent_store` and, in
-    # `next_rendezvous`, to decide whether rank 0's agent hosts a TCPStore for the workers; the two
-    # must agree, so the variable itself is set rather than one of them overridden.
-    chosen = os.environ.get(SHARED_STORE_OPT_OUT)
-    if chosen not in (None, "1"):
-        logger.warning("%s=%s is ignored: etcd-v3 never lets workers share the agent's store, since they "
-                       "read stale addresses from it after a re-rendezvous (pytorch/pytorch#135712)",
-                       SHARED_STORE_OPT_OUT, chosen)
-    os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -50,15 +36,12 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     credentials or the TLS handshake, or denies access to the run's keys.
     """
     options = EtcdV3Options.from_params(params)
-    probes = probes_enabled(params)
-    _never_share_agent_store()
+    check_options(params)
     connection = EtcdConnection(options)
     try:
         backend = EtcdV3RendezvousBackend(connection, params.run_id)
         connection.call(f"read {backend.key}", lambda client: client.get(backend.key))
-        handler = create_handler(EtcdV3Store(connection, params.run_id), backend, params)
-        if probes:
-            handler = with_dead_node_probes(handler, backend)
+        handler = elastic_handler(params, EtcdV3Store(connection, params.run_id), backend)
     except BaseException:
         connection.close()
         raise

@@ -32,11 +32,11 @@ _OWN_KEYS = frozenset({
     "protocol", "ca_cert", "cert", "key", "user", "password_file", "read_timeout", "retry_timeout",
     "key_prefix", "ttl", "plaintext_credentials",
 })
-# Keys that torch's dynamic rendezvous or elastic_ddp.rendezvous.liveness read from the same `--rdzv_conf`: not
+# Keys that torch's dynamic rendezvous or elastic_ddp.rendezvous.handler read from the same `--rdzv_conf`: not
 # this module's, but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
 _HANDLER_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-    "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes",
+    "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes", "prompt_completion",
 })
 
 

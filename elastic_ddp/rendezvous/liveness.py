@@ -23,8 +23,9 @@ connections. So a probe can only make a dead node leave sooner; it cannot evict 
 While a node trains (a participant of a complete round) nothing waits on a dead peer, so there
 are no death probes then; a peer is probed once, when first seen, to learn that it is reachable.
 
-Limits: relies on torch's private state holder and handler attributes, all named in
-`rendezvous.torch_internals` (torch 2.4-2.13); tests pin them and the behaviour.
+The probes run in our state holder (`rendezvous.state_holder`), which our backends build
+(`rendezvous.handler`). Limits: relies on torch's private state holder and handler attributes, all
+named in `rendezvous.torch_internals` (torch 2.4-2.13); tests pin them and the behaviour.
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ import threading
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousBackend
 
-from elastic_ddp.rendezvous import torch_internals
-from elastic_ddp.rendezvous.torch_internals import BackendStateHolder, NodeDesc
+from elastic_ddp.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
 
@@ -178,39 +177,6 @@ class DeadNodeDetector:
         return None
 
 
-class ProbingStateHolder(BackendStateHolder):
-    """torch's state holder, whose sanitizing also removes the nodes `DeadNodeDetector` finds dead."""
-
-    def __init__(self, backend: RendezvousBackend, settings, node: NodeDesc,
-                 detector: DeadNodeDetector, beacon: Beacon) -> None:
-        super().__init__(backend, settings)
-        self._node = node
-        self._detector = detector
-        self._beacon = beacon  # held here so that it lives as long as the handler
-
-    def _sanitize(self) -> None:
-        """See base class. Afterwards, while this node waits, drop the peers that have exited."""
-        super()._sanitize()
-        state = self._state
-        others = [node for node in (*state.participants, *state.wait_list, *state.redundancy_list)
-                  if node != self._node]
-        self._detector.observe(others)
-        if state.complete and self._node in state.participants:
-            return
-        participant_removed = False
-        for node in self._detector.dead(others):
-            # A warning: the one line in the agent's log (torchrun shows warnings) that says why the
-            # round went on before the dead node's heartbeat expired.
-            logger.warning("node %s has exited (its beacon refuses connections): removed from rendezvous '%s' "
-                           "without waiting for its heartbeat to expire", node, self._settings.run_id)
-            state.last_heartbeats.pop(node, None)
-            participant_removed |= state.participants.pop(node, None) is not None
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)
-        if participant_removed:
-            torch_internals.remove_participant_epilogue(state, self._settings)
-
-
 def probes_enabled(params: RendezvousParameters) -> bool:
     """`probe_dead_nodes` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
     try:
@@ -220,18 +186,10 @@ def probes_enabled(params: RendezvousParameters) -> bool:
                          "expected 1 or 0 (also true/false, yes/no)") from None
 
 
-def with_dead_node_probes(handler: DynamicRendezvousHandler, backend: RendezvousBackend) -> DynamicRendezvousHandler:
-    """The same rendezvous as `handler` (node, settings, store, backend), with dead-node probes.
-
-    Starts this agent's beacon and publishes it in the handler's store. Call it once per agent,
-    before the first `next_rendezvous`, and use only the returned handler.
-    """
+def start_beacon(store: Store, node: NodeDesc) -> tuple[Beacon, DeadNodeDetector]:
+    """This agent's beacon, published in the rendezvous `store` under `node`, and a detector that
+    probes the others' through that store. Once per agent, before its first rendezvous."""
     beacon = Beacon()
-    store = torch_internals.handler_store(handler)
-    node = torch_internals.handler_node(handler)
     store.set(beacon_key(node), str(beacon.port))
-    holder = torch_internals.new_state_holder(ProbingStateHolder, backend, handler, node=node,
-                                              detector=DeadNodeDetector(store), beacon=beacon)
-    logger.info("rendezvous '%s': this agent's beacon listens on port %d (dead-node probes on)",
-                handler.get_run_id(), beacon.port)
-    return torch_internals.with_state_holder(handler, holder)
+    logger.info("this agent's beacon listens on port %d (dead-node probes on)", beacon.port)
+    return beacon, DeadNodeDetector(store)

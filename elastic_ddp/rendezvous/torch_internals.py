@@ -1,17 +1,19 @@
 """The private parts of torch's dynamic rendezvous that elastic_ddp relies on, named in one place.
 
-torch offers no public hook to drop a peer from a rendezvous before its heartbeat expires, which
-is what the dead-node probes (`liveness`) do. They therefore subclass torch's state holder and
-rebuild a handler around it, using the names below (torch 2.4 to 2.13). Nothing else in the
-package touches a private name of torch's rendezvous; tests/unit/test_torch_internals.py pins
-each one (it exists, with the shape used here) so that a torch upgrade that moves one fails there
-first, with the name.
+torch offers no public hook to drop a peer from a rendezvous before its heartbeat expires, to
+complete a round before its last call, or to poll the state more often than once a second, which
+is what our state holder (`state_holder`) and handler (`handler`) do. They therefore subclass
+torch's state holder, rebuild a handler around it, and shorten one delay, using the names below
+(torch 2.4 to 2.13). Nothing else in the package touches a private name of torch's rendezvous;
+tests/unit/test_torch_internals.py pins each one (it exists, with the shape used here) so that a
+torch upgrade that moves one fails there first, with the name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -22,8 +24,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _remove_participant_epilogue,
 )
 
-# Subclassed by `liveness.ProbingStateHolder`; its `_sanitize()` drops expired nodes, and `_state`
-# (participants, wait_list, redundancy_list, last_heartbeats, complete) and `_settings` are read.
+# Subclassed by `state_holder.ElasticStateHolder`; its `_sanitize()` drops expired nodes, and `_state`
+# (round, participants, wait_list, redundancy_list, last_heartbeats, complete, deadline) and
+# `_settings` are read; its `cache_duration` argument is how long a read state is reused.
 BackendStateHolder = _BackendRendezvousStateHolder
 # A node of the rendezvous (addr, pid, local_id); hashable, printable.
 NodeDesc = _NodeDesc
@@ -58,3 +61,24 @@ def new_state_holder(holder_class: type, backend: RendezvousBackend, handler: Dy
                      **extra: Any) -> BackendStateHolder:
     """An instance of `holder_class` (a BackendStateHolder subclass) for `handler`'s settings."""
     return holder_class(backend, handler._settings, **extra)
+
+
+# torch's rendezvous loop sleeps `_delay(seconds=1)` between two looks at the state while it waits
+# (`_DistributedRendezvousOpExecutor.run`, action SYNC); `_delay` is a global of its module.
+SYNC_DELAY_S = 1
+
+
+def poll_rendezvous_every(poll_s: float) -> None:
+    """Make a waiting agent of this process look at the rendezvous state every `poll_s` seconds
+    instead of every `SYNC_DELAY_S`. Every other delay of torch's rendezvous (the random start-up
+    skew) is kept.
+
+    Process-wide: called by our backends only, in the agent that uses one (it runs one rendezvous).
+    """
+    original = getattr(dynamic_rendezvous._delay, "elastic_ddp_original", dynamic_rendezvous._delay)
+
+    def delay(seconds: float | tuple[float, float]) -> None:  # torch calls it as _delay(seconds=...)
+        original(poll_s if seconds == SYNC_DELAY_S else seconds)
+
+    delay.elastic_ddp_original = original  # type: ignore[attr-defined]
+    dynamic_rendezvous._delay = delay

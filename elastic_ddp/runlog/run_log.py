@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.distributed import DistributedContext, agent_pid
+from elastic_ddp.evaluation import EvalResult
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
 from elastic_ddp.runlog.events import EventLog
@@ -148,6 +149,21 @@ class RunLog:
     def epoch_ended(self, epoch: int, global_step: int) -> None:
         self.progress.end_epoch()
         self.events.emit(schema.EPOCH_END, epoch=epoch, global_step=global_step)
+
+    def evaluated(self, global_step: int, epoch: int, result: EvalResult) -> None:
+        """An evaluation on the held-out set (rank 0 writes it): a log line, an `eval` event, scalars."""
+        if not self.context.is_main:
+            return
+        accuracy = f", accuracy {result.accuracy:.4f}" if result.accuracy is not None else ""
+        logger.info("eval at step %d (epoch %d): held-out loss %.4f%s over %d samples", global_step, epoch + 1,
+                    result.loss, accuracy, result.samples)
+        self.events.emit(schema.EVAL, global_step=global_step, epoch=epoch, loss=result.loss,
+                         accuracy=result.accuracy, samples=result.samples)
+        if self.scalars is not None:
+            values = {"eval_loss": result.loss}
+            if result.accuracy is not None:
+                values["eval_accuracy"] = result.accuracy
+            self.scalars.add(global_step, time.time(), **values)
 
     def report_progress(self, global_step: int, epoch: int, loss: float, lr: float, samples_per_second: float) -> None:
         """The numbers of the last --log_interval steps, already reduced over all ranks."""

@@ -49,6 +49,10 @@ PROGRESS = EventKind(
     "progress", ("global_step", "epoch", "loss", "lr", "samples_per_second", "world_size"),
     "every --log_interval steps: the mean loss over all ranks since the last one, and the throughput")
 EPOCH_END = EventKind("epoch_end", ("epoch", "global_step"), "the last step of an epoch was committed")
+EVAL = EventKind(
+    "eval", ("global_step", "epoch", "loss", "accuracy", "samples"),
+    "the model after `global_step` on the held-out set (--eval_dataset): mean per-sample loss, accuracy (null "
+    "when the targets are not class indices), over `samples` samples")
 SNAPSHOT_CAPTURED = EventKind(
     "snapshot_captured", ("global_step", "blocked_seconds"),
     "rank 0 copied the state for a snapshot; training was blocked this long")
@@ -77,5 +81,5 @@ DRAIN = EventKind(
 FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is trained and the last snapshot is durable")
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
-    START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
+    START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
     REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, DRAIN, FINISHED)}

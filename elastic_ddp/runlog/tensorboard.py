@@ -1,10 +1,13 @@
-"""Optional TensorBoard scalars from rank 0: loss, learning rate, throughput, world size.
+"""Optional TensorBoard scalars from rank 0: loss, learning rate, throughput, world size, and the
+held-out loss and accuracy.
 
     python -m elastic_ddp.train ... --tensorboard_dir runs/job1/tb
     tensorboard --logdir runs/job1/tb
 
-Written every --log_interval steps with the global step, next to the JSON-lines event log (which
-is always written and holds more). Needs the `tensorboard` package (`pip install
+Tags (TAGS): `train/loss`, `train/lr`, `train/samples_per_second` and `cluster/world_size` every
+--log_interval steps; `eval/loss` and `eval/accuracy` after each evaluation on --eval_dataset
+(`eval/accuracy` only when the evaluation has one). All at the global step, next to the JSON-lines
+event log (which is always written and holds more). Needs the `tensorboard` package (`pip install
 'elastic_ddp[tensorboard]'`); when it is missing, `open_scalars` logs one warning and training
 goes on without scalars.
 
@@ -24,11 +27,11 @@ logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 10
 TAGS = {"loss": "train/loss", "lr": "train/lr", "samples_per_second": "train/samples_per_second",
-        "world_size": "cluster/world_size"}
+        "world_size": "cluster/world_size", "eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
 
 
 class TensorBoardScalars:
-    """A thin wrapper over torch's SummaryWriter that writes the four scalars of a progress event."""
+    """A thin wrapper over torch's SummaryWriter that writes the scalars of a progress or eval event."""
 
     def __init__(self, writer: Any):
         self._writer = writer

@@ -86,6 +86,7 @@ class RunHistory:
     event_log: Path
     incarnations: list[Incarnation] = field(default_factory=list)
     progress: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)  # in log order, rolled-back steps included
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     snapshot_failures: list[dict[str, Any]] = field(default_factory=list)
     blocked_seconds: list[float] = field(default_factory=list)
@@ -163,6 +164,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.STEP.name: _record_step,
     schema.PROGRESS.name: _appending_to("progress"),
     schema.EPOCH_END.name: _record_epoch_end,
+    schema.EVAL.name: _appending_to("evaluations"),
     schema.SNAPSHOT_CAPTURED.name: lambda history, incarnation, event: history.blocked_seconds.append(
         float(event.get("blocked_seconds", 0.0))),
     schema.SNAPSHOT.name: _appending_to("snapshots"),

@@ -24,18 +24,29 @@ torchrun runs) with the same name: `--global_batch_size 256`. Booleans come in p
 `--no-augment`. In the library API, pass the same names to `TrainingConfig(...)`. A bad value stops
 the run before any process group exists, with one line that names the flag, the value and what is
 accepted (exit status 2). `python -m elastic_ddp.train --help` prints the same list.
+
+`--config` FILE.toml reads values for any of these flags from a TOML file, keys without the dashes
+(`epochs = 3`, `betas = [0.9, 0.95]`, `use_amp = true`); flags given on the command line win, and a
+key that is not a flag is an error naming the key and the file. Flags are never abbreviated.
+`--model`, `--dataset`, `--eval_dataset` and `--loss` take a built-in name or an import path
+`package.module:callable` ([custom-model.md](custom-model.md)); a path that cannot be imported, or
+returns the wrong thing, stops the worker before any process group with one line (exit status 2).
 """
 
 TORCHRUN_SECTION = """
-## torchrun settings the launch recipes use
+## torchrun settings
 
-These are not `TrainingConfig` fields but torchrun's own, set by `launch/node.sh`, `LocalJob` and
-the recipes in `launch/` (why these values: [operations.md](operations.md#rendezvous-timing)):
+These are not `TrainingConfig` fields but torchrun's own. With `--rdzv_backend=elastic-c10d` or
+`etcd-v3` the backend applies the `--rdzv_conf` timing below to every key you leave out (your value
+wins) and gives each worker group a store of its own; with torch's `c10d`, pass them yourself, as
+`launch/node.sh`, `LocalJob` and the recipes in `launch/` do (why these values:
+[operations.md](operations.md#rendezvous-timing)):
 
 | setting | value |
 | --- | --- |
 | `--rdzv_conf` | `{rdzv_conf}` |
-| `--monitor_interval` | `{monitor_interval}` |
+| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1` (0 turns either off) |
+| `--monitor_interval` | `{monitor_interval}` (torchrun's default) |
 {environment}
 """
 

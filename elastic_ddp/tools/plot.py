@@ -5,10 +5,12 @@
     render_plot(load_history("runs/job1"), "job1.png")
 
 Left column against the global step, right column against wall-clock time since the run started.
-Rows: loss, throughput (coloured by world size), and the world size as a band with the snapshots as
-ticks. Failures and joins are vertical lines on the time axes with the time without training
-shaded; on the step axes, the work each failure rolled back is hatched and the rolled-back part of
-the curves is drawn faint, so the trajectory that survived reads as one unbroken line.
+Rows: loss (with the held-out loss of the evaluations, and their accuracy on a right-hand 0..1 axis
+of the step column when there is one), throughput (coloured by world size), and the world size as a
+band with the snapshots as ticks. Failures and joins are vertical lines on the time axes with the
+time without training shaded; on the step axes, the work each failure rolled back is hatched and
+the rolled-back part of the curves is drawn faint, so the trajectory that survived reads as one
+unbroken line.
 
 Needs matplotlib (`pip install 'elastic_ddp[report]'`); PlotUnavailable says so when it is missing.
 The image is always PLOT_SIZE_PX (no tight bounding box), so tools and tests can rely on it.
@@ -29,6 +31,9 @@ PLOT_SIZE_PX = (1600, 1000)
 
 LOSS_COLOR = "#1b3a6b"
 ROLLED_BACK_COLOR = "#9aa3ad"
+# Markers on the held-out lines: evaluations are few and far between, and each point is a measurement.
+EVAL_LOSS_STYLE = {"color": "#00a5cf", "marker": "D", "markersize": 4, "linewidth": 1.4}
+EVAL_ACCURACY_STYLE = {"color": "#d81b60", "marker": "s", "markersize": 4, "linewidth": 1.4}
 KIND_COLORS = {"node lost": "#c62828", "node drained": "#8e24aa", "restart": "#ef6c00", "node joined": "#1565c0",
                "relaunch after finish": "#6d6d6d"}
 MAX_MARKED_POINTS = 400
@@ -61,8 +66,11 @@ def render_plot(history: RunHistory, output: str | Path) -> Path:
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure = Figure(figsize=(PLOT_SIZE_PX[0] / PLOT_DPI, PLOT_SIZE_PX[1] / PLOT_DPI), dpi=PLOT_DPI)
-    grid = figure.add_gridspec(3, 2, height_ratios=[3.2, 2.6, 0.7], hspace=0.08, wspace=0.12,
-                               left=0.06, right=0.985, top=0.86, bottom=0.12)
+    plot = _RunPlot(history, world_colors(history))
+    # The accuracy axis at the right of the step column needs room for its ticks and label.
+    grid = figure.add_gridspec(3, 2, height_ratios=[3.2, 2.6, 0.7], hspace=0.08,
+                               wspace=0.2 if plot.has_accuracy else 0.12, left=0.06, right=0.985, top=0.86,
+                               bottom=0.12)
     axes = {}
     for column, axis_kind in enumerate(("step", "time")):
         loss = figure.add_subplot(grid[0, column])
@@ -70,7 +78,6 @@ def render_plot(history: RunHistory, output: str | Path) -> Path:
         band = figure.add_subplot(grid[2, column], sharex=loss)
         axes[axis_kind] = (loss, throughput, band)
 
-    plot = _RunPlot(history, world_colors(history))
     plot.draw_step_column(*axes["step"], step_format=FuncFormatter(lambda value, _: f"{value:,.0f}"))
     plot.draw_time_column(*axes["time"], clock=FuncFormatter(lambda value, _: format_clock(value)),
                           locator=MultipleLocator)
@@ -114,16 +121,20 @@ class _RunPlot:
         # Markers help read a few dozen points and turn thousands into a smear.
         self.markers = {"marker": "o", "markersize": 2.5} if len(history.progress) <= MAX_MARKED_POINTS else {}
         self._labels: dict[int, list[tuple[tuple[float, float], int]]] = {}
-        self.series: list[dict[str, Any]] = []
-        for incarnation in incarnations:
-            points = [p for p in history.progress if p["incarnation"] == incarnation.incarnation]
-            limit = resume_after[incarnation.incarnation]
-            self.series.append({
-                "incarnation": incarnation,
-                "kept": [p for p in points if p["global_step"] <= limit],
-                "rolled_back": [p for p in points if p["global_step"] > limit],
-                "color": colors.get(incarnation.world_size, colors[None]),
-            })
+        self.series = [{**part, "color": colors.get(part["incarnation"].world_size, colors[None])}
+                       for part in self._split(history.progress)]
+        self.evaluations = self._split(history.evaluations)
+        self.has_accuracy = any(event.get("accuracy") is not None for event in history.evaluations)
+
+    def _split(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`events` per incarnation (in start order), each part's `kept` and `rolled_back` ones."""
+        parts = []
+        for incarnation in self.history.incarnations:
+            points = [p for p in events if p["incarnation"] == incarnation.incarnation]
+            limit = self.kept_until[incarnation.incarnation]
+            parts.append({"incarnation": incarnation, "kept": [p for p in points if p["global_step"] <= limit],
+                          "rolled_back": [p for p in points if p["global_step"] > limit]})
+        return parts
 
     # ---------------------------------------------------------------------------------- columns
 
@@ -137,6 +148,10 @@ class _RunPlot:
                 throughput_axis.plot(steps, [p["samples_per_second"] for p in points], linewidth=1.0,
                                      color=series["color"] if key == "kept" else ROLLED_BACK_COLOR,
                                      alpha=1.0 if key == "kept" else 0.7, **self.markers)
+        self._draw_held_out(loss_axis, lambda event: event["global_step"], "loss", EVAL_LOSS_STYLE)
+        if self.has_accuracy:
+            self._draw_held_out(self._accuracy_axis(loss_axis), lambda event: event["global_step"], "accuracy",
+                                EVAL_ACCURACY_STYLE)
         for transition in self.transitions:
             self._mark_lost_work(transition, (loss_axis, throughput_axis, band_axis))
         max_step = max(1, self.max_step)
@@ -159,6 +174,7 @@ class _RunPlot:
                                linestyle="-" if key == "kept" else "--")
                 throughput_axis.plot(seconds, [p["samples_per_second"] for p in points], linewidth=1.0,
                                      color=series["color"] if key == "kept" else ROLLED_BACK_COLOR, **self.markers)
+        self._draw_held_out(loss_axis, lambda event: event["time"] - self.started, "loss", EVAL_LOSS_STYLE)
         for transition in self.transitions:
             self._mark_downtime(transition, (loss_axis, throughput_axis, band_axis))
         for incarnation in self.history.incarnations:
@@ -170,6 +186,36 @@ class _RunPlot:
         band_axis.xaxis.set_major_locator(locator(_tick_interval(self.duration)))
         self._finish_axes(loss_axis, throughput_axis, band_axis, "time since the run started")
         self._label_transitions(loss_axis)
+
+    # ---------------------------------------------------------------------------------- held out
+
+    def _draw_held_out(self, axis, position, metric: str, style: dict[str, Any]) -> None:
+        """The evaluations' `metric` (those where it is not null) against `position(event)`: the kept
+        ones as one line through all incarnations (the few evaluations of one incarnation would
+        otherwise be loose dots), the rolled-back ones faint and dashed per incarnation."""
+        def draw(events: list[dict[str, Any]], **overrides: Any) -> None:
+            events = [event for event in events if event.get(metric) is not None]
+            axis.plot([position(event) for event in events], [event[metric] for event in events],
+                      **{**style, **overrides})
+
+        for part in self.evaluations:
+            draw(part["rolled_back"], color=ROLLED_BACK_COLOR, linestyle="--")
+        draw([event for part in self.evaluations for event in part["kept"]])
+
+    @staticmethod
+    def _accuracy_axis(loss_axis):
+        """A 0..1 y axis on the right of `loss_axis`, sharing its x axis, drawn beneath it."""
+        axis = loss_axis.twinx()
+        # Beneath, so that the transition labels of the loss axis stay readable over the accuracy
+        # line; the loss axis's background would then hide it, so it has none.
+        loss_axis.set_zorder(axis.get_zorder() + 1)
+        loss_axis.patch.set_visible(False)
+        axis.set_ylim(0, 1)
+        axis.set_ylabel("held-out accuracy")
+        axis.tick_params(labelbottom=False)
+        for side in ("top", "left"):  # the loss axis draws the frame; this one only its right edge
+            axis.spines[side].set_visible(False)
+        return axis
 
     # ---------------------------------------------------------------------------------- marks
 
@@ -234,7 +280,8 @@ class _RunPlot:
                       fontweight="bold", annotation_clip=True)
 
     def _finish_axes(self, loss_axis, throughput_axis, band_axis, xlabel: str) -> None:
-        losses = [p["loss"] for p in self.history.progress if p.get("loss") is not None]
+        losses = [event["loss"] for event in (*self.history.progress, *self.history.evaluations)
+                  if event.get("loss") is not None]
         if losses and min(losses) > 0 and max(losses) / min(losses) > 100:
             loss_axis.set_yscale("log")
         loss_axis.set_ylabel("loss (mean per sample)")
@@ -276,6 +323,10 @@ def _legend(figure, plot: _RunPlot, Line2D, Patch) -> None:
     if any(series["rolled_back"] for series in plot.series):
         handles.append(Line2D([], [], color=ROLLED_BACK_COLOR, linewidth=1.6, linestyle="--",
                               label="rolled back, redone"))
+    if plot.history.evaluations:
+        handles.append(Line2D([], [], label="held-out loss", **EVAL_LOSS_STYLE))
+    if plot.has_accuracy:
+        handles.append(Line2D([], [], label="held-out accuracy", **EVAL_ACCURACY_STYLE))
     handles += [Line2D([], [], color=color, marker="o", markersize=4, linewidth=1.0, label=f"samples/s, world {size}")
                 for size, color in plot.colors.items() if size is not None]
     kinds = {t.kind for t in plot.transitions}

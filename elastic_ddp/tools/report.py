@@ -50,6 +50,7 @@ class RunSummary:
     restart_seconds: dict[str, Any]
     throughput: dict[str, Any]
     loss: dict[str, Any]
+    evaluation: dict[str, Any]
     other_events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def summarise(history: RunHistory) -> RunSummary:
         restart_seconds=_restart_numbers(history),
         throughput=_throughput_numbers(history.progress),
         loss=_loss_numbers(history.progress),
+        evaluation=_evaluation_numbers(history.evaluations),
         other_events=history.other_events,
     )
 
@@ -175,6 +177,25 @@ def _loss_numbers(progress: list[dict[str, Any]]) -> dict[str, Any]:
     return {"first": losses[0], "last": losses[-1], "min": min(losses)}
 
 
+def _evaluation_numbers(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out evaluations: `count` (those of rolled-back steps included: each was run), the
+    `last_*` by time, the highest accuracy and the lowest loss with their steps (the earliest by time
+    on a tie; `best_accuracy*` None when no evaluation had an accuracy). All but `count` are None
+    when there was no evaluation."""
+    # After a rollback a later evaluation can be of an earlier step: order by time, not by step.
+    ordered = sorted(evaluations, key=lambda event: float(event["time"]))
+    last = ordered[-1] if ordered else {}
+    scored = [event for event in ordered if event.get("accuracy") is not None]
+    best_accuracy = max(scored, key=lambda event: event["accuracy"], default={})
+    best_loss = min(ordered, key=lambda event: event["loss"], default={})
+    return {
+        "count": len(ordered),
+        "last_step": last.get("global_step"), "last_loss": last.get("loss"), "last_accuracy": last.get("accuracy"),
+        "best_accuracy": best_accuracy.get("accuracy"), "best_accuracy_step": best_accuracy.get("global_step"),
+        "best_loss": best_loss.get("loss"), "best_loss_step": best_loss.get("global_step"),
+    }
+
+
 # ------------------------------------------------------------------------------------- the text
 
 def _nodes_text(nodes: int | None) -> str:
@@ -197,6 +218,18 @@ def describe_transition(transition: dict[str, Any]) -> str:
             f"{transition['downtime_seconds']:.1f} s without training")
 
 
+def _evaluation_line(evaluation: dict[str, Any]) -> str:
+    """The last held-out evaluation and the best one: by accuracy, or by loss when none had one."""
+    last = f"last at step {evaluation['last_step']}: loss {_format_loss(evaluation['last_loss'])}"
+    if evaluation["last_accuracy"] is not None:
+        last += f", accuracy {evaluation['last_accuracy']:.1%}"
+    if evaluation["best_accuracy"] is not None:
+        best = f"best accuracy {evaluation['best_accuracy']:.1%} at step {evaluation['best_accuracy_step']}"
+    else:
+        best = f"lowest loss {_format_loss(evaluation['best_loss'])} at step {evaluation['best_loss_step']}"
+    return f"Evaluation   {plural(evaluation['count'], 'held-out evaluation')}; {last}; {best}"
+
+
 def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
     """The text of `elastic-ddp report`."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary.started_unix))
@@ -208,6 +241,7 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
         f"Progress     step {summary.final_step}; {summary.epochs_completed} epochs completed; loss "
         f"{_format_loss(summary.loss['first'])} -> {_format_loss(summary.loss['last'])} "
         f"(min {_format_loss(summary.loss['min'])})",
+        *([_evaluation_line(summary.evaluation)] if summary.evaluation["count"] else []),
         "World size   " + " -> ".join(
             f"{w['world_size']}{_nodes_text(w['nodes'])} ({format_clock(w['from_seconds'])}-"
             f"{format_clock(w['to_seconds'])})" for w in summary.world_sizes),

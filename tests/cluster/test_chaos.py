@@ -5,7 +5,7 @@ docs/failure-semantics.md: the run finishes at exactly epochs x steps per epoch,
 every sample of every epoch exactly once in the surviving trajectory, every restore used a
 snapshot whose write had completed (with the checksum that write recorded) or a verified memory
 copy of a committed step, and no fault cost more than one committed step. The job is held
-(tests/support/held_train.py) until every fault of the plan has fired, whatever the machine's speed.
+(elastic_ddp/chaos/held_train.py) until every fault of the plan has fired, whatever the machine's speed.
 """
 
 from __future__ import annotations

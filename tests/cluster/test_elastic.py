@@ -4,7 +4,7 @@ These run stock torchrun (`torch.distributed.run`), the path the README promises
 run the same promises through `elastic_ddp.launcher`.
 
 Each test asserts the final global step and that the audit log shows every sample of every epoch
-exactly once in the surviving trajectory. The jobs are held (tests/support/held_train.py) until the
+exactly once in the surviving trajectory. The jobs are held (elastic_ddp/chaos/held_train.py) until the
 test's scenario has happened, so that no test depends on how fast training is; a job that ends
 early anyway fails the wait at once, saying so.
 """

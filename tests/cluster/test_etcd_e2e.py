@@ -35,7 +35,7 @@ def training_args(dataset_size: int) -> list[str]:
 
 @pytest.fixture
 def etcd_job(local_jobs, etcd_server: EtcdServer, tmp_path):
-    """Jobs on the etcd server, held until `release(tmp_path / "hold")` (tests/support/held_train.py)."""
+    """Jobs on the etcd server, held until `release(tmp_path / "hold")` (elastic_ddp/chaos/held_train.py)."""
     def make(dataset_size: int, agent_env: dict[str, str] = AGENT_ENV) -> LocalJob:
         return local_jobs(training_args(dataset_size), nproc_per_node=1, rdzv_backend="etcd-v3",
                           rdzv_endpoint=etcd_server.endpoint, run_id="e2e", agent_env=agent_env,

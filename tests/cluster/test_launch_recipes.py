@@ -116,7 +116,7 @@ def test_node_sh_ships_the_tested_rendezvous_timing():
 # ------------------------------------------------------------------------------------- node.sh
 
 @pytest.mark.parametrize("env, message", [
-    ({"RDZV_BACKEND": "zookeeper"}, "launch/node.sh: RDZV_BACKEND: got 'zookeeper'; expected c10d or etcd-v3"),
+    ({"RDZV_BACKEND": "zookeeper"}, "launch/node.sh: RDZV_BACKEND: got 'zookeeper'; expected elastic-c10d, c10d or etcd-v3"),
     ({"NNODES": "four"}, "launch/node.sh: NNODES: got 'four'; expected N or MIN:MAX, e.g. 1:4"),
     ({"NPROC_PER_NODE": "0"}, "launch/node.sh: NPROC_PER_NODE: got '0'; expected a positive integer"),
 ])
@@ -152,7 +152,7 @@ def test_slurm_sbatch_runs_node_sh_on_every_allocated_node(tmp_path):
                          "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO),
                          "RDZV_PORT": str(free_port())}, timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "nnodes 1:1, 1 per node; rendezvous c10d at 127.0.0.1:" in result.stderr
+    assert "nnodes 1:1, 1 per node; rendezvous elastic-c10d at 127.0.0.1:" in result.stderr
     assert "id 4242" in result.stderr
     events = read_events(checkpoint_dir / "events.jsonl")
     assert [(e["world_size"], e["run_id"]) for e in events if e["event"] == "start"] == [(1, "4242")]

@@ -20,21 +20,14 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_ddp.chaos.cluster import free_port
 from elastic_ddp.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.rendezvous.defaults import RDZV_CONF
-from elastic_ddp.rendezvous.liveness import (
-    Answer,
-    Beacon,
-    DeadNodeDetector,
-    ProbingStateHolder,
-    beacon_key,
-    probe,
-    with_dead_node_probes,
-)
+from elastic_ddp.rendezvous.handler import elastic_handler
+from elastic_ddp.rendezvous.liveness import Answer, Beacon, DeadNodeDetector, beacon_key, probe
 from tests.support.cluster import hold_settings, node_logs
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,10 +96,11 @@ def test_only_a_node_reached_before_and_refusing_now_is_dead(store):
 
 
 def _handler(port: int, run_id: str, **config):
+    """A handler with the probes and nothing else of ours (no prompt completion)."""
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 2, last_call_timeout=1, **config)
-    backend = C10dRendezvousBackend(client, run_id)
-    return with_dead_node_probes(create_handler(client, backend, params), backend)
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 2, last_call_timeout=1,
+                                  prompt_completion=0, **config)
+    return elastic_handler(params, client, C10dRendezvousBackend(client, run_id))
 
 
 def _first_round(survivor, peer) -> None:
@@ -147,7 +141,7 @@ def test_the_elastic_c10d_backend_comes_from_the_entry_point_and_probes_unless_t
     port = free_port()
     handler = get_rendezvous_handler(RendezvousParameters(
         BACKEND_NAME, f"127.0.0.1:{port}", "launcher", 1, 1, is_host="1", probe_dead_nodes=probe_dead_nodes))
-    assert isinstance(handler._state_holder, ProbingStateHolder) is holder_probes
+    assert (handler._state_holder._detector is not None) is holder_probes
     assert handler.next_rendezvous().world_size == 1
     handler._stop_heartbeats()
 
@@ -159,7 +153,7 @@ def test_real_agents_resume_without_a_killed_node_long_before_its_heartbeat_expi
     assert conf != RDZV_CONF
     args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "1024", "--global_batch_size", "64",
             "--snapshot_every_steps", "5", "--log_interval", "1"]
-    # Held (tests/support/held_train.py): 1600 steps cannot end before the probe has done its work.
+    # Held (elastic_ddp/chaos/held_train.py): 1600 steps cannot end before the probe has done its work.
     job = local_jobs(args, nnodes="1:3", nproc_per_node=1, rdzv_conf=conf, **hold_settings(tmp_path / "hold"))
     host = job.add_node("host")
     lost = job.add_node("lost")

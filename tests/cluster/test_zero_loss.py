@@ -10,12 +10,15 @@ the final parameters against one uninterrupted process (MLP, within 1e-4).
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
+from elastic_ddp.rendezvous.c10d import BACKEND_NAME
 from tests.support.cluster import (
+    FAULT_MODULE,
     assert_exactly_once,
     hold_settings,
     node_logs,
@@ -23,7 +26,7 @@ from tests.support.cluster import (
     release,
     world_reached,
 )
-from tests.support.held_train import FAULT_VARIABLE
+from tests.support.fault_switch import FAULT_VARIABLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,26 +64,37 @@ def assert_from_memory_losing_nothing(restore: dict, committed: int) -> None:
     assert restore["lost_steps"] == 0 and restore["verified"], restore
 
 
+def seconds_to_first_step(job: LocalJob, restore: dict, since: float) -> float:
+    step = job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == restore["incarnation"], 60,
+                              "the first step after the restore")
+    return step["time"] - since
+
+
 def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_path):
+    """Plain torchrun with `--rdzv_backend=elastic-c10d` and nothing else: the README's command."""
     hold = tmp_path / "hold"
-    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2, **hold_settings(hold))
+    job = local_jobs(launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None, monitor_interval=None,
+                     training_args=TRAINING_ARGS, nproc_per_node=2, **hold_settings(hold))
     host = job.add_node("host")
     lost = job.add_node("lost")
     world_reached(job, 4)
     job.wait_for_step(STEPS_PER_EPOCH + 6, timeout=120)  # mid-epoch: the newest file is of step 24
+    killed_at = time.time()
     lost.kill()
-    killed_at, committed = job.events()[-1]["time"], job.last_step()  # rank 0 is on host
+    committed = job.last_step()  # rank 0 is on host: it commits no step after the kill but the one in flight
     after_kill = restore_after(job, 2, killed_at)
     assert_from_memory_losing_nothing(after_kill, committed)
+    print(f"kill -> first step without the node: {seconds_to_first_step(job, after_kill, killed_at):.1f} s")
     assert after_kill["global_step"] % STEPS_PER_EPOCH, "a mid-epoch step: no snapshot file holds it"
 
     paused = after_kill["global_step"] + 3  # a join takes seconds: the job waits there for it
     pause_at(hold, paused)
     job.wait_for_step(paused, timeout=60)
-    joined_at = job.events()[-1]["time"]
+    joined_at = time.time()
     joiner = job.add_node("joiner")
     after_join = restore_after(job, 4, joined_at)
     assert_from_memory_losing_nothing(after_join, paused)
+    print(f"join -> first step with the node: {seconds_to_first_step(job, after_join, joined_at):.1f} s")
     release(hold)
     assert host.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
@@ -98,6 +112,7 @@ def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_p
     write rank 3's audit line for it, which rank 3 never wrote)."""
     hold, fired = tmp_path / "hold", tmp_path / "fault-fired"
     settings = hold_settings(hold)
+    settings["module"] = FAULT_MODULE
     settings["env"][FAULT_VARIABLE] = f"rank=3,step=30,at={moment},once={fired}"
     job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2, **settings)
     nodes = [job.add_node("a"), job.add_node("b")]

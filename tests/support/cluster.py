@@ -6,17 +6,18 @@ import os
 from pathlib import Path
 
 from elastic_ddp.chaos.cluster import LocalJob
+from elastic_ddp.chaos.held_train import HOLD_VARIABLE
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
-from tests.support.held_train import HOLD_VARIABLE
 
 REPO = Path(__file__).resolve().parents[2]
-HELD_MODULE = "tests.support.held_train"
+HELD_MODULE = "elastic_ddp.chaos.held_train"
+FAULT_MODULE = "tests.support.fault_switch"  # held, with a fault switch
 
 
 def hold_settings(hold_file: Path) -> dict:
     """LocalJob/ChaosHarness keyword arguments for a job held until `release(hold_file)`.
 
-    The file is created now; while it exists every step sleeps (tests/support/held_train.py)."""
+    The file is created now; while it exists every step sleeps (elastic_ddp/chaos/held_train.py)."""
     hold_file.parent.mkdir(parents=True, exist_ok=True)
     hold_file.touch()
     return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": str(REPO)}}

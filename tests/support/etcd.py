@@ -32,6 +32,18 @@ import pytest
 from elastic_ddp.chaos.cluster import free_port, wait_for
 
 READY_TIMEOUT_S = 30.0
+_ISSUED_PORTS: set[int] = set()
+
+
+def unissued_free_port() -> int:
+    """A free port that this process has not handed out before. Two `free_port()` calls in a row
+    can return the same port (each socket is closed before the next bind): a member once got it
+    as both its client and its peer port and could not start ("address already in use")."""
+    while True:
+        port = free_port()
+        if port not in _ISSUED_PORTS:
+            _ISSUED_PORTS.add(port)
+            return port
 
 
 def etcd_binary(name: str = "etcd") -> str:
@@ -88,8 +100,8 @@ class EtcdServer:
 
     name: str
     data_dir: Path
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    client_port: int = field(default_factory=unissued_free_port)
+    peer_port: int = field(default_factory=unissued_free_port)
     tls: TlsFiles | None = None
     initial_cluster: str | None = None
     auth_user: str | None = None

@@ -1,11 +1,13 @@
 """`elastic-ddp report` on a hand-written event log: drains, restarts, relaunches, failed writes and
-replication told apart; errors that name the path; help with examples; no matplotlib.
+replication told apart; held-out evaluations summarised and plotted; errors that name the path; help
+with examples; no matplotlib.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -63,8 +65,14 @@ def test_every_command_has_help_with_an_example(command, capsys):
         assert "exit status: 0 success; 1 nothing usable found" in out
 
 
-def synthetic_log(path: Path) -> None:
-    """Four incarnations: drained 4 -> 3, a crash and restart in world 3, a relaunch after finishing."""
+# The held-out evaluations `synthetic_log` writes, as (time, incarnation, step, loss, accuracy): the
+# one of step 30 is rolled back by the restart from step 25, and is the best by loss and accuracy.
+EVALUATIONS = ((10.4, 1, 10, 0.5, 0.6), (20.4, 1, 20, 0.3, 0.8), (40.4, 2, 30, 0.2, 0.85), (51.2, 3, 26, 0.25, 0.82))
+
+
+def synthetic_log(path: Path, evaluations: bool = False, accuracy: bool = True) -> None:
+    """Four incarnations: drained 4 -> 3, a crash and restart in world 3, a relaunch after finishing;
+    with `evaluations`, the eval events of EVALUATIONS (accuracy null unless `accuracy`)."""
     lines = []
 
     def emit(time: float, incarnation: int, event: str, **fields) -> None:
@@ -99,6 +107,11 @@ def synthetic_log(path: Path) -> None:
     emit(60.0, 4, "start", world_size=3, nodes=2)
     emit(60.1, 4, "restore", global_step=26, epoch=1, lost_steps=0, lost_seconds=0.0)
     emit(60.2, 4, "finished", global_step=26, seconds=0.2)
+    if evaluations:
+        for time, incarnation, step, loss, score in EVALUATIONS:
+            emit(time, incarnation, "eval", global_step=step, epoch=int(step == 26), loss=loss,
+                 accuracy=score if accuracy else None, samples=512)
+        lines.sort(key=lambda line: json.loads(line)["time"])  # in time order, as rank 0 appends them
     path.write_text("\n".join(lines) + "\n{\"torn")
 
 
@@ -134,3 +147,49 @@ def test_drains_restarts_relaunches_and_failed_writes_are_told_apart(tmp_path, c
             "transfer failed: timed out; see the replication_failed events)") in text
     assert "Other events mystery x1" in text
     assert "Plot" not in text
+    assert "Evaluation" not in text and summary["evaluation"]["count"] == 0
+
+
+def test_held_out_evaluations_are_counted_with_the_last_by_time_and_the_best(tmp_path, capsys):
+    synthetic_log(tmp_path / "events.jsonl", evaluations=True)
+    summary = report_json(tmp_path, capsys, "--no-plot")
+    # The step-30 evaluation was rolled back, yet it was run: counted, and the best; the last is by time.
+    assert summary["evaluation"] == {"count": 4, "last_step": 26, "last_loss": 0.25, "last_accuracy": 0.82,
+                                     "best_accuracy": 0.85, "best_accuracy_step": 30,
+                                     "best_loss": 0.2, "best_loss_step": 30}
+    assert cli.main(["report", str(tmp_path), "--no-plot"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Evaluation")]
+    assert lines == ["Evaluation   4 held-out evaluations; last at step 26: loss 0.25, accuracy 82.0%; "
+                     "best accuracy 85.0% at step 30"]
+
+
+def test_held_out_evaluations_without_accuracy_are_ranked_by_loss(tmp_path, capsys):
+    synthetic_log(tmp_path / "events.jsonl", evaluations=True, accuracy=False)
+    summary = report_json(tmp_path, capsys, "--no-plot")
+    assert summary["evaluation"]["last_accuracy"] is None and summary["evaluation"]["best_accuracy"] is None
+    assert cli.main(["report", str(tmp_path), "--no-plot"]) == 0
+    assert ("Evaluation   4 held-out evaluations; last at step 26: loss 0.25; lowest loss 0.2 at step 30"
+            in capsys.readouterr().out)
+
+
+def pixels_of(image, color: str) -> int:
+    """How many pixels of `image` (RGB floats) are `color` (#rrggbb), give or take antialiasing."""
+    rgb = tuple(int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return int((abs(image[:, :, :3] - rgb) < 0.02).all(axis=2).sum())
+
+
+@pytest.mark.parametrize("accuracy", [True, False], ids=["with accuracy", "loss only"])
+def test_the_plot_draws_the_held_out_loss_and_any_accuracy(tmp_path, accuracy):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from elastic_ddp.tools.plot import EVAL_ACCURACY_STYLE, EVAL_LOSS_STYLE, PLOT_SIZE_PX, render_plot
+
+    synthetic_log(tmp_path / "events.jsonl", evaluations=True, accuracy=accuracy)
+    png = render_plot(load_history(tmp_path), tmp_path / "plot.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == PLOT_SIZE_PX
+    image = imread(png)
+    assert pixels_of(image, EVAL_LOSS_STYLE["color"]) > 100, "no held-out loss in the plot"
+    accuracy_pixels = pixels_of(image, EVAL_ACCURACY_STYLE["color"])
+    assert accuracy_pixels > 100 if accuracy else accuracy_pixels == 0, accuracy_pixels

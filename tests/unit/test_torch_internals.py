@@ -11,7 +11,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from elastic_ddp.rendezvous import torch_internals
-from elastic_ddp.rendezvous.liveness import DeadNodeDetector, ProbingStateHolder
+from elastic_ddp.rendezvous.liveness import DeadNodeDetector
+from elastic_ddp.rendezvous.state_holder import ElasticStateHolder
 
 
 def handler():
@@ -25,7 +26,7 @@ def test_the_state_holder_sanitizes_a_state_with_the_fields_the_probes_edit():
     rendezvous, backend, _ = handler()
     holder = torch_internals.BackendStateHolder(backend, torch_internals.handler_settings(rendezvous))
     state = holder.state
-    for name in ("participants", "wait_list", "redundancy_list", "last_heartbeats", "complete", "round"):
+    for name in ("participants", "wait_list", "redundancy_list", "last_heartbeats", "complete", "round", "deadline"):
         assert hasattr(state, name), name
     holder._sanitize()  # on an empty state: runs, changes nothing
 
@@ -36,7 +37,7 @@ def test_the_handler_exposes_its_node_settings_and_store_and_can_be_rebuilt_arou
     assert isinstance(node, torch_internals.NodeDesc) and {"addr", "pid", "local_id"} <= set(vars(node))
     assert torch_internals.handler_store(rendezvous) is store
     assert torch_internals.handler_settings(rendezvous).run_id == "pinned"
-    holder = torch_internals.new_state_holder(ProbingStateHolder, backend, rendezvous, node=node,
+    holder = torch_internals.new_state_holder(ElasticStateHolder, backend, rendezvous, node=node,
                                               detector=DeadNodeDetector(store), beacon=None)
     rebuilt = torch_internals.with_state_holder(rendezvous, holder)
     assert rebuilt._state_holder is holder and rebuilt.get_run_id() == "pinned"
@@ -44,3 +45,21 @@ def test_the_handler_exposes_its_node_settings_and_store_and_can_be_rebuilt_arou
 
 def test_the_participant_epilogue_takes_a_state_and_settings():
     assert list(inspect.signature(torch_internals._remove_participant_epilogue).parameters) == ["state", "settings"]
+
+
+def test_the_state_holder_takes_a_cache_duration():
+    assert "cache_duration" in inspect.signature(torch_internals.BackendStateHolder.__init__).parameters
+
+
+def test_the_rendezvous_loop_sleeps_through_the_module_global_delay_and_polling_can_be_shortened(monkeypatch):
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
+
+    source = inspect.getsource(dynamic_rendezvous._DistributedRendezvousOpExecutor.run)
+    assert f"_delay(seconds={torch_internals.SYNC_DELAY_S})" in source
+    asked = []
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", asked.append)
+    torch_internals.poll_rendezvous_every(0.1)
+    torch_internals.poll_rendezvous_every(0.1)  # twice: still one level of wrapping
+    dynamic_rendezvous._delay(seconds=1)  # as torch calls it
+    dynamic_rendezvous._delay(seconds=(0, 0.3))
+    assert asked == [0.1, (0, 0.3)]

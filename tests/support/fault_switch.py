@@ -1,20 +1,6 @@
-"""`python -m elastic_ddp.train` for tests: held at a slow pace until the test releases it.
-
-    ELASTIC_DDP_TEST_HOLD=/tmp/x/hold python -m tests.support.held_train --epochs 3 ...
-
-While the file named by ELASTIC_DDP_TEST_HOLD exists, every optimizer step of every rank ends with
-a sleep of HELD_STEP_S: the job keeps training (its collectives keep running, so failures are seen
-at once) but cannot finish before the test's scenario (kills, joins, freezes) has happened,
-however fast the machine. The test deletes the file once the scenario is done, and the job runs
-to its end at full speed. Trainers got 10x faster once and tests sized for the old speed broke;
-holding the job makes them independent of it.
-
-A hold file that says `pause_at=N` (tests.support.cluster.pause_at) also stops every rank after
-step N, until the file changes or the worker gets SIGTERM (torchrun stopping the group for a
-join must not wait for the test): a scenario that takes long (a join) then happens mid-epoch.
-
-A test-only fault switch makes a worker SIGKILL itself at a precise moment of a step, which a kill
-from outside can only hit by chance:
+"""`python -m tests.support.fault_switch`: the held trainer (elastic_ddp.chaos.held_train) with a
+test-only fault switch that makes a worker SIGKILL itself at a precise moment of a step, which a
+kill from outside can only hit by chance:
 
     ELASTIC_DDP_TEST_FAULT=rank=3,step=30,at=allreduce,once=/tmp/x/fired
 
@@ -41,11 +27,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
+from elastic_ddp.chaos.held_train import held
 from elastic_ddp.distributed import exit_worker
 
-HOLD_VARIABLE = "ELASTIC_DDP_TEST_HOLD"
 FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
-HELD_STEP_S = 0.05
 FAULT_MOMENTS = ("allreduce", "after_allreduce")
 PEERS_COMMIT_TIMEOUT_S = 120
 
@@ -105,27 +90,8 @@ class FaultSwitch:
 
 
 def main() -> int:
-    hold = os.environ.get(HOLD_VARIABLE)
     fault = FaultSwitch(os.environ[FAULT_VARIABLE]) if os.environ.get(FAULT_VARIABLE) else None
-
-    def after_step(trainer) -> None:
-        if fault is not None:
-            fault.install(trainer)
-        while hold and not trainer.drain.requested and trainer.global_step >= pause_step(hold):
-            time.sleep(0.01)
-        if hold and os.path.exists(hold):
-            time.sleep(HELD_STEP_S)
-
-    return train.main(after_step=after_step)
-
-
-def pause_step(hold: str) -> float:
-    """The step the hold file pauses at (`pause_at=N`); infinity when it pauses nowhere."""
-    try:
-        text = Path(hold).read_text()
-    except FileNotFoundError:
-        return float("inf")
-    return int(text.removeprefix("pause_at=")) if text.startswith("pause_at=") else float("inf")
+    return train.main(after_step=held(fault.install if fault is not None else None))
 
 
 if __name__ == "__main__":

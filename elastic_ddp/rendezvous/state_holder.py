@@ -1,0 +1,138 @@
+"""How our backends' agents see torch's rendezvous state: dead nodes dropped, rounds completed promptly.
+
+torch's dynamic rendezvous keeps its state (round, participants, wait list, heartbeats) in the
+backend, and every agent reads and writes it through a state holder, whose `_sanitize` drops the
+nodes whose heartbeat expired. `ElasticStateHolder` is torch's holder with two additions, both
+made while this agent waits in the rendezvous, both only ever earlier versions of what torch would
+do anyway:
+
+- **Dead-node probes** (`liveness`): a node whose agent has provably exited is dropped at once,
+  not when its heartbeat expires (`probe_dead_nodes=0` in `--rdzv_conf` turns them off).
+- **Prompt completion**: torch completes a round `last_call_timeout` after it reached its minimum
+  size, in case more nodes come. After a failure or a join the nodes to expect are known: the
+  participants of the round before, less the ones that left (exited, or heartbeat expired), plus
+  the nodes that asked to join. Once all of them are in the new round and nobody waits, the round
+  completes at once. Otherwise (the first round, a node that has not come back yet, one more
+  arriving) torch's last call applies (`prompt_completion=0` turns this off).
+
+It also reads the state more often: the state it has read is reused for `SYNC_POLL_S` (torch: 1 s),
+which is how often a waiting agent looks again (`torch_internals.poll_rendezvous_every`).
+
+Limits: the dead-node probes' (see `liveness`). A node that comes back within its heartbeat expiry
+after having left (a restarted agent is a new node: its pid is part of its name) is not expected.
+A node that joins a moment after a prompt completion makes one more round (as after a last call).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from elastic_ddp.rendezvous import torch_internals
+from elastic_ddp.rendezvous.defaults import SYNC_POLL_S
+from elastic_ddp.rendezvous.liveness import Beacon, DeadNodeDetector
+from elastic_ddp.rendezvous.torch_internals import BackendStateHolder, NodeDesc
+
+logger = logging.getLogger(__name__)
+
+# The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
+PROMPT_COMPLETION_KEY = "prompt_completion"
+
+
+class ElasticStateHolder(BackendStateHolder):
+    """torch's state holder with dead-node probes and prompt completion (see the module docstring).
+
+    `detector` and `beacon` are None when the probes are off.
+    """
+
+    def __init__(self, backend: RendezvousBackend, settings, node: NodeDesc,
+                 detector: DeadNodeDetector | None, beacon: Beacon | None, prompt_completion: bool = True) -> None:
+        super().__init__(backend, settings, cache_duration=SYNC_POLL_S)
+        self._node = node
+        self._detector = detector
+        self._beacon = beacon  # held here so that it lives as long as the handler
+        self._prompt_completion = prompt_completion
+        self._previous_round: tuple[int, frozenset[NodeDesc]] | None = None  # the newest complete round seen
+        self._heartbeats: dict[NodeDesc, datetime] = {}  # the newest heartbeat seen of each node
+        self._exited: set[NodeDesc] = set()
+
+    def _sanitize(self) -> None:
+        """See base class. Afterwards, while this node waits, drop the peers that have exited and
+        complete the round if every node to expect is in."""
+        super()._sanitize()
+        state = self._state
+        for node, beat in state.last_heartbeats.items():
+            if node not in self._heartbeats or beat > self._heartbeats[node]:
+                self._heartbeats[node] = beat
+        if state.complete:
+            self._remember_members(state.round, state.participants.keys())
+        others = [node for node in (*state.participants, *state.wait_list, *state.redundancy_list)
+                  if node != self._node]
+        if self._detector is not None:
+            self._detector.observe(others)  # where each peer's beacon is, learnt while all is well
+        if state.complete and self._node in state.participants:
+            return  # training: nothing waits
+        if self._detector is not None:
+            self._drop_exited_peers(others)
+        if self._prompt_completion:
+            self._complete_promptly()
+
+    def _remember_members(self, round_: int, participants) -> None:
+        """Every participant of complete round `round_` seen so far: its participants leave one by
+        one when it ends (each agent removes itself before it rejoins), so keep the union."""
+        if self._previous_round is None or self._previous_round[0] != round_:
+            self._previous_round = (round_, frozenset(participants))
+        else:
+            self._previous_round = (round_, self._previous_round[1] | frozenset(participants))
+
+    def _drop_exited_peers(self, others: list[NodeDesc]) -> None:
+        state = self._state
+        participant_removed = False
+        for node in self._detector.dead(others):
+            # A warning: the one line in the agent's log (torchrun shows warnings) that says why the
+            # round went on before the dead node's heartbeat expired.
+            logger.warning("node %s has exited (its beacon refuses connections): removed from rendezvous '%s' "
+                           "without waiting for its heartbeat to expire", node, self._settings.run_id)
+            self._exited.add(node)
+            state.last_heartbeats.pop(node, None)
+            participant_removed |= state.participants.pop(node, None) is not None
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        if participant_removed:
+            torch_internals.remove_participant_epilogue(state, self._settings)
+
+    def _complete_promptly(self) -> None:
+        state = self._state
+        if (state.complete or self._previous_round is None or state.round != self._previous_round[0] + 1
+                or self._node not in state.participants or state.wait_list
+                or len(state.participants) < self._settings.min_nodes):
+            return
+        expected = {node for node in self._previous_round[1] if self._may_come_back(node)}
+        if not expected <= state.participants.keys():
+            return
+        now = datetime.now(timezone.utc)
+        if state.deadline is None or state.deadline > now:
+            # torch completes the round once its deadline has passed: this brings the deadline in.
+            state.deadline = now - timedelta(microseconds=1)
+            logger.info("rendezvous '%s': every node of round %d that is still alive is back: completing round %d "
+                        "without the last call", self._settings.run_id, state.round - 1, state.round)
+
+    def _may_come_back(self, node: NodeDesc) -> bool:
+        """Whether `node` of the previous round may still join: not exited, heartbeat not expired."""
+        if node in self._exited:
+            return False
+        beat = self._heartbeats.get(node)
+        expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        return beat is not None and datetime.now(timezone.utc) - beat < expiry
+
+
+def prompt_completion_enabled(params: RendezvousParameters) -> bool:
+    """`prompt_completion` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
+    try:
+        return bool(params.get_as_bool(PROMPT_COMPLETION_KEY, True))
+    except ValueError:
+        raise ValueError(f"--rdzv_conf {PROMPT_COMPLETION_KEY}: got {params.get(PROMPT_COMPLETION_KEY)!r}; "
+                         "expected 1 or 0 (also true/false, yes/no)") from None

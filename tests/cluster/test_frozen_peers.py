@@ -1,0 +1,109 @@
+"""A frozen node is left behind by the peer watchdog, long before the collective timeout; a slow or
+briefly stopped one is not. Real torchrun agents on 127.0.0.1, real SIGSTOP, gloo.
+
+The collective timeout is 120 s in these jobs: a group that trains again without the frozen node
+sooner than that owes it to the watchdog (elastic_ddp/watchdog.py, bound `--watchdog_timeout_s`,
+3 s by default), not to gloo. With torch's own `c10d` the agents get the documented `--rdzv_conf`.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob, wait_for
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+
+if TYPE_CHECKING:
+    from tests.support.etcd import EtcdServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DATASET, BATCH, EPOCHS = 2048, 64, 2
+COLLECTIVE_TIMEOUT_S = 120
+TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
+                 "--global_batch_size", str(BATCH), "--micro_batch_size", "16", "--snapshot_every_steps", "0",
+                 "--log_interval", "5", "--collective_timeout_s", str(COLLECTIVE_TIMEOUT_S)]
+# Well below the collective timeout, well above watchdog + heartbeat expiry + rendezvous + start.
+LEFT_BEHIND_WITHIN_S = 60
+
+
+def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold) -> float:
+    """Freeze `frozen` while the job trains; return the seconds until the survivor trains again."""
+    world_reached(job, 2)
+    job.wait_for_step(job.last_step() + 5, timeout=90)
+    frozen_at = time.time()
+    frozen.freeze()
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1 and e["time"] > frozen_at,
+                                 COLLECTIVE_TIMEOUT_S, "a restore without the frozen node")
+    first_step = job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == restore["incarnation"],
+                                    60, "a step without the frozen node")
+    seconds = first_step["time"] - frozen_at
+    print(f"training again {seconds:.1f} s after the freeze")
+    assert seconds < LEFT_BEHIND_WITHIN_S, node_logs(job)
+    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
+    frozen.kill()  # it stays gone: a thawed node would rejoin, which is another test's subject
+    release(hold)
+    assert survivor.wait(timeout=180) == 0, node_logs(job)
+    assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * DATASET // BATCH
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)
+    assert "peer watchdog: rank(s) [1] sent no heartbeat" in survivor.log_text()
+    return seconds
+
+
+def test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind(local_jobs, tmp_path):
+    hold = tmp_path / "hold"
+    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **hold_settings(hold))
+    survivor = job.add_node("host")  # hosts the c10d store: the one that must not freeze
+    frozen = job.add_node("frozen")
+    assert_frozen_node_left_behind(job, survivor, frozen, hold)
+
+
+@pytest.mark.etcd
+def test_etcd_v3_leaves_a_frozen_node_behind(local_jobs, etcd_server: EtcdServer, tmp_path):
+    hold = tmp_path / "hold"
+    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", rdzv_backend="etcd-v3",
+                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=None, run_id="frozen", **hold_settings(hold))
+    survivor = job.add_node("first")
+    wait_for(lambda: job.events("start") or not survivor.is_running(), 60, "the first node's worker group")
+    frozen = job.add_node("frozen")
+    assert_frozen_node_left_behind(job, survivor, frozen, hold)
+
+
+def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):
+    """SIGSTOP for half the watchdog's bound, then the CPU taken by busy loops (two per core): the
+    group never restarts."""
+    hold = tmp_path / "hold"
+    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **hold_settings(hold))
+    job.add_node("host")
+    slow = job.add_node("slow")
+    world_reached(job, 2)
+    job.wait_for_step(job.last_step() + 5, timeout=90)
+    slow.freeze()
+    stopped_at = time.monotonic()
+    wait_for(lambda: time.monotonic() - stopped_at > 1.5, 10, "half the watchdog's bound")
+    slow.thaw()
+    job.wait_for_step(job.last_step() + 5, timeout=60)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        steps_before = job.last_step()
+        job.wait_for_step(steps_before + 40, timeout=120)  # trained on, slowly, for a while
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(timeout=30)
+    release(hold)
+    assert job.wait(timeout=180) == {"host": 0, "slow": 0}, node_logs(job)
+    assert len(job.events("start")) == 1, "the group restarted: a live peer was evicted"
+    logs = "\n".join(node.log_text() for node in job.nodes)
+    assert "peer watchdog:" not in logs.replace("peer watchdog: the longest", "")
+    gaps = [float(gap) for gap in re.findall(r"heartbeat stayed unchanged was ([0-9.]+) s", logs)]
+    print(f"longest heartbeat gaps seen: {gaps}")
+    assert gaps, "every rank reports its longest gap when it leaves"
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)

@@ -1,0 +1,155 @@
+"""What our backends add to torch's rendezvous (elastic_ddp/rendezvous/handler.py), and what the
+plugin leaves alone: shipped timing that a user's value overrides, prompt completion, faster
+polling, and torch's default for the shared store untouched in agents that do not run our trainer.
+
+Handlers run in this process on a real TCPStore (one thread per "agent"); the plugin tests start a
+fresh interpreter, since torch reads the entry points once per process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+from elastic_ddp.chaos.cluster import free_port
+from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
+from elastic_ddp.rendezvous.plugin import trains_with_elastic_ddp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def store_port():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    yield port
+    del server
+
+
+def handler(port: int, run_id: str, min_nodes: int = 1, max_nodes: int = 3, **conf):
+    return registry.create_handler(RendezvousParameters(BACKEND_NAME, f"127.0.0.1:{port}", run_id, min_nodes,
+                                                        max_nodes, **conf))
+
+
+def rendezvous_together(handlers) -> list:
+    """Every handler's next_rendezvous, run at once; their RendezvousInfo (or exception), in order."""
+    results: list = [None] * len(handlers)
+
+    def run(index):
+        try:
+            results[index] = handlers[index].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not any(thread.is_alive() for thread in threads), "a rendezvous did not return"
+    return results
+
+
+def stop(handlers) -> None:
+    for each in handlers:
+        each._stop_heartbeats()
+
+
+def test_the_shipped_timing_fills_what_the_user_left_out_and_a_user_value_wins(store_port):
+    mine = handler(store_port, "timing", last_call_timeout="7", keep_alive_max_attempt="9")
+    settings = mine._settings
+    assert settings.timeout.last_call == timedelta(seconds=7)  # the user's
+    assert settings.keep_alive_max_attempt == 9  # the user's
+    assert settings.keep_alive_interval == timedelta(seconds=SHIPPED_RDZV_DEFAULTS["keep_alive_interval"])
+    assert settings.timeout.join == timedelta(seconds=SHIPPED_RDZV_DEFAULTS["join_timeout"])
+    assert settings.timeout.close == timedelta(seconds=SHIPPED_RDZV_DEFAULTS["close_timeout"])
+
+
+def test_a_round_after_a_failure_completes_when_every_live_node_is_back_not_after_the_last_call(store_port):
+    """Round 1 forms with three nodes; one exits; the two others rejoin. The last call is 60 s and
+    the join timeout 20 s: only prompt completion can form round 2 in time."""
+    conf = {"last_call_timeout": "60", "join_timeout": "20"}
+    nodes = [handler(store_port, "prompt", max_nodes=3, **conf) for _ in range(3)]
+    assert [info.world_size for info in rendezvous_together(nodes)] == [3, 3, 3]
+    gone = nodes.pop()
+    gone._stop_heartbeats()
+    gone._state_holder._beacon.close()  # its agent "exits": the kernel refuses its port from now on
+    second = rendezvous_together(nodes)
+    assert [getattr(info, "world_size", info) for info in second] == [2, 2]
+    stop(nodes)
+
+
+def test_without_prompt_completion_the_last_call_applies(store_port):
+    conf = {"last_call_timeout": "60", "join_timeout": "5", "prompt_completion": "0"}
+    nodes = [handler(store_port, "no-prompt", max_nodes=3, **conf) for _ in range(3)]
+    # The first round waits for its last call as well: three nodes at max_nodes complete it at once.
+    assert [info.world_size for info in rendezvous_together(nodes)] == [3, 3, 3]
+    gone = nodes.pop()
+    gone._stop_heartbeats()
+    gone._state_holder._beacon.close()
+    second = rendezvous_together(nodes)
+    assert all(isinstance(result, RendezvousTimeoutError) for result in second), second
+    stop(nodes)
+
+
+def test_a_node_that_has_not_come_back_is_waited_for(store_port):
+    """One survivor rejoins, the other still trains as far as anyone knows (its heartbeat is fresh,
+    its beacon answers): no prompt completion; the last call (60 s) outlasts the join timeout."""
+    conf = {"last_call_timeout": "60", "join_timeout": "5"}
+    nodes = [handler(store_port, "waits", max_nodes=3, **conf) for _ in range(3)]
+    assert [info.world_size for info in rendezvous_together(nodes)] == [3, 3, 3]
+    with pytest.raises(RendezvousTimeoutError):
+        nodes[0].next_rendezvous()
+    stop(nodes)
+
+
+@pytest.mark.parametrize("argv, ours", [
+    (["--nnodes=1:4", "--rdzv_backend=c10d", "-m", "elastic_ddp.train", "--epochs", "1"], True),
+    (["--nnodes", "2", "--module", "elastic_ddp.chaos.held_train"], True),
+    (["--nnodes=1:4", "train.py", "--model", "elastic_ddp.x"], False),
+    (["--nnodes=1:4", "-m", "my_project.train"], False),
+    (["-q", "tests/unit"], False),
+])
+def test_the_plugin_recognises_our_trainer_in_torchrun_arguments(argv, ours):
+    assert trains_with_elastic_ddp(argv) is ours
+
+
+def fresh_interpreter(argv: list[str]) -> str:
+    """SHARED_STORE_OPT_OUT after torch's registry loaded the plugins, in a new interpreter whose
+    sys.argv is `argv` (as torchrun's would be), and whether torch's c10d handler shares its store."""
+    code = (f"import sys; sys.argv = {['torchrun', *argv]!r}\n"
+            "import os\n"
+            "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry\n"
+            "assert 'elastic-c10d' in registry._registry and 'etcd-v3' in registry._registry\n"
+            f"print(os.environ.get({SHARED_STORE_OPT_OUT!r}, 'unset'))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_torchs_shared_store_default_is_untouched_unless_our_trainer_runs():
+    """torch's own test_use_agent_store_is_true_by_default failed once the plugin set the variable
+    at load; now only an agent that runs our trainer gets it."""
+    assert fresh_interpreter(["--rdzv_backend=c10d", "-m", "my_project.train"]) == "unset"
+    assert fresh_interpreter(["--rdzv_backend=c10d", "train.py"]) == "unset"
+    assert fresh_interpreter(["--rdzv_backend=c10d", "-m", "elastic_ddp.train", "--epochs", "1"]) == "1"
+
+
+def test_torchs_c10d_handler_shares_its_store_by_default_with_the_plugin_installed(store_port):
+    """torch's own assertion (test_use_agent_store_is_true_by_default), with our plugin loaded."""
+    code = (f"from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry as r\n"
+            f"h = r.create_handler(RendezvousParameters('c10d', '127.0.0.1:{store_port}', 'torch', 1, 1))\n"
+            "print(h.use_agent_store)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"

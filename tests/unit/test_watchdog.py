@@ -1,0 +1,94 @@
+"""The peer watchdog (elastic_ddp/watchdog.py) on a real TCPStore in this process: a rank whose
+heartbeat stops is found silent, one that left is not, and a store that stops answering counts as
+every peer silent."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_ddp.watchdog import PeerWatchdog
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUND_S, INTERVAL_S = 1.0, 0.05
+QUIET_WINDOW_S = 4 * BOUND_S  # how long "never fires" is watched
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    yield server
+    del server
+
+
+def client(store) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=1))
+
+
+def watchdogs(store, world_size: int, incarnation: int = 1):
+    """One watchdog per rank; each records the reason it fired with."""
+    fired = [threading.Event() for _ in range(world_size)]
+    reasons: list[str | None] = [None] * world_size
+
+    def on_silent(rank):
+        def record(reason):
+            reasons[rank] = reason
+            fired[rank].set()
+        return record
+
+    dogs = [PeerWatchdog(rank, world_size, incarnation, BOUND_S, on_silent(rank), INTERVAL_S, store=client(store))
+            for rank in range(world_size)]
+    return dogs, fired, reasons
+
+
+def test_live_peers_are_never_silent_and_a_stopped_one_is(store):
+    dogs, fired, reasons = watchdogs(store, 3)
+    for dog in dogs:
+        dog.start()
+    assert not any(event.wait(QUIET_WINDOW_S / 3) for event in fired), reasons
+    dogs[2].stop()  # frozen: no more heartbeats, no goodbye
+    assert fired[0].wait(10) and fired[1].wait(10)
+    assert "rank(s) [2] sent no heartbeat for over 1 s" in reasons[0]
+    assert not fired[2].is_set()
+    assert dogs[0].longest_gap_s < BOUND_S
+
+
+def test_a_rank_that_left_is_not_watched(store):
+    dogs, fired, reasons = watchdogs(store, 2)
+    for dog in dogs:
+        dog.start()
+    dogs[1].leave()  # finished (or drained) on its own
+    assert not fired[0].wait(QUIET_WINDOW_S), reasons
+    dogs[0].leave()
+
+
+def test_a_peer_that_never_published_is_silent_after_the_bound(store):
+    dogs, fired, reasons = watchdogs(store, 2)
+    dogs[0].start()  # rank 1 never starts
+    assert fired[0].wait(10)
+    assert "rank(s) [1]" in reasons[0]
+
+
+def test_a_store_that_stops_answering_counts_as_every_peer_silent():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    dogs, fired, reasons = watchdogs(server, 2)
+    for dog in dogs:
+        dog.start()
+    del server  # rank 0's worker, which hosts the store, is gone
+    assert fired[0].wait(15) and fired[1].wait(15)
+    assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+
+
+def test_heartbeats_of_another_incarnation_do_not_count(store):
+    old, _, _ = watchdogs(store, 2, incarnation=1)
+    for dog in old:
+        dog.start()
+    new, fired, reasons = watchdogs(store, 2, incarnation=2)
+    new[0].start()  # rank 1 of the new incarnation never comes; the old one's heartbeats go on
+    assert fired[0].wait(10) and "rank(s) [1]" in reasons[0]
+    for dog in old:
+        dog.stop()
