@@ -12,8 +12,12 @@ timed from its event until every live agent has returned from `next_rendezvous` 
 2. **kill**: one agent dies (its keep-alive heartbeats stop and, for our backends, its dead-node
    beacon closes, as when the process is SIGKILLed); the N-1 others re-enter the rendezvous, as
    torchrun's agents do when their workers fail.
-3. **join**: a new agent calls `next_rendezvous`; the others notice it as torchrun's monitor loop
-   does (`num_nodes_waiting() > 0`, every `MONITOR_INTERVAL_S`) and re-enter.
+3. **join**: a new agent calls `next_rendezvous`.
+
+In every phase each agent also does what torchrun's monitor loop does between rounds: every
+`MONITOR_INTERVAL_S` it asks `num_nodes_waiting()` and re-enters when a node waits (so agents
+that missed a round's last call join the next one). A phase ends when every live agent is in the
+same complete round and nobody waits; `rounds` counts the rounds it took.
 
 Also counted: reads and writes of the rendezvous state per agent, per phase (the backend's
 `get_state`/`set_state`: with c10d a TCPStore get or compare-set, with etcd-v3 an etcd range read
@@ -66,7 +70,7 @@ AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
 BACKENDS = ("c10d", "elastic-c10d", "etcd-v3")
 DEFAULT_BACKENDS = ("elastic-c10d", "etcd-v3")
 PHASES = ("first", "kill", "join")
-PHASE_TIMEOUT_S = 120.0
+PHASE_TIMEOUT_S = 60.0
 GOAL_SECONDS_AT_64 = 5.0
 
 
@@ -106,7 +110,7 @@ class CountingBackend(RendezvousBackend):
 class Agent:
     handler: DynamicRendezvousHandler
     counter: CountingBackend
-    round: int = -1
+    round: int = 0
     alive: bool = True
     closers: list[Callable[[], None]] = field(default_factory=list)
 
@@ -159,17 +163,59 @@ def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host
     return Agent(elastic_handler(params, store, counter), counter)
 
 
-def _all_in_one_round(agents: list[Agent], calls: list[Callable[[], None]]) -> float:
-    """Run `calls` (each an agent's `rendezvous`) at once; seconds until all returned."""
+SETTLED_FOR_S = 0.3  # all in one round, nobody waiting, for this long: the phase is over
+
+
+def _settle(agents: list[Agent], entering: list[Agent]) -> tuple[float, int]:
+    """`entering` call `next_rendezvous` now; then every agent re-enters whenever it sees a node
+    waiting (torchrun's monitor loop, every MONITOR_INTERVAL_S). Returns the seconds until every
+    agent was in one complete round with nobody waiting (for SETTLED_FOR_S: a look at the state
+    can be an instant late), and how many rounds that took."""
+    stop = threading.Event()
+    busy = {id(agent): agent in entering for agent in agents}
+    first_round = max(agent.round for agent in agents)
+
+    def agent_loop(agent: Agent) -> None:
+        if busy[id(agent)]:
+            agent.rendezvous()
+            busy[id(agent)] = False
+        while not stop.wait(MONITOR_INTERVAL_S):
+            if agent.handler.num_nodes_waiting() > 0:
+                busy[id(agent)] = True
+                agent.rendezvous()
+                busy[id(agent)] = False
+
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        for future in [pool.submit(call) for call in calls]:
-            future.result(timeout=PHASE_TIMEOUT_S)
-    seconds = time.monotonic() - started
-    rounds = {agent.round for agent in agents if agent.alive}
-    if len(rounds) != 1:
-        raise RuntimeError(f"the agents ended in different rounds: {sorted(rounds)}")
-    return seconds
+    deadline = started + PHASE_TIMEOUT_S
+    settled_at = None
+    with ThreadPoolExecutor(max_workers=len(agents)) as pool:
+        futures = [pool.submit(agent_loop, agent) for agent in agents]
+        try:
+            while True:
+                for future in futures:
+                    if future.done():
+                        future.result()  # an agent that failed: raise its error
+                now = time.monotonic()
+                if now > deadline:
+                    rounds = sorted(agent.round for agent in agents)
+                    raise TimeoutError(f"{len(agents)} agents did not settle in one round within {PHASE_TIMEOUT_S:g} s: "
+                                       f"{sum(busy.values())} in the rendezvous, rounds {rounds}")
+                settled = (not any(busy.values()) and len({agent.round for agent in agents}) == 1
+                           and agents[0].handler.num_nodes_waiting() == 0)
+                if not settled:
+                    settled_at = None
+                elif settled_at is None:
+                    settled_at = now
+                elif now - settled_at >= SETTLED_FOR_S:
+                    return settled_at - started, agents[0].round - first_round
+                time.sleep(0.01)
+        finally:
+            stop.set()
+
+
+def _phase(agents: list[Agent], entering: list[Agent]) -> dict[str, float]:
+    seconds, rounds = _settle(agents, entering)
+    return {"seconds": round(seconds, 3), "rounds": rounds, **_counts(agents)}
 
 
 def _counts(agents: list[Agent]) -> dict[str, float]:
@@ -180,21 +226,6 @@ def _counts(agents: list[Agent]) -> dict[str, float]:
             "lost_writes_per_agent": round(sum(t[2] for t in taken) / live, 2)}
 
 
-def _join(agents: list[Agent], joiner: Agent) -> float:
-    """A new agent arrives; the others re-enter once they see it waiting (torchrun's monitor loop)."""
-    def member_notices_then_rejoins(agent: Agent) -> Callable[[], None]:
-        def run() -> None:
-            deadline = time.monotonic() + PHASE_TIMEOUT_S
-            while agent.handler.num_nodes_waiting() == 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the joiner was never seen waiting")
-                time.sleep(MONITOR_INTERVAL_S)
-            agent.rendezvous()
-        return run
-
-    return _all_in_one_round([*agents, joiner], [joiner.rendezvous, *map(member_notices_then_rejoins, agents)])
-
-
 def measure(backend: str, agents_count: int, endpoint: str) -> dict[str, Any]:
     """The three phases with `agents_count` agents on a fresh run id; one record."""
     run_id = f"scale-{uuid.uuid4().hex[:8]}"
@@ -202,18 +233,15 @@ def measure(backend: str, agents_count: int, endpoint: str) -> dict[str, Any]:
     agents = [make_agent(backend, endpoint, run_id, max_nodes, is_host=index == 0) for index in range(agents_count)]
     record: dict[str, Any] = {"backend": backend, "agents": agents_count}
     try:
-        record["first"] = {"seconds": round(_all_in_one_round(agents, [a.rendezvous for a in agents]), 3),
-                           **_counts(agents)}
-        victim = agents[-1] if agents_count > 1 else None  # never the c10d store's host
-        if victim is not None:
-            victim.die()
-            survivors = [a for a in agents if a.alive]
-            record["kill"] = {"seconds": round(_all_in_one_round(survivors, [a.rendezvous for a in survivors]), 3),
-                              **_counts(survivors)}
-        survivors = [a for a in agents if a.alive]
+        record["first"] = _phase(agents, entering=agents)
+        if agents_count > 1:
+            agents[-1].die()  # never agents[0]: with c10d it hosts the store
+            survivors = [agent for agent in agents if agent.alive]
+            record["kill"] = _phase(survivors, entering=survivors)  # their workers failed
         joiner = make_agent(backend, endpoint, run_id, max_nodes, is_host=False)
+        live = [*(agent for agent in agents if agent.alive), joiner]
         agents.append(joiner)
-        record["join"] = {"seconds": round(_join(survivors, joiner), 3), **_counts([*survivors, joiner])}
+        record["join"] = _phase(live, entering=[joiner])
     finally:
         for agent in agents:
             agent.close()
@@ -226,14 +254,19 @@ def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str
         for count in counts:
             for backend in backends:  # interleaved: each size meets every backend in turn
                 endpoint = etcd_endpoint if backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
-                record = measure(backend, count, endpoint)
+                try:
+                    record = measure(backend, count, endpoint)
+                except (TimeoutError, RuntimeError) as exc:  # recorded: what the curve shows at this size
+                    record = {"backend": backend, "agents": count, "error": str(exc)}
                 print(_line(record), flush=True)
                 records.append(record)
     return records
 
 
 def _line(record: dict[str, Any]) -> str:
-    phases = ", ".join(f"{phase} {record[phase]['seconds']:.2f} s ({record[phase]['reads_per_agent']:.0f} reads, "
+    if "error" in record:
+        return f"{record['backend']:>12} x{record['agents']:<3} FAILED: {record['error']}"
+    phases = ", ".join(f"{phase} {record[phase]['seconds']:.2f} s, {record[phase]['rounds']} round(s) ({record[phase]['reads_per_agent']:.0f} reads, "
                        f"{record[phase]['writes_per_agent']:.0f} writes/agent)" for phase in PHASES if phase in record)
     return f"{record['backend']:>12} x{record['agents']:<3} {phases}"
 

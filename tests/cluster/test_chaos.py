@@ -68,7 +68,9 @@ def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
     assert 1 <= min(report.world_sizes) and max(report.world_sizes) <= 4
     # Memory copies: no fault of this plan (none ends the whole job) costs a committed step.
     assert [r["lost_steps"] for r in report.restores] == [0] * len(report.restores), report.summary()
-    assert all(r["source"] == "memory" for r in report.restores), report.summary()
+    # A node that joins after the last step (the plan is done, the job was released) starts a group
+    # that restores the final snapshot file: a finished run keeps no memory copies.
+    assert all(r["source"] == "memory" for r in report.restores if r["global_step"] < 576), report.summary()
 
 
 @pytest.mark.timeout(420)
