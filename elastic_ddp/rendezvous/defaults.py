@@ -28,3 +28,13 @@ SYNC_POLL_S = 0.1
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Environment of every agent: the store fix, and one thread per worker (no oversubscribed cores).
 AGENT_ENV = {SHARED_STORE_OPT_OUT: "1", "OMP_NUM_THREADS": "1"}
+
+
+def conf_switch(params, key: str, default: bool = True) -> bool:
+    """An on/off key of our backends' `--rdzv_conf` (`RendezvousParameters`); a bad value raises
+    ValueError naming the key, the value and what is accepted."""
+    try:
+        return bool(params.get_as_bool(key, default))
+    except ValueError:
+        raise ValueError(f"--rdzv_conf {key}: got {params.get(key)!r}; expected 1 or 0 (also true/false, "
+                         "yes/no)") from None

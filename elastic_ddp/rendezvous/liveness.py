@@ -38,6 +38,7 @@ import threading
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ddp.rendezvous.defaults import conf_switch
 from elastic_ddp.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
@@ -179,11 +180,7 @@ class DeadNodeDetector:
 
 def probes_enabled(params: RendezvousParameters) -> bool:
     """`probe_dead_nodes` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
-    try:
-        return bool(params.get_as_bool(PROBE_DEAD_NODES_KEY, True))
-    except ValueError:
-        raise ValueError(f"--rdzv_conf {PROBE_DEAD_NODES_KEY}: got {params.get(PROBE_DEAD_NODES_KEY)!r}; "
-                         "expected 1 or 0 (also true/false, yes/no)") from None
+    return conf_switch(params, PROBE_DEAD_NODES_KEY)
 
 
 def start_beacon(store: Store, node: NodeDesc) -> tuple[Beacon, DeadNodeDetector]:

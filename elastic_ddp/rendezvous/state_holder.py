@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic_ddp.rendezvous import torch_internals
-from elastic_ddp.rendezvous.defaults import SYNC_POLL_S
+from elastic_ddp.rendezvous.defaults import SYNC_POLL_S, conf_switch
 from elastic_ddp.rendezvous.liveness import Beacon, DeadNodeDetector
 from elastic_ddp.rendezvous.torch_internals import BackendStateHolder, NodeDesc
 
@@ -131,8 +131,4 @@ class ElasticStateHolder(BackendStateHolder):
 
 def prompt_completion_enabled(params: RendezvousParameters) -> bool:
     """`prompt_completion` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
-    try:
-        return bool(params.get_as_bool(PROMPT_COMPLETION_KEY, True))
-    except ValueError:
-        raise ValueError(f"--rdzv_conf {PROMPT_COMPLETION_KEY}: got {params.get(PROMPT_COMPLETION_KEY)!r}; "
-                         "expected 1 or 0 (also true/false, yes/no)") from None
+    return conf_switch(params, PROMPT_COMPLETION_KEY)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
+from elastic_ddp.chaos.cluster import wait_for
 from elastic_ddp.chaos.held_train import held
 from elastic_ddp.distributed import exit_worker
 
@@ -69,11 +69,8 @@ class FaultSwitch:
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not self._armed("after_allreduce"):
             return
-        deadline = time.monotonic() + PEERS_COMMIT_TIMEOUT_S
-        while not self._peers_committed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the other ranks did not commit step {self.step} within {PEERS_COMMIT_TIMEOUT_S} s")
-            time.sleep(0.01)
+        wait_for(self._peers_committed, PEERS_COMMIT_TIMEOUT_S, f"the other ranks to commit step {self.step}",
+                 interval=0.01)
         self._die()
 
     def _peers_committed(self) -> bool:
