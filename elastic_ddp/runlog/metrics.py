@@ -3,37 +3,81 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-class LossWindow:
-    """Loss and throughput since the last report; `reduce` is a collective when distributed.
+@dataclass(frozen=True)
+class WindowReport:
+    """One closed window, reduced over all ranks."""
 
-    The per-step cost is two tensor additions on the device (no synchronisation): the sums are
-    read once per report.
+    global_step: int  # the step that closed it
+    epoch: int
+    lr: float  # the learning rate of that step
+    loss: float  # mean loss per sample over every rank's samples
+    samples_per_second: float  # global samples over the window's wall time
+
+
+class LossWindow:
+    """Loss and throughput since the last report; the reduce over ranks does not make training wait.
+
+    `add` per step: one addition on the device, no synchronisation. `close` ends the window at a
+    step and starts the all-reduce of its sums in the background (a collective: every rank closes
+    at the same steps); `take_report` returns it once that reduce has completed (in practice at the
+    next step: the step's own gradient all-reduce comes after it on the same process group), and
+    `finish` waits for it. A window that is never closed (the steps after the last report of an
+    epoch) is dropped.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._pending: tuple[dist.Work | None, torch.Tensor, int, int, float, float] | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self.totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples
-        self.global_samples = 0
-        self.started = time.monotonic()
+        self._loss_sum: torch.Tensor | None = None  # on the device, float64
+        self._rank_samples = 0
+        self._global_samples = 0
+        self._started = time.monotonic()
 
     def add(self, loss_sum: torch.Tensor, rank_samples: int, global_samples: int) -> None:
-        self.totals[0] += loss_sum.double()
-        self.totals[1] += rank_samples
-        self.global_samples += global_samples
+        loss = loss_sum.detach().double()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._rank_samples += rank_samples
+        self._global_samples += global_samples
 
-    def reduce(self, distributed: bool) -> tuple[float, float]:
-        """(mean loss per sample, global samples per second), and start a new window."""
-        if distributed:
-            dist.all_reduce(self.totals)
-        loss = (self.totals[0] / self.totals[1].clamp(min=1)).item()
-        samples_per_second = self.global_samples / max(time.monotonic() - self.started, 1e-9)
+    def close(self, global_step: int, epoch: int, lr: float, distributed: bool) -> None:
+        """End the window at `global_step` and start reducing it; a new window begins. A window
+        closed before and not yet taken is waited for and dropped (call `take_report` first)."""
+        self.finish()
+        self._pending = None
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._loss_sum is not None:
+            totals[0] = self._loss_sum
+        totals[1] = self._rank_samples
+        samples_per_second = self._global_samples / max(time.monotonic() - self._started, 1e-9)
+        work = dist.all_reduce(totals, async_op=True) if distributed else None
+        self._pending = (work, totals, global_step, epoch, lr, samples_per_second)
         self._reset()
-        return loss, samples_per_second
+
+    def take_report(self, wait: bool = False) -> WindowReport | None:
+        """The last closed window once its reduce has completed (with `wait`, waits for it); None
+        when there is none or it is still in flight. Each window is returned once; a failed reduce
+        raises its error (and the window is gone)."""
+        if self._pending is None:
+            return None
+        work, totals, global_step, epoch, lr, samples_per_second = self._pending
+        if work is not None:
+            if not wait and not work.is_completed():
+                return None
+            self._pending = None
+            work.wait()  # at once when completed; raises if the reduce failed
+        self._pending = None
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return WindowReport(global_step, epoch, lr, loss, samples_per_second)
+
+    def finish(self) -> WindowReport | None:
+        """Wait for the reduce in flight, if any, and return its report."""
+        return self.take_report(wait=True)

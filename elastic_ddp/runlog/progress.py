@@ -95,15 +95,17 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(1)
 
-    def report(self, global_step: int, loss: float, lr: float, samples_per_second: float, world_size: int) -> None:
-        """The numbers of the last --log_interval steps (already reduced over all ranks)."""
+    def report(self, global_step: int, epoch: int, loss: float, lr: float, samples_per_second: float,
+               world_size: int) -> None:
+        """The numbers of the --log_interval steps up to `global_step` of `epoch` (already reduced
+        over all ranks; reported a step or so later, so the step is the report's, not the count's)."""
         if self.mode == "bar" and self._bar is not None:
             self._bar.set_postfix_str(f"step {global_step}, loss {loss:.4g}, lr {lr:.3g}, "
                                       f"{samples_per_second:,.0f} samples/s, world {world_size}", refresh=False)
         elif self.mode == "log":
             logger.info("epoch %d/%d, step %d/%d of the epoch: loss %.4g, lr %.3g, %.0f samples/s, world %d",
-                        self._epoch + 1, self.epochs, self._steps_in_epoch, self.steps_per_epoch, loss, lr,
-                        samples_per_second, world_size)
+                        epoch + 1, self.epochs, global_step - epoch * self.steps_per_epoch, self.steps_per_epoch,
+                        loss, lr, samples_per_second, world_size)
 
     def end_epoch(self) -> None:
         """The epoch's last step is done."""

@@ -168,7 +168,7 @@ class RunLog:
     def report_progress(self, global_step: int, epoch: int, loss: float, lr: float, samples_per_second: float) -> None:
         """The numbers of the last --log_interval steps, already reduced over all ranks."""
         world_size = self.context.world_size
-        self.progress.report(global_step, loss, lr, samples_per_second, world_size)
+        self.progress.report(global_step, epoch, loss, lr, samples_per_second, world_size)
         self.events.emit(schema.PROGRESS, global_step=global_step, epoch=epoch, loss=loss, lr=lr,
                          samples_per_second=round(samples_per_second, 1), world_size=world_size)
         if self.scalars is not None:

@@ -22,6 +22,7 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -107,22 +108,46 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+# Chunks at least this large are hashed on a helper thread while the same bytes are written.
+PARALLEL_HASH_BYTES = 2**20
+
+
 class _HashingWriter:
-    """A write-only binary file that hashes and counts what it passes on to `target`."""
+    """A write-only binary file that hashes and counts what it passes on to `target`.
+
+    A large chunk is hashed on one helper thread while this thread writes it (both only read the
+    buffer, both release the GIL, and both are done before `write` returns, so the caller may
+    reuse the buffer): a chunk costs the longer of the two instead of their sum. Call `close`.
+    """
 
     def __init__(self, target: BinaryIO, algorithm: str):
         self._target = target
         self.hasher = new_hasher(algorithm)
         self.size = 0
+        self._helper: ThreadPoolExecutor | None = None
 
     def write(self, data) -> int:
-        self.hasher.update(data)  # releases the GIL for all but tiny chunks
-        written = self._target.write(data)
+        if memoryview(data).nbytes < PARALLEL_HASH_BYTES:
+            self.hasher.update(data)
+            written = self._target.write(data)
+        else:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-hash")
+            hashed = self._helper.submit(self.hasher.update, data)
+            try:
+                written = self._target.write(data)
+            finally:
+                hashed.result()  # (its error, if any, wins over the write's)
         self.size += written
         return written
 
     def flush(self) -> None:
         self._target.flush()
+
+    def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
 
 
 def write_framed(file: BinaryIO, header: SnapshotHeader, write_payload: Callable[[BinaryIO], None],
@@ -134,8 +159,11 @@ def write_framed(file: BinaryIO, header: SnapshotHeader, write_payload: Callable
         raise SnapshotError(f"snapshot header of {len(raw_header)} bytes (a fingerprint that large?); "
                             f"at most {MAX_HEADER_BYTES}")
     hashing = _HashingWriter(file, algorithm)
-    hashing.write(MAGIC + _LENGTH.pack(len(raw_header)) + raw_header)
-    write_payload(hashing)
+    try:
+        hashing.write(MAGIC + _LENGTH.pack(len(raw_header)) + raw_header)
+        write_payload(hashing)
+    finally:
+        hashing.close()
     payload_bytes = hashing.size - PREFIX_BYTES - len(raw_header)
     digest = hashing.hasher.digest()
     trailer = _TRAILER.pack(payload_bytes, algorithm.encode().ljust(16, b"\0"), digest, TRAILER_MAGIC)
@@ -186,8 +214,6 @@ def verify(data: bytes, source: str) -> Seal:
         raise SnapshotError(f"{source}: {algorithm} {hasher.hexdigest()[:12]}... does not match its own "
                             f"{expected[:12]}... (corrupt)")
     return seal
-
-
 
 
 def file_matches(data: bytes, checksum: str) -> bool:

@@ -31,6 +31,7 @@ from elastic_ddp.snapshot.errors import SnapshotError
 from elastic_ddp.snapshot.memory import KeptCopy, MemoryTier, scope_token
 from elastic_ddp.snapshot.recovery import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.replication import Replication
+from elastic_ddp.snapshot.rng_gather import gather_rng_states
 from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
 from elastic_ddp.snapshot.store import CheckpointStore, ManifestEntry
@@ -104,10 +105,10 @@ class SnapshotSession:
     def save(self, state: TrainingState) -> None:
         """Snapshot `state` now (collective: every rank's RNG); rank 0 queues the write."""
         self.last_saved_step = state.global_step
-        rng_per_rank = [capture_rng_state()]
         if self._distributed:
-            rng_per_rank = [None] * self.context.world_size
-            dist.all_gather_object(rng_per_rank, capture_rng_state())
+            rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
+        else:
+            rng_per_rank = [capture_rng_state()]
         if self.writer is None:
             return
 

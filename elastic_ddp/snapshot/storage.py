@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from elastic_ddp.snapshot.writeback import WritebackTracker
+
 logger = logging.getLogger(__name__)
 
 # A temporary file of LocalDirectoryStorage: ".<final name>.tmp-<pid>".
@@ -153,12 +155,13 @@ class LocalDirectoryStorage(SnapshotStorage):
 
     def write_stream_atomically(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         """See base class. `produce` writes straight into the temporary file, unbuffered (each
-        write is one system call that releases the GIL, and no copy of the content is kept)."""
+        write is one system call that releases the GIL, and no copy of the content is kept); the
+        device starts writing while `produce` goes on (elastic_ddp/snapshot/writeback.py)."""
         path = self.directory / name
         temporary = path.with_name(f".{name}.tmp-{os.getpid()}")
         try:
             with open(temporary, "wb", buffering=0) as handle:
-                produce(_WriteAll(handle))
+                produce(_WriteAll(handle, WritebackTracker(handle.fileno())))
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
         except BaseException:
@@ -275,14 +278,17 @@ class _WriteAll:
     """An unbuffered file whose `write` returns only once all of its argument is written (a raw
     file may write less, for instance just before a disk fills up)."""
 
-    def __init__(self, raw: BinaryIO):
+    def __init__(self, raw: BinaryIO, writeback: WritebackTracker | None = None):
         self._raw = raw
+        self._writeback = writeback
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         written = 0
         while written < len(view):
             written += self._raw.write(view[written:])
+        if self._writeback is not None:
+            self._writeback.wrote(written)
         return written
 
     def flush(self) -> None:

@@ -32,6 +32,14 @@ QUICK_ROWS = [
     ("snapshot", "10 MB: write bandwidth, MB/s"),
     ("snapshot", "wide MLP: run time with a snapshot every 20 steps, s"),
     ("snapshot", "wide MLP: run time with a synchronous snapshot every 20 steps, s"),
+    ("snapshot writer", "10 MB snapshot with blake3, the default: MB/s"),
+    ("snapshot writer", "10 MB snapshot with sha256, format 1: MB/s"),
+]
+# Rows compared with a median of the baseline (not paired): the ratio is one number.
+QUICK_UNPAIRED_ROWS = [
+    ("checksum", "blake3, 1 thread: MB/s hashing alone"),
+    ("checksum", "blake3, all cores: MB/s hashing alone"),
+    *(("rendezvous", f"elastic-c10d, 4 agents, {phase}: s to one complete round") for phase in ("first", "kill", "join")),
 ]
 
 
@@ -62,6 +70,13 @@ def test_run_all_quick_prints_every_row_with_figures_that_parse(tmp_path):
             median, low, high = parse_cell(cell)
             assert low <= median <= high and not math.isnan(median), (key, cell)
         assert count == "1"
+    assert set(QUICK_UNPAIRED_ROWS) <= set(rows), sorted(rows)
+    for key in QUICK_UNPAIRED_ROWS:
+        _, _, elastic, baseline, _, ratio, _, _ = rows[key]
+        for cell in (elastic, baseline):
+            median, low, high = parse_cell(cell)
+            assert 0 < low <= median <= high, (key, cell)
+        assert float(ratio) > 0, (key, ratio)
     recovery = [cells for key, cells in rows.items() if key[0] == "recovery"]
     assert len(recovery) == 1 and recovery[0][1].startswith("left out of --quick")
 

@@ -82,11 +82,22 @@ def test_off_a_terminal_progress_is_plain_log_lines(caplog):
         reporter.start_epoch(0, steps_done=2)
         for _ in range(4):
             reporter.advance()
-        reporter.report(global_step=6, loss=0.25, lr=0.01, samples_per_second=1234.4, world_size=3)
+        reporter.report(global_step=6, epoch=0, loss=0.25, lr=0.01, samples_per_second=1234.4, world_size=3)
         reporter.end_epoch()
     messages = [record.getMessage() for record in caplog.records]
     assert messages[0] == "epoch 1/2, step 6/8 of the epoch: loss 0.25, lr 0.01, 1234 samples/s, world 3"
     assert messages[1].startswith("epoch 1/2 done: 4 steps in ")
+
+
+def test_a_report_that_arrives_steps_later_names_its_own_step(caplog):
+    """The reduce behind a report completes a step or more after the window closed."""
+    reporter = ProgressReporter("log", epochs=3, steps_per_epoch=8, stream=io.StringIO())
+    with caplog.at_level(logging.INFO, logger="elastic_ddp"):
+        reporter.start_epoch(1, steps_done=0)
+        for _ in range(5):
+            reporter.advance()
+        reporter.report(global_step=12, epoch=1, loss=0.5, lr=0.1, samples_per_second=100.0, world_size=2)
+    assert caplog.records[0].getMessage().startswith("epoch 2/3, step 4/8 of the epoch: loss 0.5")
 
 
 def test_on_a_terminal_progress_is_a_bar_with_the_numbers():
@@ -96,7 +107,7 @@ def test_on_a_terminal_progress_is_a_bar_with_the_numbers():
     reporter.start_epoch(1, steps_done=4)
     for _ in range(6):
         reporter.advance()
-    reporter.report(global_step=20, loss=0.5, lr=0.02, samples_per_second=2048.0, world_size=4)
+    reporter.report(global_step=20, epoch=1, loss=0.5, lr=0.02, samples_per_second=2048.0, world_size=4)
     reporter.end_epoch()
     text = terminal.getvalue()
     assert "\r" in text and "epoch 2/3" in text and "10/10" in text
@@ -109,7 +120,7 @@ def test_other_ranks_and_off_print_nothing(caplog):
         with caplog.at_level(logging.INFO, logger="elastic_ddp"):
             reporter.start_epoch(0, 0)
             reporter.advance()
-            reporter.report(1, 1.0, 0.1, 10.0, 1)
+            reporter.report(1, 0, 1.0, 0.1, 10.0, 1)
             reporter.end_epoch()
         assert reporter.stream.getvalue() == "" and not caplog.records
 
