@@ -17,6 +17,7 @@ import cProfile
 import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,8 +54,20 @@ def peak_rss_mb() -> float:
 
 
 def emit_result(record: dict[str, Any]) -> None:
-    """Print one machine-readable result line (the harness greps stdout for it)."""
-    print(RESULT_PREFIX + json.dumps(record), flush=True)
+    """Print one machine-readable result line (the harness greps stdout for it).
+
+    In one `write` call: every worker of a job shares torchrun's stdout, and a line of tens of
+    kilobytes printed through Python's buffer could be split by another worker's line."""
+    line = RESULT_PREFIX + json.dumps(record) + "\n"
+    sys.stdout.flush()
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stdout (tests): nobody else writes to it
+        print(line, end="", flush=True)
+        return
+    data = memoryview(line.encode())
+    while data:
+        data = data[os.write(descriptor, data):]
 
 
 def parse_results(text: str) -> list[dict[str, Any]]:

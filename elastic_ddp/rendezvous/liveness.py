@@ -7,11 +7,21 @@ for exactly that before they can form the next round; it was the floor of kill r
 
 A killed agent leaves a sharper trace: the kernel closes its sockets. So each agent here listens
 on a TCP port of its own (its *beacon*, accepting and closing connections) and publishes the port
-in the rendezvous store; peers reach it at the node's address (`--local_addr`, else its FQDN). Whenever a node is waiting in the rendezvous (it is not a
-participant of a complete round), every sync of the rendezvous state probes the other nodes of
-that state, and a node is removed at once, as torch removes one whose heartbeat expired, when
+in the rendezvous store; peers reach it at the node's address (`--local_addr`, else its FQDN).
+Whenever a node is waiting in the rendezvous (it is not a participant of a complete round), every
+sync of the rendezvous state probes the *suspects* among the other nodes of that state, and a
+node is removed at once, as torch removes one whose heartbeat expired, when
 
     its beacon accepted a connection from this agent before, and now refuses one.
+
+The suspects (`rendezvous.state_holder`) are the nodes that can hold this one up: the participants
+of a complete round that this node has left (after a failure every live agent leaves it at once
+and rejoins; one that stays is the likely dead one), and any node whose heartbeat is overdue (1.5
+heartbeat intervals). Probing every node at every sync instead cost N - 1 connections per agent
+ten times a second: at 16 simulated agents the first rendezvous took up to 51 s
+(docs/benchmarks.md, "Rendezvous at scale"). Heartbeats carry their writer's clock, so clock skew
+between machines changes how often a node is probed, never which nodes a probe can remove. A node
+killed while it waits in a forming round is found once its heartbeat is overdue (1.5 s shipped).
 
 A refusal is the kernel's answer for a port nobody listens on: the agent process has exited
 (SIGKILL, crash, OOM kill, a drained agent that has left). Everything else keeps torch's rule, the
@@ -145,8 +155,10 @@ class DeadNodeDetector:
             if address is not None:
                 self._reached[node] = address
 
-    def dead(self, nodes) -> list[NodeDesc]:
-        for node in nodes:
+    def dead(self, nodes, suspects=None) -> list[NodeDesc]:
+        """The nodes of `nodes` known to have exited, once those of `suspects` (default: all of
+        `nodes`) that were reached before are probed again."""
+        for node in nodes if suspects is None else suspects:
             address = self._reached.get(node)
             if address is None:
                 continue

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"
+# A peer whose newest heartbeat is older than this many keep-alive intervals is probed (a live
+# agent beats once per interval; the half interval absorbs a late one).
+OVERDUE_HEARTBEATS = 1.5
 
 
 class ElasticStateHolder(BackendStateHolder):
@@ -76,7 +79,7 @@ class ElasticStateHolder(BackendStateHolder):
         if state.complete and self._node in state.participants:
             return  # training: nothing waits
         if self._detector is not None:
-            self._drop_exited_peers(others)
+            self._drop_exited_peers(others, self._suspects(others))
         if self._prompt_completion:
             self._complete_promptly()
 
@@ -88,10 +91,21 @@ class ElasticStateHolder(BackendStateHolder):
         else:
             self._previous_round = (round_, self._previous_round[1] | frozenset(participants))
 
-    def _drop_exited_peers(self, others: list[NodeDesc]) -> None:
+    def _suspects(self, others: list[NodeDesc]) -> list[NodeDesc]:
+        """The peers worth probing at this sync (see `liveness`): participants of a complete round
+        (this node has left it: they must leave too, or be found dead, before the next round), and
+        peers whose heartbeat is overdue. A live peer that has joined the forming round is neither."""
+        state = self._state
+        now = datetime.now(timezone.utc)
+        overdue = self._settings.keep_alive_interval * OVERDUE_HEARTBEATS
+        return [node for node in others
+                if (state.complete and node in state.participants)
+                or now - self._heartbeats.get(node, now) > overdue]
+
+    def _drop_exited_peers(self, others: list[NodeDesc], suspects: list[NodeDesc]) -> None:
         state = self._state
         participant_removed = False
-        for node in self._detector.dead(others):
+        for node in self._detector.dead(others, suspects):
             # A warning: the one line in the agent's log (torchrun shows warnings) that says why the
             # round went on before the dead node's heartbeat expired.
             logger.warning("node %s has exited (its beacon refuses connections): removed from rendezvous '%s' "

@@ -95,6 +95,53 @@ def test_only_a_node_reached_before_and_refusing_now_is_dead(store):
     alive.close()
 
 
+def test_only_the_suspects_given_are_probed_again(store):
+    alive, exited = Beacon(), Beacon()
+    nodes = {name: _NodeDesc("localhost", 2000 + i, 0) for i, name in enumerate(["alive", "exited"])}
+    for name, beacon in (("alive", alive), ("exited", exited)):
+        store.set(beacon_key(nodes[name]), str(beacon.port))
+    detector = DeadNodeDetector(store)
+    detector.observe(nodes.values())
+    exited.close()
+    assert detector.dead(nodes.values(), suspects=[nodes["alive"]]) == []  # the exited one was not probed
+    assert detector.dead(nodes.values(), suspects=[nodes["exited"]]) == [nodes["exited"]]
+    assert detector.dead(nodes.values(), suspects=[]) == [nodes["exited"]]  # known, without a probe
+    alive.close()
+
+
+def test_agents_waiting_in_a_forming_round_do_not_probe_live_peers(store, monkeypatch):
+    """Live peers that joined the forming round beat their heartbeats: none is a suspect. Probing
+    all of them at every sync made the rendezvous of 16+ agents churn (docs/benchmarks.md)."""
+    from elastic_ddp.rendezvous import liveness
+
+    probes = []
+    real_probe = liveness.probe
+    monkeypatch.setattr(liveness, "probe", lambda address, *args: probes.append(address) or real_probe(address, *args))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    handlers = []
+    for _ in range(3):  # min_nodes 4: the round never completes, all three wait in it until join_timeout
+        params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", "forming", 4, 5, join_timeout=4,
+                                      **SLOW_HEARTBEAT_EXPIRY)
+        handlers.append(elastic_handler(params, client, C10dRendezvousBackend(client, "forming")))
+    outcomes = []
+
+    def wait_in_round(handler) -> None:
+        try:
+            handler.next_rendezvous()
+            outcomes.append("completed")
+        except RendezvousTimeoutError:
+            outcomes.append("timed out")
+
+    threads = [threading.Thread(target=wait_in_round, args=(handler,), daemon=True) for handler in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert outcomes == ["timed out"] * 3  # they waited the whole join timeout (about 40 syncs each)
+    # Each agent probes each peer once, when it first sees it (to learn it is reachable); no more.
+    assert len(probes) <= 3 * 2, probes
+
+
 def _handler(port: int, run_id: str, **config):
     """A handler with the probes and nothing else of ours (no prompt completion)."""
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
