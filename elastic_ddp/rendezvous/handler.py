@@ -6,6 +6,8 @@
   out: a user's value always wins;
 - dead-node probes and prompt completion (`state_holder`), each with its `--rdzv_conf` switch;
 - a waiting agent looks at the rendezvous state every `SYNC_POLL_S` instead of every second;
+- torch's rendezvous names the method of each event it records from one frame, not from two full
+  `inspect.stack()` calls (`torch_internals.name_methods_cheaply`);
 - the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`,
   set here, in the agent that uses our backend, never at plugin load): the agent-shared store makes
   restarted workers read stale addresses (pytorch/pytorch#135712).
@@ -73,6 +75,7 @@ def elastic_handler(params: RendezvousParameters, store: Store, backend: Rendezv
     holder = torch_internals.new_state_holder(ElasticStateHolder, backend, handler, node=node, detector=detector,
                                               beacon=beacon, prompt_completion=prompt)
     torch_internals.poll_rendezvous_every(SYNC_POLL_S)
+    torch_internals.name_methods_cheaply()
     settings = torch_internals.handler_settings(handler)
     logger.info("rendezvous '%s' (%s): last call %g s, heartbeat every %g s, expiry after %d missed, join timeout "
                 "%g s; dead-node probes %s, prompt completion %s", params.run_id, backend.name,

@@ -26,6 +26,8 @@ A node that joins a moment after a prompt completion makes one more round (as af
 from __future__ import annotations
 
 import logging
+import random
+import time
 from datetime import datetime, timedelta, timezone
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 # The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"
+# The random wait after a lost compare-and-set of the state: up to this per node in the state,
+# and never more than MAX_BACKOFF_S (a state write takes about a millisecond on loopback).
+LOST_WRITE_BACKOFF_S = 0.002
+MAX_BACKOFF_S = 0.1
 # A peer whose newest heartbeat is older than this many keep-alive intervals is probed (a live
 # agent beats once per interval; the half interval absorbs a late one).
 OVERDUE_HEARTBEATS = 1.5
@@ -74,9 +80,11 @@ class ElasticStateHolder(BackendStateHolder):
             self._remember_members(state.round, state.participants.keys())
         others = [node for node in (*state.participants, *state.wait_list, *state.redundancy_list)
                   if node != self._node]
-        if self._detector is not None:
-            self._detector.observe(others)  # where each peer's beacon is, learnt while all is well
         if state.complete and self._node in state.participants:
+            if self._detector is not None:
+                # Where each peer's beacon is, learnt while all is well: not while a round forms,
+                # where these reads and probes would slow every agent's turn at the state.
+                self._detector.observe(others)
             return  # training: nothing waits
         if self._detector is not None:
             self._drop_exited_peers(others, self._suspects(others))
@@ -90,6 +98,16 @@ class ElasticStateHolder(BackendStateHolder):
             self._previous_round = (round_, frozenset(participants))
         else:
             self._previous_round = (round_, self._previous_round[1] | frozenset(participants))
+
+    def sync(self) -> bool | None:
+        """See base class. After a lost compare-and-set, wait a random moment before the caller
+        tries again (`LOST_WRITE_BACKOFF_S` per node in the state, at most `MAX_BACKOFF_S`): N
+        agents that all retry at once make each success cost N attempts."""
+        has_set = super().sync()
+        if has_set is False:
+            nodes = len(self._state.participants) + len(self._state.wait_list)
+            time.sleep(random.uniform(0, min(MAX_BACKOFF_S, LOST_WRITE_BACKOFF_S * max(1, nodes))))
+        return has_set
 
     def _suspects(self, others: list[NodeDesc]) -> list[NodeDesc]:
         """The peers worth probing at this sync (see `liveness`): participants of a complete round

@@ -3,14 +3,15 @@
 torch offers no public hook to drop a peer from a rendezvous before its heartbeat expires, to
 complete a round before its last call, or to poll the state more often than once a second, which
 is what our state holder (`state_holder`) and handler (`handler`) do. They therefore subclass
-torch's state holder, rebuild a handler around it, and shorten one delay, using the names below
-(torch 2.4 to 2.13). Nothing else in the package touches a private name of torch's rendezvous;
+torch's state holder, rebuild a handler around it, shorten one delay and replace one slow helper,
+using the names below (torch 2.4 to 2.13). Nothing else in the package touches a private name of torch's rendezvous;
 tests/unit/test_torch_internals.py pins each one (it exists, with the shape used here) so that a
 torch upgrade that moves one fails there first, with the name.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
@@ -82,3 +83,22 @@ def poll_rendezvous_every(poll_s: float) -> None:
 
     delay.elastic_ddp_original = original  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = delay
+
+
+def name_methods_cheaply() -> None:
+    """Replace `dynamic_rendezvous.get_method_name` with an equivalent that reads one frame.
+
+    torch's version calls `inspect.stack()` twice, which builds every frame's source context (it
+    stats and reads the source files), for the event it records at every rendezvous action: in the
+    rendezvous-at-scale benchmark that was most of all the agents' time at 32 agents
+    (docs/benchmarks.md). `sys._getframe(depth)` names the same frame: depth 0 is this function,
+    as `inspect.stack()[0]` is torch's. Process-wide, idempotent; called by our backends only.
+    """
+    dynamic_rendezvous.get_method_name = _method_name
+
+
+def _method_name(depth: int = 2) -> str:
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # the stack is not that deep
+        return "no_method_name"

@@ -63,3 +63,24 @@ def test_the_rendezvous_loop_sleeps_through_the_module_global_delay_and_polling_
     dynamic_rendezvous._delay(seconds=1)  # as torch calls it
     dynamic_rendezvous._delay(seconds=(0, 0.3))
     assert asked == [0.1, (0, 0.3)]
+
+
+def test_the_cheap_method_name_is_torchs_and_torch_records_events_through_the_module_global(monkeypatch):
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
+
+    original = dynamic_rendezvous.get_method_name
+    source = inspect.getsource(dynamic_rendezvous._DistributedRendezvousOpExecutor._record)
+    assert "get_method_name()" in source  # looked up in the module at each call: the patch applies
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+
+    def recorder(name_of):
+        return name_of()  # depth 2 from name_of: the caller of `recorder`, as from torch's _record
+
+    def some_rendezvous_action(name_of):
+        return recorder(name_of)
+
+    expected = some_rendezvous_action(original)
+    torch_internals.name_methods_cheaply()
+    assert dynamic_rendezvous.get_method_name is not original
+    assert some_rendezvous_action(dynamic_rendezvous.get_method_name) == expected == "some_rendezvous_action"
+    assert dynamic_rendezvous.get_method_name(depth=10_000) == original(depth=10_000) == "no_method_name"
