@@ -30,7 +30,8 @@ _INTS = struct.Struct(f"=qqq{_PYTHON_WORDS}qqd")
 
 
 def encode_rng_state(state: dict[str, Any]) -> torch.Tensor:
-    """The CPU and Python RNG states of `state` as one uint8 tensor of `encoded_size()` bytes."""
+    """The CPU and Python RNG states of `state` as one uint8 tensor (the same size for every state
+    of this build: what lets the ranks gather them without first exchanging sizes)."""
     torch_state = state["torch"]
     version, words, gauss = state["python"]
     if len(words) != _PYTHON_WORDS:
