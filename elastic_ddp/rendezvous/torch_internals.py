@@ -85,6 +85,10 @@ def poll_rendezvous_every(poll_s: float) -> None:
     dynamic_rendezvous._delay = delay
 
 
+# torch's own, kept before `name_methods_cheaply` replaces it (this module is imported first).
+TORCH_GET_METHOD_NAME = dynamic_rendezvous.get_method_name
+
+
 def name_methods_cheaply() -> None:
     """Replace `dynamic_rendezvous.get_method_name` with an equivalent that reads one frame.
 

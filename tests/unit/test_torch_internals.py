@@ -68,10 +68,11 @@ def test_the_rendezvous_loop_sleeps_through_the_module_global_delay_and_polling_
 def test_the_cheap_method_name_is_torchs_and_torch_records_events_through_the_module_global(monkeypatch):
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
 
-    original = dynamic_rendezvous.get_method_name
+    torchs = torch_internals.TORCH_GET_METHOD_NAME  # (an earlier test's handler may have patched it already)
+    assert torchs.__module__ == dynamic_rendezvous.__name__
     source = inspect.getsource(dynamic_rendezvous._DistributedRendezvousOpExecutor._record)
     assert "get_method_name()" in source  # looked up in the module at each call: the patch applies
-    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)
 
     def recorder(name_of):
         return name_of()  # depth 2 from name_of: the caller of `recorder`, as from torch's _record
@@ -79,8 +80,8 @@ def test_the_cheap_method_name_is_torchs_and_torch_records_events_through_the_mo
     def some_rendezvous_action(name_of):
         return recorder(name_of)
 
-    expected = some_rendezvous_action(original)
+    expected = some_rendezvous_action(torchs)
     torch_internals.name_methods_cheaply()
-    assert dynamic_rendezvous.get_method_name is not original
+    assert dynamic_rendezvous.get_method_name is not torchs
     assert some_rendezvous_action(dynamic_rendezvous.get_method_name) == expected == "some_rendezvous_action"
-    assert dynamic_rendezvous.get_method_name(depth=10_000) == original(depth=10_000) == "no_method_name"
+    assert dynamic_rendezvous.get_method_name(depth=10_000) == torchs(depth=10_000) == "no_method_name"
