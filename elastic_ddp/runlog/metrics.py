@@ -69,12 +69,11 @@ class LossWindow:
         if self._pending is None:
             return None
         work, totals, global_step, epoch, lr, samples_per_second = self._pending
+        if work is not None and not wait and not work.is_completed():
+            return None
+        self._pending = None  # before the wait: a failed reduce is raised once
         if work is not None:
-            if not wait and not work.is_completed():
-                return None
-            self._pending = None
             work.wait()  # at once when completed; raises if the reduce failed
-        self._pending = None
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         return WindowReport(global_step, epoch, lr, loss, samples_per_second)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +166,9 @@ def test_right_password_works_and_logs_in_again_when_etcd_forgets_the_token(
         auth_etcd_server: EtcdServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "password").write_text(f"{auth_etcd_server.auth_password}\n")
     connection = connect(auth_etcd_server.endpoint, user="root", password_file=str(tmp_path / "password"))
-    store = EtcdV3Store(connection, "run")
+    # 20 s, not the default: a key that never shows up fails the test naming it (seen once: a
+    # multi_get after the restart that waited out the test's timeout, not diagnosed).
+    store = EtcdV3Store(connection, "run", timeout=timedelta(seconds=20))
     store.set("before", "1")
     expired_at = time.monotonic() + 2.5  # the token's 1 s TTL is long gone by then
     wait_for(lambda: time.monotonic() >= expired_at, 5, "the auth token to expire")

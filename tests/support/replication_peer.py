@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from elastic_ddp.chaos.cluster import wait_for
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.history import read_events
 from elastic_ddp.snapshot import replica_transfer
@@ -61,6 +62,18 @@ def write_and_offer(store: CheckpointStore, replicator: SnapshotReplicator, step
     replicator.offer(entry)
 
 
+def exchange_pids(world: int) -> list[int]:
+    """Every rank's process id, by rank (a collective of the default group)."""
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    return pids
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T in /proc)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) -> None:
     run = Path(run_dir)
     dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world,
@@ -81,8 +94,9 @@ def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) ->
         else:
             replicator = SnapshotReplicator(store, group, targets, group_ranks, events, send_deadline=deadline)
             if scenario == "frozen":
+                target_pid = exchange_pids(world)[1]
                 dist.barrier()  # the target is about to stop itself
-                time.sleep(0.5)
+                wait_for(lambda: is_stopped(target_pid), 20, f"rank 1 (pid {target_pid}) to stop itself")
             steps = (5, 10, 15) if scenario == "replicate" else (7,)
             for step in steps:
                 write_and_offer(store, replicator, step)
@@ -96,6 +110,7 @@ def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) ->
         if scenario == "refuse" and rank == world - 1:
             replica_transfer.free_bytes = lambda store: 1000
         if scenario == "frozen":
+            exchange_pids(world)
             dist.barrier()
             os.kill(os.getpid(), signal.SIGSTOP)  # the test SIGKILLs this process later
         receiver = ReplicaReceiver(store, group, group_ranks)
