@@ -3,8 +3,9 @@
 The rendezvous is torch's own (`c10d`: a TCPStore on the node at `--rdzv_endpoint`, torch's
 dynamic rendezvous algorithm, every `--rdzv_conf` key of it), with our shipped timing for the keys
 you leave out, dead-node probes (`probe_dead_nodes=0` turns them off), prompt completion
-(`prompt_completion=0`), a waiting agent looking at the state ten times a second, and a store of
-their own for the workers of every round. A killed node's survivors train again in about a second
+(`prompt_completion=0`), a last call that arrivals restart (`extend_last_call=0`), a waiting
+agent looking at the state ten times a second, and a store of their own for the workers of every
+round. A killed node's survivors train again in about a second
 instead of after a heartbeat expiry, a last call and torch's once-a-second polling.
 """
 

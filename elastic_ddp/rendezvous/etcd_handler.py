@@ -5,7 +5,8 @@ It builds torch's own dynamic rendezvous (the algorithm behind `c10d`) on top of
 rendezvous (join_timeout, last_call_timeout, close_timeout, keep_alive_interval,
 keep_alive_max_attempt, ...) works as documented by torch, next to the etcd keys of docs/etcd.md.
 It adds what `rendezvous.handler` adds for both our backends: the shipped timing for the keys you
-leave out, dead-node probes, prompt completion and faster polling.
+leave out, dead-node probes, prompt completion, a last call that arrivals restart and faster
+polling.
 
 Workers never share the agent's store with etcd-v3: they would read stale addresses after a
 re-rendezvous (pytorch/pytorch#135712). Rank 0's agent instead publishes its own address

@@ -37,6 +37,7 @@ _OWN_KEYS = frozenset({
 _HANDLER_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
     "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes", "prompt_completion",
+    "extend_last_call",
 })
 
 

@@ -4,7 +4,8 @@
 
 - the shipped timing (`defaults.SHIPPED_RDZV_DEFAULTS`) for every `--rdzv_conf` key the user left
   out: a user's value always wins;
-- dead-node probes and prompt completion (`state_holder`), each with its `--rdzv_conf` switch;
+- dead-node probes, prompt completion and a last call that waits for arrivals (`state_holder`),
+  each with its `--rdzv_conf` switch;
 - a waiting agent looks at the rendezvous state every `SYNC_POLL_S` instead of every second;
 - torch's rendezvous names the method of each event it records from one frame, not from two full
   `inspect.stack()` calls (`torch_internals.name_methods_cheaply`);
@@ -29,7 +30,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic_ddp.rendezvous import torch_internals
 from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS, SYNC_POLL_S
 from elastic_ddp.rendezvous.liveness import probes_enabled, start_beacon
-from elastic_ddp.rendezvous.state_holder import ElasticStateHolder, prompt_completion_enabled
+from elastic_ddp.rendezvous.state_holder import (
+    ElasticStateHolder,
+    last_call_extension_enabled,
+    prompt_completion_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +62,9 @@ def never_share_agent_store() -> None:
     os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
-def check_options(params: RendezvousParameters) -> tuple[bool, bool]:
-    """(probes, prompt completion) from `--rdzv_conf`; ValueError naming a bad value."""
-    return probes_enabled(params), prompt_completion_enabled(params)
+def check_options(params: RendezvousParameters) -> tuple[bool, bool, bool]:
+    """(probes, prompt completion, last call extension) from `--rdzv_conf`; ValueError naming a bad value."""
+    return probes_enabled(params), prompt_completion_enabled(params), last_call_extension_enabled(params)
 
 
 def elastic_handler(params: RendezvousParameters, store: Store, backend: RendezvousBackend) -> DynamicRendezvousHandler:
@@ -67,19 +72,19 @@ def elastic_handler(params: RendezvousParameters, store: Store, backend: Rendezv
 
     Call it once per agent, before its first `next_rendezvous`, and use only the returned handler.
     """
-    probes, prompt = check_options(params)
+    probes, prompt, extend = check_options(params)
     never_share_agent_store()
     handler = create_handler(store, backend, with_shipped_defaults(params))
     node = torch_internals.handler_node(handler)
     beacon, detector = start_beacon(store, node) if probes else (None, None)
     holder = torch_internals.new_state_holder(ElasticStateHolder, backend, handler, node=node, detector=detector,
-                                              beacon=beacon, prompt_completion=prompt)
+                                              beacon=beacon, prompt_completion=prompt, extend_last_call=extend)
     torch_internals.poll_rendezvous_every(SYNC_POLL_S)
     torch_internals.name_methods_cheaply()
     settings = torch_internals.handler_settings(handler)
     logger.info("rendezvous '%s' (%s): last call %g s, heartbeat every %g s, expiry after %d missed, join timeout "
-                "%g s; dead-node probes %s, prompt completion %s", params.run_id, backend.name,
-                settings.timeout.last_call.total_seconds(), settings.keep_alive_interval.total_seconds(),
+                "%g s; dead-node probes %s, prompt completion %s, last call restarted by arrivals %s",
+                params.run_id, backend.name, settings.timeout.last_call.total_seconds(), settings.keep_alive_interval.total_seconds(),
                 settings.keep_alive_max_attempt, settings.timeout.join.total_seconds(), "on" if probes else "off",
-                "on" if prompt else "off")
+                "on" if prompt else "off", "on" if extend else "off")
     return torch_internals.with_state_holder(handler, holder)

@@ -1,10 +1,11 @@
-"""How our backends' agents see torch's rendezvous state: dead nodes dropped, rounds completed promptly.
+"""How our backends' agents see torch's rendezvous state: dead nodes dropped, rounds completed promptly,
+a last call that waits for nodes still arriving.
 
 torch's dynamic rendezvous keeps its state (round, participants, wait list, heartbeats) in the
 backend, and every agent reads and writes it through a state holder, whose `_sanitize` drops the
-nodes whose heartbeat expired. `ElasticStateHolder` is torch's holder with two additions, both
-made while this agent waits in the rendezvous, both only ever earlier versions of what torch would
-do anyway:
+nodes whose heartbeat expired. `ElasticStateHolder` is torch's holder with three additions, all
+made while this agent waits in the rendezvous; the first two only ever earlier versions of what
+torch would do anyway:
 
 - **Dead-node probes** (`liveness`): a node whose agent has provably exited is dropped at once,
   not when its heartbeat expires (`probe_dead_nodes=0` in `--rdzv_conf` turns them off).
@@ -13,7 +14,15 @@ do anyway:
   participants of the round before, less the ones that left (exited, or heartbeat expired), plus
   the nodes that asked to join. Once all of them are in the new round and nobody waits, the round
   completes at once. Otherwise (the first round, a node that has not come back yet, one more
-  arriving) torch's last call applies (`prompt_completion=0` turns this off).
+  arriving) the last call applies (`prompt_completion=0` turns this off).
+- **A last call that waits for arrivals**: torch's last call runs from the moment the round
+  reached `min_nodes`; a node that joins during it restarts it here (its joining write carries a
+  deadline one `last_call_timeout` after its arrival). A round so completes once no node has
+  arrived for a last call, instead of after a fixed second in which many nodes cannot all write
+  the state (63 agents re-entering after a kill): part of them formed a round and the others
+  restarted it (docs/benchmarks.md, "Rendezvous at scale"). Bounded: a round completes at
+  `max_nodes`, so at most `max_nodes` arrivals each restart it (`extend_last_call=0` turns this
+  off).
 
 It also reads the state more often: the state it has read is reused for `SYNC_POLL_S` (torch: 1 s),
 which is how often a waiting agent looks again (`torch_internals.poll_rendezvous_every`).
@@ -40,8 +49,10 @@ from elastic_ddp.rendezvous.torch_internals import BackendStateHolder, NodeDesc
 
 logger = logging.getLogger(__name__)
 
-# The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
+# The `--rdzv_conf` keys that turn prompt completion and the arrival-restarted last call off
+# (`prompt_completion=0`, `extend_last_call=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"
+EXTEND_LAST_CALL_KEY = "extend_last_call"
 # The random wait after a lost compare-and-set of the state: up to this per node in the state,
 # and never more than MAX_BACKOFF_S (a state write takes about a millisecond on loopback).
 LOST_WRITE_BACKOFF_S = 0.002
@@ -52,18 +63,21 @@ OVERDUE_HEARTBEATS = 1.5
 
 
 class ElasticStateHolder(BackendStateHolder):
-    """torch's state holder with dead-node probes and prompt completion (see the module docstring).
+    """torch's state holder with dead-node probes, prompt completion and a last call that waits
+    for arrivals (see the module docstring).
 
     `detector` and `beacon` are None when the probes are off.
     """
 
     def __init__(self, backend: RendezvousBackend, settings, node: NodeDesc,
-                 detector: DeadNodeDetector | None, beacon: Beacon | None, prompt_completion: bool = True) -> None:
+                 detector: DeadNodeDetector | None, beacon: Beacon | None, prompt_completion: bool = True,
+                 extend_last_call: bool = True) -> None:
         super().__init__(backend, settings, cache_duration=SYNC_POLL_S)
         self._node = node
         self._detector = detector
         self._beacon = beacon  # held here so that it lives as long as the handler
         self._prompt_completion = prompt_completion
+        self._extend_last_call = extend_last_call
         self._previous_round: tuple[int, frozenset[NodeDesc]] | None = None  # the newest complete round seen
         self._heartbeats: dict[NodeDesc, datetime] = {}  # the newest heartbeat seen of each node
         self._exited: set[NodeDesc] = set()
@@ -88,6 +102,8 @@ class ElasticStateHolder(BackendStateHolder):
             return  # training: nothing waits
         if self._detector is not None:
             self._drop_exited_peers(others, self._suspects(others))
+        if self._extend_last_call:
+            self._restart_last_call_on_arrival()
         if self._prompt_completion:
             self._complete_promptly()
 
@@ -136,6 +152,16 @@ class ElasticStateHolder(BackendStateHolder):
         if participant_removed:
             torch_internals.remove_participant_epilogue(state, self._settings)
 
+    def _restart_last_call_on_arrival(self) -> None:
+        """This node is about to join a forming round whose last call has begun (torch's join
+        adds a node that is neither a participant nor late for a complete round): move the
+        deadline to a last call from now. Only this agent's copy changes; its joining write
+        publishes it, and a lost write is retried from a fresh read, which comes here again."""
+        state = self._state
+        if state.complete or state.deadline is None or self._node in state.participants:
+            return
+        state.deadline = max(state.deadline, datetime.now(timezone.utc) + self._settings.timeout.last_call)
+
     def _complete_promptly(self) -> None:
         state = self._state
         if (state.complete or self._previous_round is None or state.round != self._previous_round[0] + 1
@@ -164,3 +190,8 @@ class ElasticStateHolder(BackendStateHolder):
 def prompt_completion_enabled(params: RendezvousParameters) -> bool:
     """`prompt_completion` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
     return conf_switch(params, PROMPT_COMPLETION_KEY)
+
+
+def last_call_extension_enabled(params: RendezvousParameters) -> bool:
+    """`extend_last_call` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
+    return conf_switch(params, EXTEND_LAST_CALL_KEY)

@@ -1,6 +1,6 @@
 """What our backends add to torch's rendezvous (elastic_ddp/rendezvous/handler.py), and what the
-plugin leaves alone: shipped timing that a user's value overrides, prompt completion, faster
-polling, and torch's default for the shared store untouched in agents that do not run our trainer.
+plugin leaves alone: shipped timing that a user's value overrides, prompt completion, a last call
+that arrivals restart, faster polling, and torch's default for the shared store untouched in agents that do not run our trainer.
 
 Handlers run in this process on a real TCPStore (one thread per "agent"); the plugin tests start a
 fresh interpreter, since torch reads the entry points once per process.
@@ -8,17 +8,19 @@ fresh interpreter, since torch reads the entry points once per process.
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-from elastic_ddp.chaos.cluster import free_port
+from elastic_ddp.chaos.cluster import free_port, wait_for
 from elastic_ddp.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.rendezvous.plugin import trains_with_elastic_ddp
@@ -109,6 +111,50 @@ def test_a_node_that_has_not_come_back_is_waited_for(store_port):
     with pytest.raises(RendezvousTimeoutError):
         nodes[0].next_rendezvous()
     stop(nodes)
+
+
+def rendezvous_state(handler):
+    """The rendezvous state as the backend holds it now (not the handler's cached copy); torch's
+    empty state before anyone wrote one."""
+    response = handler._state_holder._backend.get_state()
+    return pickle.loads(response[0]) if response is not None else _RendezvousState()
+
+
+def enter_in_background(handler) -> threading.Thread:
+    thread = threading.Thread(target=handler.next_rendezvous, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("extend", ["1", "0"])
+def test_a_node_arriving_during_the_last_call_restarts_it_unless_switched_off(store_port, extend):
+    """A reaches min_nodes (1) and starts a 60 s last call; B arrives during it. With the switch on
+    B's joining write moves the deadline to 60 s after B's arrival; off, it stays A's (torch's
+    behaviour). A third node (max_nodes) then completes the round at once either way."""
+    conf = {"last_call_timeout": "60", "join_timeout": "30", "extend_last_call": extend}
+    nodes = [handler(store_port, f"extends-{extend}", max_nodes=3, **conf) for _ in range(3)]
+    a, b, c = nodes
+    threads = [enter_in_background(a)]
+    wait_for(lambda: rendezvous_state(a).deadline is not None, 20, "A's round to start its last call")
+    first_deadline = rendezvous_state(a).deadline
+    b_arrives = datetime.now(timezone.utc)
+    threads.append(enter_in_background(b))
+    wait_for(lambda: len(rendezvous_state(a).participants) == 2, 20, "B to join the round")
+    deadline = rendezvous_state(a).deadline
+    if extend == "1":
+        assert deadline >= b_arrives + timedelta(seconds=60) and deadline > first_deadline
+    else:
+        assert deadline == first_deadline
+    assert c.next_rendezvous().world_size == 3  # max_nodes: complete without the last call
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not any(thread.is_alive() for thread in threads)
+    stop(nodes)
+
+
+def test_a_bad_extend_last_call_value_is_refused_naming_the_key(store_port):
+    with pytest.raises(ValueError, match="--rdzv_conf extend_last_call: got 'maybe'"):
+        handler(store_port, "bad-extend", extend_last_call="maybe")
 
 
 @pytest.mark.parametrize("argv, ours", [

@@ -107,3 +107,23 @@ def test_thread_cpu_splits_a_window_per_thread_group_and_per_step():
     # The reading of a real process: this one has a main thread that has used some CPU.
     own = thread_cpu.thread_cpu_seconds(os.getpid())
     assert own[os.getpid()][1] > 0
+
+
+def test_rendezvous_rows_count_a_failed_phase_and_the_ones_after_it_as_not_settled():
+    from benchmarks import rendezvous_scale
+
+    def phase(seconds):
+        return {"seconds": seconds, "rounds": 1, "reads_per_agent": 1, "writes_per_agent": 1,
+                "lost_writes_per_agent": 0, "machine_busy": 0.5, "agent_cores": 1.0}
+
+    records = [
+        {"backend": "etcd-v3", "agents": 8, "first": phase(1.5), "kill": phase(0.5), "join": phase(0.5)},
+        {"backend": "etcd-v3", "agents": 64, "first": phase(3.0), "error": "kill phase: did not settle"},
+    ]
+    rows = {row.figure: row for row in rendezvous_scale.rows(records, baseline_agents=8)}
+    first = rows["etcd-v3, 64 agents, first: s to one complete round"]
+    assert first.ratio == 2.0 and not first.note
+    for later in ("kill", "join"):
+        row = rows[f"etcd-v3, 64 agents, {later}: s to one complete round"]
+        assert row.elastic == [float("inf")] and "1 of 1 did not settle" in row.note
+    assert "FAILED: kill phase" in rendezvous_scale._line(records[1]) and "first 3.00 s" in rendezvous_scale._line(records[1])

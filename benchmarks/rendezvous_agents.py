@@ -1,0 +1,287 @@
+"""The agents of `benchmarks.rendezvous_scale`: each in a process of its own, driven by the
+measuring process.
+
+    context = agent_processes()
+    agent = AgentProcess(context, (backend, endpoint, run_id, max_nodes, is_host))
+    agent.wait_built(); agent.start(entering=True); ...; agent.stop(); agent.counts(); agent.kill()
+
+An agent is torch's real `DynamicRendezvousHandler`, built as torchrun builds it for the backend,
+running torchrun's monitor loop between rounds. Its processes are forked from a server that
+imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
+where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
+it is in `next_rendezvous` and the waiting count it last saw in shared memory, so the measuring
+process watches a phase without asking anyone. `CpuUse` is the phase's profile: how busy the
+machine and the agents were.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.context
+import os
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+
+from elastic_ddp.rendezvous.c10d import NamedBackend
+from elastic_ddp.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
+from elastic_ddp.rendezvous.etcd_backend import EtcdV3RendezvousBackend
+from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.rendezvous.etcd_options import EtcdV3Options
+from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
+from elastic_ddp.rendezvous.handler import elastic_handler
+
+# An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
+# timeout), instead of polling through the shipped 300 s and holding up the next measurement.
+PHASE_TIMEOUT_S = 60.0
+
+
+class CountingBackend(RendezvousBackend):
+    """A rendezvous backend that counts the state operations going through it (thread-safe)."""
+
+    def __init__(self, backend: RendezvousBackend):
+        self._backend = backend
+        self._lock = threading.Lock()
+        self.reads = self.writes = self.lost_writes = 0
+
+    @property
+    def name(self) -> str:
+        return self._backend.name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        with self._lock:
+            self.reads += 1
+        return self._backend.get_state()
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        result = self._backend.set_state(state, token)
+        with self._lock:
+            self.writes += 1
+            self.lost_writes += int(result is not None and not result[2])
+        return result
+
+    def take(self) -> tuple[int, int, int]:
+        """(reads, writes, lost writes) since the last `take`."""
+        with self._lock:
+            counts = (self.reads, self.writes, self.lost_writes)
+            self.reads = self.writes = self.lost_writes = 0
+        return counts
+
+
+@dataclass
+class Agent:
+    """One agent as torchrun builds it, inside its agent process."""
+
+    handler: DynamicRendezvousHandler
+    counter: CountingBackend
+    round: int = 0
+
+    def rendezvous(self) -> None:
+        self.handler.next_rendezvous()
+        self.round = self.handler._state_holder.state.round  # noqa: SLF001 - the round just completed
+
+
+def _params(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> RendezvousParameters:
+    conf = {key: value for key, value in SHIPPED_RDZV_DEFAULTS.items()}
+    conf["join_timeout"] = int(PHASE_TIMEOUT_S)
+    if backend != "etcd-v3":
+        conf["is_host"] = is_host
+    return RendezvousParameters(backend, endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
+                                **conf)
+
+
+def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> Agent:
+    """An agent as torchrun would build it for `backend` (see the module docstring)."""
+    params = _params(backend, endpoint, run_id, max_nodes, is_host)
+    if backend == "etcd-v3":
+        connection = EtcdConnection(EtcdV3Options.from_params(params))
+        counter = CountingBackend(EtcdV3RendezvousBackend(connection, run_id))
+        return Agent(elastic_handler(params, EtcdV3Store(connection, run_id), counter), counter)
+    c10d_backend, store = create_backend(params)
+    if backend == "c10d":
+        counter = CountingBackend(c10d_backend)
+        return Agent(create_handler(store, counter, params), counter)
+    counter = CountingBackend(NamedBackend(c10d_backend))
+    return Agent(elastic_handler(params, store, counter), counter)
+
+
+# Where each agent process publishes what the parent watches (shared memory, written by the agent).
+ROUND, BUSY, WAITING, FAILED = range(4)
+UNKNOWN = -1  # WAITING before the agent's first look in a phase
+
+
+def agent_processes() -> multiprocessing.context.BaseContext:
+    """The context for `AgentProcess`: processes forked from a server that imported torch and this
+    module once; a fresh agent costs a fork, not an interpreter start, and inherits nothing of the
+    measuring process (its threads, its etcd server's pipes)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, status: Any) -> None:
+    """An agent process: builds its agent, then obeys `commands` until it is killed.
+
+    "start" (entering?) runs torchrun's monitor loop in a thread: `next_rendezvous` at once if
+    entering, then every MONITOR_INTERVAL_S a look at `num_nodes_waiting()` and a re-entry when a
+    node waits; "stop" ends that loop and replies with its error, if any; "counts" replies with the
+    state operations since the last "counts"."""
+    agent = make_agent(*spec)
+    status[ROUND] = 0
+    commands.send("built")
+    stop = threading.Event()
+    loop: threading.Thread | None = None
+    failure: list[str] = []
+
+    def enter() -> None:
+        status[BUSY] = 1
+        agent.rendezvous()
+        status[ROUND] = agent.round
+        status[BUSY] = 0
+
+    def monitor(entering: bool) -> None:
+        try:
+            if entering:
+                enter()
+            while not stop.wait(MONITOR_INTERVAL_S):
+                waiting = agent.handler.num_nodes_waiting()
+                status[WAITING] = waiting
+                if waiting > 0:
+                    enter()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            failure.append(f"{type(exc).__name__}: {exc}")
+            status[FAILED] = 1
+
+    while True:
+        command, argument = commands.recv()
+        if command == "start":
+            stop.clear()
+            loop = threading.Thread(target=monitor, args=(argument,), daemon=True)
+            loop.start()
+        elif command == "stop":
+            stop.set()
+            if loop is not None:
+                loop.join()
+            commands.send(failure[0] if failure else None)
+        elif command == "counts":
+            commands.send(agent.counter.take())
+
+
+class AgentProcess:
+    """The parent's handle on one agent process: commands over a pipe, status from shared memory."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext, spec: tuple[str, str, str, int, bool]):
+        self.status = context.Array("q", 4, lock=False)
+        self.status[ROUND] = UNKNOWN
+        self._pipe, child_end = context.Pipe()
+        self._process = context.Process(target=_agent_main, args=(spec, child_end, self.status), daemon=True)
+        self._process.start()
+        child_end.close()
+
+    def wait_built(self) -> None:
+        self._reply("build its agent", PHASE_TIMEOUT_S)
+
+    def _call(self, command: str, argument: Any = None) -> Any:
+        self._pipe.send((command, argument))
+        return self._reply(f"answer '{command}'", PHASE_TIMEOUT_S + 10)  # a `next_rendezvous` ends by its join timeout
+
+    def _reply(self, what: str, timeout: float) -> Any:
+        """The agent's next message; TimeoutError or RuntimeError (it died: its exit code) otherwise."""
+        if not self._pipe.poll(timeout):
+            raise TimeoutError(f"agent process {self._process.pid} did not {what} within {timeout:g} s")
+        try:
+            return self._pipe.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise RuntimeError(f"agent process {self._process.pid} ended before it could {what} "
+                               f"(exit code {self._process.exitcode})") from None
+
+    def start(self, entering: bool) -> None:
+        self.status[BUSY] = int(entering)  # before it is told: the phase must not look settled meanwhile
+        self.status[WAITING] = UNKNOWN
+        self._pipe.send(("start", entering))  # no reply: every agent starts at once
+
+    def stop(self) -> str | None:
+        return self._call("stop")
+
+    def counts(self) -> tuple[int, int, int]:
+        return self._call("counts")
+
+    @property
+    def round(self) -> int:
+        return self.status[ROUND]
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while the process runs; a negative number is the signal that ended it."""
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL, as a machine dies: its heartbeats stop, its beacon port and connections close."""
+        self._process.kill()
+        self._process.join()
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self.kill()
+        self._pipe.close()
+
+
+class CpuUse:
+    """How busy the machine and the agent processes were since this was made (Linux /proc; the
+    figures are NaN elsewhere): the profile that tells an algorithm's cost from a saturated machine."""
+
+    def __init__(self, pids: list[int]):
+        self._pids = pids
+        self._started = time.monotonic()
+        self._machine, self._agents = self._machine_ticks(), self._agent_ticks()
+
+    def _agent_ticks(self) -> float:
+        total = 0
+        for pid in self._pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+    @staticmethod
+    def _machine_ticks() -> tuple[int, int]:
+        """(busy, all) jiffies of every CPU since boot."""
+        try:
+            values = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return 0, 0
+        idle = values[3] + values[4]  # idle, iowait
+        return sum(values) - idle, sum(values)
+
+    def figures(self) -> dict[str, float]:
+        """machine_busy: the fraction of all CPUs busy; agent_cores: CPUs' worth the agents used."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        busy, total = self._machine_ticks()
+        machine = (busy - self._machine[0]) / (total - self._machine[1]) if total > self._machine[1] else math.nan
+        agents = (self._agent_ticks() - self._agents) / ticks / elapsed if self._pids else math.nan
+        return {"machine_busy": round(machine, 3), "agent_cores": round(agents, 2)}
+
+    def summary(self) -> str:
+        figures = self.figures()
+        return f"machine {figures['machine_busy']:.0%} busy, agents using {figures['agent_cores']:.2f} CPUs"
