@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_ddp.rendezvous.c10d import NamedBackend
 from elastic_ddp.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.rendezvous.etcd_backend import EtcdV3RendezvousBackend
+from elastic_ddp.rendezvous.etcd_backend import EtcdV3Heartbeats, EtcdV3RendezvousBackend
 from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.rendezvous.etcd_handler import NODES_PER_POLL
 from elastic_ddp.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.rendezvous.handler import elastic_handler
+from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
+from elastic_ddp.rendezvous.torch_internals import NodeDesc
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
 # timeout), instead of polling through the shipped 300 s and holding up the next measurement.
@@ -50,12 +54,13 @@ PHASE_TIMEOUT_S = 60.0
 
 
 class CountingBackend(RendezvousBackend):
-    """A rendezvous backend that counts the state operations going through it (thread-safe)."""
+    """A rendezvous backend that counts the state operations going through it, and those of a
+    heartbeat channel wrapped by `counting` (thread-safe)."""
 
     def __init__(self, backend: RendezvousBackend):
         self._backend = backend
         self._lock = threading.Lock()
-        self.reads = self.writes = self.lost_writes = 0
+        self.reads = self.writes = self.lost_writes = self.heartbeat_ops = 0
 
     @property
     def name(self) -> str:
@@ -73,11 +78,31 @@ class CountingBackend(RendezvousBackend):
             self.lost_writes += int(result is not None and not result[2])
         return result
 
-    def take(self) -> tuple[int, int, int]:
-        """(reads, writes, lost writes) since the last `take`."""
+    def counting(self, channel: HeartbeatChannel) -> HeartbeatChannel:
+        """`channel`, its publishes and reads counted as `heartbeat_ops`."""
+        counter = self
+
+        class CountingChannel:
+            def publish(self, node: NodeDesc, beat: datetime) -> None:
+                counter._count_heartbeat_op()
+                channel.publish(node, beat)
+
+            def read(self) -> dict[NodeDesc, datetime]:
+                counter._count_heartbeat_op()
+                return channel.read()
+
+        return CountingChannel()
+
+    def _count_heartbeat_op(self) -> None:
         with self._lock:
-            counts = (self.reads, self.writes, self.lost_writes)
-            self.reads = self.writes = self.lost_writes = 0
+            self.heartbeat_ops += 1
+
+    def take(self) -> tuple[int, int, int, int]:
+        """(state reads, state writes, lost state writes, heartbeat channel operations) since the
+        last `take`."""
+        with self._lock:
+            counts = (self.reads, self.writes, self.lost_writes, self.heartbeat_ops)
+            self.reads = self.writes = self.lost_writes = self.heartbeat_ops = 0
         return counts
 
 
@@ -109,7 +134,9 @@ def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host
     if backend == "etcd-v3":
         connection = EtcdConnection(EtcdV3Options.from_params(params))
         counter = CountingBackend(EtcdV3RendezvousBackend(connection, run_id))
-        return Agent(elastic_handler(params, EtcdV3Store(connection, run_id), counter), counter)
+        heartbeats = counter.counting(EtcdV3Heartbeats(connection, run_id))
+        return Agent(elastic_handler(params, EtcdV3Store(connection, run_id), counter, heartbeats, NODES_PER_POLL),
+                     counter)
     c10d_backend, store = create_backend(params)
     if backend == "c10d":
         counter = CountingBackend(c10d_backend)
@@ -217,7 +244,7 @@ class AgentProcess:
     def stop(self) -> str | None:
         return self._call("stop")
 
-    def counts(self) -> tuple[int, int, int]:
+    def counts(self) -> tuple[int, int, int, int]:
         return self._call("counts")
 
     @property

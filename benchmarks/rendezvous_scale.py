@@ -21,7 +21,8 @@ same complete round and nobody waits; `rounds` counts the rounds it took.
 
 Also counted: reads and writes of the rendezvous state per agent, per phase (the backend's
 `get_state`/`set_state`: with c10d a TCPStore get or compare-set, with etcd-v3 an etcd range read
-or transaction), the wasted writes (a compare-and-set that lost), and the phase's profile: the
+or transaction), the wasted writes (a compare-and-set that lost), the heartbeat channel's
+publishes and reads (etcd-v3's heartbeats in keys of their own), and the phase's profile: the
 fraction of the machine's CPUs busy and the CPUs' worth the agents used (`CpuUse`). Every backend
 runs with the shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5; the
 join timeout is the phase's, 60 s, so that agents of a phase that timed out give up too);
@@ -129,7 +130,8 @@ def _counts(agents: list[AgentProcess]) -> dict[str, float]:
     live = max(1, len(taken))
     return {"reads_per_agent": round(sum(t[0] for t in taken) / live, 1),
             "writes_per_agent": round(sum(t[1] for t in taken) / live, 1),
-            "lost_writes_per_agent": round(sum(t[2] for t in taken) / live, 2)}
+            "lost_writes_per_agent": round(sum(t[2] for t in taken) / live, 2),
+            "heartbeat_ops_per_agent": round(sum(t[3] for t in taken) / live, 1)}
 
 
 def measure(backend: str, agents_count: int, endpoint: str,
@@ -226,7 +228,7 @@ def rows(records: list[dict[str, Any]], baseline_agents: int) -> list[Row]:
 
 def _line(record: dict[str, Any]) -> str:
     phases = ", ".join(f"{phase} {record[phase]['seconds']:.2f} s, {record[phase]['rounds']} round(s) ({record[phase]['reads_per_agent']:.0f} reads, "
-                       f"{record[phase]['writes_per_agent']:.0f} writes/agent, machine {record[phase]['machine_busy']:.0%} busy)"
+                       f"{record[phase]['writes_per_agent']:.0f} writes, {record[phase].get('heartbeat_ops_per_agent', 0):.0f} heartbeat ops/agent, machine {record[phase]['machine_busy']:.0%} busy)"
                        for phase in PHASES if phase in record)
     failure = f"{', ' if phases else ''}FAILED: {record['error']}" if "error" in record else ""
     return f"{record['backend']:>12} x{record['agents']:<3} {phases}{failure}"

@@ -1,4 +1,5 @@
-"""The rendezvous state of torch's dynamic rendezvous, kept in etcd through the v3 API.
+"""The rendezvous state of torch's dynamic rendezvous, and its nodes' heartbeats, kept in etcd
+through the v3 API.
 
 The state of run `R` is one key, `<key_prefix>/R/state`, holding the base64 of the state bytes
 (readable with etcdctl, and a way to tell a corrupt value from a valid one). Its fencing token is
@@ -6,18 +7,30 @@ the key's mod_revision: `set_state` writes in one etcd transaction that first co
 mod_revision with the token, so of two agents writing on the same token exactly one wins. The
 key is attached to the writing process's lease (see `EtcdConnection`), so the state of a run that
 every agent abandoned disappears `ttl` seconds later.
+
+Each node's heartbeat is a key of its own, `<key_prefix>/R/heartbeats/<node>`, written with a plain
+put and read back with one range read (`EtcdV3Heartbeats`, see `heartbeats`); it is attached to
+the writer's lease too, so the keys of exited agents go away with it.
 """
 
 from __future__ import annotations
 
 import binascii
 from base64 import b64decode, b64encode
+from datetime import datetime
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastic_ddp.rendezvous.etcd_client import Etcd3Client
 from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.rendezvous.heartbeats import decode_beat, encode_beat, node_key
+from elastic_ddp.rendezvous.torch_internals import NodeDesc
+
+# The most heartbeat keys one read returns. The keys of exited agents stay until their lease
+# expires (`ttl`), so a long run with many restarts holds more keys than nodes; this bounds what a
+# read costs and how much memory a flood of keys can take (about 150 bytes a key).
+MAX_HEARTBEAT_KEYS = 8192
 
 
 def run_key(key_prefix: str, run_id: str) -> str:
@@ -95,3 +108,38 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return b64decode(value, validate=True)
         except binascii.Error as exc:
             raise RendezvousStateError("The state object is corrupt. See inner exception for details.") from exc
+
+
+class EtcdV3Heartbeats:
+    """The `HeartbeatChannel` of run `run_id` in etcd (see the module docstring).
+
+    `read` returns at most `MAX_HEARTBEAT_KEYS` keys, and skips values that do not decode.
+    Both raise what `EtcdConnection.call` raises when etcd cannot be reached.
+    """
+
+    def __init__(self, connection: EtcdConnection, run_id: str) -> None:
+        self._connection = connection
+        self._prefix = run_key(connection.options.key_prefix, run_id) + "/heartbeats/"
+
+    @property
+    def prefix(self) -> str:
+        """The etcd key prefix of the heartbeat keys."""
+        return self._prefix
+
+    def publish(self, node: NodeDesc, beat: datetime) -> None:
+        """See `heartbeats.HeartbeatChannel`."""
+        key, value = self._prefix + node_key(node), encode_beat(node, beat)
+        self._connection.call("publish a heartbeat",
+                              lambda client: client.put(key, value, lease=self._connection.lease_id(client)))
+
+    def read(self) -> dict[NodeDesc, datetime]:
+        """See `heartbeats.HeartbeatChannel`."""
+        answers = self._connection.call(
+            "read the heartbeats", lambda client: list(client.get_prefix(self._prefix, limit=MAX_HEARTBEAT_KEYS)))
+        beats: dict[NodeDesc, datetime] = {}
+        for value, _metadata in answers:
+            decoded = decode_beat(value)
+            if decoded is not None:
+                node, beat = decoded
+                beats[node] = max(beat, beats.get(node, beat))
+        return beats

@@ -6,6 +6,7 @@
   out: a user's value always wins;
 - dead-node probes, prompt completion and a last call that waits for arrivals (`state_holder`),
   each with its `--rdzv_conf` switch;
+- heartbeats beside the state, where the backend offers a channel for them (`heartbeats`);
 - a waiting agent looks at the rendezvous state every `SYNC_POLL_S` instead of every second;
 - torch's rendezvous names the method of each event it records from one frame, not from two full
   `inspect.stack()` calls (`torch_internals.name_methods_cheaply`);
@@ -29,6 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_ddp.rendezvous import torch_internals
 from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS, SYNC_POLL_S
+from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.rendezvous.liveness import probes_enabled, start_beacon
 from elastic_ddp.rendezvous.state_holder import (
     ElasticStateHolder,
@@ -67,8 +69,11 @@ def check_options(params: RendezvousParameters) -> tuple[bool, bool, bool]:
     return probes_enabled(params), prompt_completion_enabled(params), last_call_extension_enabled(params)
 
 
-def elastic_handler(params: RendezvousParameters, store: Store, backend: RendezvousBackend) -> DynamicRendezvousHandler:
-    """torch's dynamic rendezvous handler on `store` and `backend`, with our additions (module docstring).
+def elastic_handler(params: RendezvousParameters, store: Store, backend: RendezvousBackend,
+                    heartbeats: HeartbeatChannel | None = None, nodes_per_poll: int = 0) -> DynamicRendezvousHandler:
+    """torch's dynamic rendezvous handler on `store` and `backend`, with our additions (module
+    docstring); heartbeats go through `heartbeats` where given, else through the state as in torch;
+    `nodes_per_poll`: see `ElasticStateHolder`.
 
     Call it once per agent, before its first `next_rendezvous`, and use only the returned handler.
     """
@@ -78,13 +83,16 @@ def elastic_handler(params: RendezvousParameters, store: Store, backend: Rendezv
     node = torch_internals.handler_node(handler)
     beacon, detector = start_beacon(store, node) if probes else (None, None)
     holder = torch_internals.new_state_holder(ElasticStateHolder, backend, handler, node=node, detector=detector,
-                                              beacon=beacon, prompt_completion=prompt, extend_last_call=extend)
+                                              beacon=beacon, prompt_completion=prompt, extend_last_call=extend,
+                                              heartbeats=heartbeats, nodes_per_poll=nodes_per_poll)
     torch_internals.poll_rendezvous_every(SYNC_POLL_S)
     torch_internals.name_methods_cheaply()
     settings = torch_internals.handler_settings(handler)
     logger.info("rendezvous '%s' (%s): last call %g s, heartbeat every %g s, expiry after %d missed, join timeout "
-                "%g s; dead-node probes %s, prompt completion %s, last call restarted by arrivals %s",
+                "%g s (%s); dead-node probes %s, prompt completion %s, last call restarted by arrivals %s",
                 params.run_id, backend.name, settings.timeout.last_call.total_seconds(), settings.keep_alive_interval.total_seconds(),
-                settings.keep_alive_max_attempt, settings.timeout.join.total_seconds(), "on" if probes else "off",
+                settings.keep_alive_max_attempt, settings.timeout.join.total_seconds(),
+                "heartbeats in keys of their own" if heartbeats is not None else "heartbeats in the state",
+                "on" if probes else "off",
                 "on" if prompt else "off", "on" if extend else "off")
     return torch_internals.with_state_holder(handler, holder)

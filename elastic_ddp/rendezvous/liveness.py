@@ -32,6 +32,10 @@ connections. So a probe can only make a dead node leave sooner; it cannot evict 
 
 While a node trains (a participant of a complete round) nothing waits on a dead peer, so there
 are no death probes then; a peer is probed once, when first seen, to learn that it is reachable.
+At most `OBSERVE_PER_SYNC` new peers are looked up at one sync, their beacon ports in one read
+where the store has the extended API: 64 agents that each looked up 63 peers at the sync after a
+round completed, two store reads each, held etcd and every agent for 8 s, long enough for their
+heartbeats to expire (docs/benchmarks.md, "Rendezvous at scale").
 
 The probes run in our state holder (`rendezvous.state_holder`), which our backends build
 (`rendezvous.handler`). Limits: relies on torch's private state holder and handler attributes, all
@@ -56,6 +60,8 @@ logger = logging.getLogger(__name__)
 # The `--rdzv_conf` key that turns the probes off (`probe_dead_nodes=0`), e.g. where agents'
 # ports cannot reach each other. Default on.
 PROBE_DEAD_NODES_KEY = "probe_dead_nodes"
+# New peers whose beacon one `DeadNodeDetector.observe` looks up (the rest at the next syncs).
+OBSERVE_PER_SYNC = 16
 # Seconds a probe waits for a connection. A refusal from a live host comes back in a round trip;
 # a timeout only means "unknown", so this bounds what a lost machine costs each sync, not safety.
 PROBE_TIMEOUT_S = 0.25
@@ -142,14 +148,16 @@ class DeadNodeDetector:
         self._exited: set[NodeDesc] = set()
 
     def observe(self, nodes) -> None:
-        for node in nodes:
-            if node in self._seen:
-                continue
-            try:
-                port = self._published_port(node)
-            except Exception as exc:  # a store hiccup must not fail the rendezvous sync: ask again later
-                logger.debug("could not read the beacon of node %s: %s", node, exc)
-                continue
+        """Learn where up to `OBSERVE_PER_SYNC` nodes of `nodes` not seen before have their beacon."""
+        new = [node for node in dict.fromkeys(nodes) if node not in self._seen][:OBSERVE_PER_SYNC]
+        if not new:
+            return
+        try:
+            ports = self._published_ports(new)
+        except Exception as exc:  # a store hiccup must not fail the rendezvous sync: ask again later
+            logger.debug("could not read the beacons of nodes %s: %s", new, exc)
+            return
+        for node, port in zip(new, ports, strict=True):
             self._seen.add(node)
             address = self._reached_address(node, port) if port is not None else None
             if address is not None:
@@ -169,13 +177,22 @@ class DeadNodeDetector:
                 self._exited.add(node)
         return [node for node in nodes if node in self._exited]
 
+    def _published_ports(self, nodes: list[NodeDesc]) -> list[int | None]:
+        """Each node's published beacon port, None where it publishes none or not a valid port.
+        One check and one read for all of them when every one is published and the store has the
+        extended API (multi_get), else two reads per node."""
+        keys = [beacon_key(node) for node in nodes]
+        if len(keys) > 1 and self._store.has_extended_api() and self._store.check(keys):
+            return [_port(node, value) for node, value in zip(nodes, self._store.multi_get(keys), strict=True)]
+        return [self._published_port(node) for node in nodes]
+
     def _published_port(self, node: NodeDesc) -> int | None:
         key = beacon_key(node)
         # check() first: a store's get() blocks until the key exists (the agent may not run probes).
         if not self._store.check([key]):
             logger.debug("node %s publishes no beacon: only its heartbeat can remove it", node)
             return None
-        return int(self._store.get(key))
+        return _port(node, self._store.get(key))
 
     def _reached_address(self, node: NodeDesc, port: int) -> tuple | None:
         try:
@@ -188,6 +205,19 @@ class DeadNodeDetector:
         logger.info("node %s's beacon (%s port %d) did not accept a connection: only its heartbeat can remove it",
                     node, node.addr, port)
         return None
+
+
+def _port(node: NodeDesc, value: bytes) -> int | None:
+    """The beacon port `value` publishes, or None (logged) if it is not a TCP port number."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        logger.info("node %s published %r as its beacon port, which is not a port: only its heartbeat can remove it",
+                    node, bytes(value[:32]))
+        return None
+    return port
 
 
 def probes_enabled(params: RendezvousParameters) -> bool:

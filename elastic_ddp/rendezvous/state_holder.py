@@ -24,8 +24,20 @@ torch would do anyway:
   `max_nodes`, so at most `max_nodes` arrivals each restart it (`extend_last_call=0` turns this
   off).
 
+With a heartbeat channel (`heartbeats`; etcd-v3 has one), a heartbeat that is the only change this
+agent made to the state it read is published there, with a plain write, instead of by a
+compare-and-set of the whole state; and the peers' published beats are merged into every state
+read before torch's `_sanitize` looks for expired nodes. The channel is read only when a peer's
+heartbeat looks overdue (`OVERDUE_HEARTBEATS` intervals), at most every half interval: while all
+is well, about once per overdue period. Any sync also beats on the channel once this node's last
+beat is an interval old, since torch sends none while an agent leaves a round.
+
 It also reads the state more often: the state it has read is reused for `SYNC_POLL_S` (torch: 1 s),
-which is how often a waiting agent looks again (`torch_internals.poll_rendezvous_every`).
+which is how often a waiting agent looks again (`torch_internals.poll_rendezvous_every`); with
+`nodes_per_poll` (etcd-v3: 16) that grows with the nodes in the state, since every agent reads it
+that often, while training too (torchrun's monitor loop asks for the waiting nodes ten times a
+second): 64 agents reading a 4 KB state through etcd ten times a second each kept the 2-core
+machine of the benchmark saturated.
 
 Limits: the dead-node probes' (see `liveness`). A node that comes back within its heartbeat expiry
 after having left (a restarted agent is a new node: its pid is part of its name) is not expected.
@@ -35,6 +47,7 @@ A node that joins a moment after a prompt completion makes one more round (as af
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from datetime import datetime, timedelta, timezone
@@ -44,6 +57,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastic_ddp.rendezvous import torch_internals
 from elastic_ddp.rendezvous.defaults import SYNC_POLL_S, conf_switch
+from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.rendezvous.liveness import Beacon, DeadNodeDetector
 from elastic_ddp.rendezvous.torch_internals import BackendStateHolder, NodeDesc
 
@@ -60,18 +74,31 @@ MAX_BACKOFF_S = 0.1
 # A peer whose newest heartbeat is older than this many keep-alive intervals is probed (a live
 # agent beats once per interval; the half interval absorbs a late one).
 OVERDUE_HEARTBEATS = 1.5
+# The heartbeat channel is read at most once per this many keep-alive intervals.
+CHANNEL_READ_INTERVALS = 0.5
+
+
+def _structure(state) -> tuple:
+    """Everything of torch's rendezvous state except the heartbeat times: which nodes have one
+    is part of it (a node that leaves deletes its heartbeat)."""
+    return (state.round, state.complete, state.deadline, state.closed, dict(state.participants),
+            frozenset(state.wait_list), frozenset(state.redundancy_list), frozenset(state.last_heartbeats))
 
 
 class ElasticStateHolder(BackendStateHolder):
     """torch's state holder with dead-node probes, prompt completion and a last call that waits
     for arrivals (see the module docstring).
 
-    `detector` and `beacon` are None when the probes are off.
+    `detector` and `beacon` are None when the probes are off; `heartbeats` is None where the
+    backend has no heartbeat channel (heartbeats then go through the state, as in torch). With
+    `nodes_per_poll`, a state read is reused for `SYNC_POLL_S` per that many nodes in it (never
+    less than `SYNC_POLL_S`), for backends whose reads are dear; 0 keeps `SYNC_POLL_S`.
     """
 
     def __init__(self, backend: RendezvousBackend, settings, node: NodeDesc,
                  detector: DeadNodeDetector | None, beacon: Beacon | None, prompt_completion: bool = True,
-                 extend_last_call: bool = True) -> None:
+                 extend_last_call: bool = True, heartbeats: HeartbeatChannel | None = None,
+                 nodes_per_poll: int = 0) -> None:
         super().__init__(backend, settings, cache_duration=SYNC_POLL_S)
         self._node = node
         self._detector = detector
@@ -81,12 +108,22 @@ class ElasticStateHolder(BackendStateHolder):
         self._previous_round: tuple[int, frozenset[NodeDesc]] | None = None  # the newest complete round seen
         self._heartbeats: dict[NodeDesc, datetime] = {}  # the newest heartbeat seen of each node
         self._exited: set[NodeDesc] = set()
+        self._channel = heartbeats
+        self._nodes_per_poll = nodes_per_poll
+        self._read_structure: tuple | None = None  # `_structure` of the state as last read
+        self._published: datetime | None = None  # this node's newest beat on the channel
+        self._channel_beats: dict[NodeDesc, datetime] = {}  # the channel as last read
+        self._channel_read_at = -math.inf  # time.monotonic() of that read
 
     def _sanitize(self) -> None:
-        """See base class. Afterwards, while this node waits, drop the peers that have exited and
-        complete the round if every node to expect is in."""
-        super()._sanitize()
+        """See base class. Before it, merge the heartbeat channel's beats. Afterwards, while this
+        node waits, drop the peers that have exited and complete the round if every node to
+        expect is in."""
         state = self._state
+        if self._channel is not None:
+            self._read_structure = _structure(state)
+            self._merge_published_beats()
+        super()._sanitize()
         for node, beat in state.last_heartbeats.items():
             if node not in self._heartbeats or beat > self._heartbeats[node]:
                 self._heartbeats[node] = beat
@@ -116,14 +153,72 @@ class ElasticStateHolder(BackendStateHolder):
             self._previous_round = (round_, self._previous_round[1] | frozenset(participants))
 
     def sync(self) -> bool | None:
-        """See base class. After a lost compare-and-set, wait a random moment before the caller
-        tries again (`LOST_WRITE_BACKOFF_S` per node in the state, at most `MAX_BACKOFF_S`): N
-        agents that all retry at once make each success cost N attempts."""
+        """See base class. A heartbeat that is the only change to the state as read goes to the
+        heartbeat channel, if there is one (True: published). After a lost compare-and-set, wait a
+        random moment before the caller tries again (`LOST_WRITE_BACKOFF_S` per node in the state,
+        at most `MAX_BACKOFF_S`): N agents that all retry at once make each success cost N
+        attempts."""
+        if self._dirty and self._channel is not None and self._only_heartbeat_changed():
+            beat = self._state.last_heartbeats[self._node]
+            self._channel.publish(self._node, beat)
+            self._published = beat
+            self._dirty = False
+            return True
         has_set = super().sync()
+        if self._channel is not None:
+            self._beat_while_busy()
+        if self._nodes_per_poll:
+            self._cache_duration = SYNC_POLL_S * max(1.0, self._node_count() / self._nodes_per_poll)
         if has_set is False:
             nodes = len(self._state.participants) + len(self._state.wait_list)
             time.sleep(random.uniform(0, min(MAX_BACKOFF_S, LOST_WRITE_BACKOFF_S * max(1, nodes))))
         return has_set
+
+    def _beat_while_busy(self) -> None:
+        """Publish a fresh heartbeat on the channel if this node's last one is an interval old.
+        torch beats only from its heartbeat thread, which it stops while the agent is in
+        `next_rendezvous`, and from its join; leaving a complete round sends none, and 63 agents
+        that all leave at once need seconds of lost compare-and-sets to get their turn, long
+        enough for their heartbeats to expire while they wait. On the channel this costs nothing
+        to anyone else. Only for a node that has a heartbeat in the state (one that left has none)."""
+        state = self._state
+        if self._node not in state.last_heartbeats:
+            return
+        now = datetime.now(timezone.utc)
+        newest = max(state.last_heartbeats[self._node], self._published or state.last_heartbeats[self._node])
+        if now - newest >= self._settings.keep_alive_interval:
+            self._channel.publish(self._node, now)
+            self._published = now
+            state.last_heartbeats[self._node] = now
+
+    def _node_count(self) -> int:
+        state = self._state
+        return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+
+    def _only_heartbeat_changed(self) -> bool:
+        """Whether this node's own heartbeat time is all it changed in the state since the read."""
+        beat = self._state.last_heartbeats.get(self._node)
+        return (beat is not None and (self._published is None or beat > self._published)
+                and self._read_structure is not None and _structure(self._state) == self._read_structure)
+
+    def _merge_published_beats(self) -> None:
+        """Raise the heartbeats in the state just read to the newest published ones: this node's
+        own, and the peers' from the channel, read again if a peer looks overdue and the last read
+        is half an interval old. Only nodes that have a heartbeat in the state get one: a stale
+        key never brings back a node that left."""
+        beats = self._state.last_heartbeats
+        interval = self._settings.keep_alive_interval
+        if self._published is not None and self._node in beats:
+            beats[self._node] = max(beats[self._node], self._published)
+        now = datetime.now(timezone.utc)
+        overdue = any(now - max(beat, self._channel_beats.get(node, beat)) > interval * OVERDUE_HEARTBEATS
+                      for node, beat in beats.items() if node != self._node)
+        if overdue and time.monotonic() - self._channel_read_at >= interval.total_seconds() * CHANNEL_READ_INTERVALS:
+            self._channel_beats = self._channel.read()
+            self._channel_read_at = time.monotonic()
+        for node, beat in self._channel_beats.items():
+            if node in beats and node != self._node and beat > beats[node]:
+                beats[node] = beat
 
     def _suspects(self, others: list[NodeDesc]) -> list[NodeDesc]:
         """The peers worth probing at this sync (see `liveness`): participants of a complete round

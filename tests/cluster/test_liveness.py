@@ -109,6 +109,55 @@ def test_only_the_suspects_given_are_probed_again(store):
     alive.close()
 
 
+class CountingStore(dist.Store):
+    """`store` (a real TCPStore), counting the reads a detector makes: our extension of torch's Store."""
+
+    def __init__(self, store):
+        super().__init__()
+        self._store = store
+        self.reads = 0
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def check(self, keys):
+        self.reads += 1
+        return self._store.check(keys)
+
+    def get(self, key):
+        self.reads += 1
+        return self._store.get(key)
+
+    def multi_get(self, keys):
+        self.reads += 1
+        return self._store.multi_get(keys)
+
+
+def test_beacons_are_looked_up_a_bounded_batch_at_a_time_with_one_read_for_the_batch(store):
+    """After a round of 64 completed, every agent looked up 63 beacons at one sync, two store
+    reads each, which held etcd and every agent for 8 s (docs/benchmarks.md). Now at most
+    OBSERVE_PER_SYNC per sync, found with one check and one multi_get; a port that is not one is
+    never probed, and the other nodes are still learnt."""
+    from elastic_ddp.rendezvous.liveness import OBSERVE_PER_SYNC
+
+    beacons = [Beacon() for _ in range(OBSERVE_PER_SYNC + 4)]
+    nodes = [_NodeDesc("localhost", 3000 + i, 0) for i in range(len(beacons))]
+    for node, beacon in zip(nodes, beacons):
+        store.set(beacon_key(node), str(beacon.port))
+    store.set(beacon_key(nodes[1]), "not a port")
+    counting = CountingStore(store)
+    detector = DeadNodeDetector(counting)
+    detector.observe(nodes)
+    assert counting.reads == 2
+    detector.observe(nodes)
+    assert counting.reads == 4
+    detector.observe(nodes)
+    assert counting.reads == 4  # every node seen
+    for beacon in beacons:
+        beacon.close()
+    assert detector.dead(nodes) == [node for index, node in enumerate(nodes) if index != 1]
+
+
 def test_agents_waiting_in_a_forming_round_do_not_probe_live_peers(store, monkeypatch):
     """Live peers that joined the forming round beat their heartbeats: none is a suspect. Probing
     all of them at every sync made the rendezvous of 16+ agents churn (docs/benchmarks.md)."""

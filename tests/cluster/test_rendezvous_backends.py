@@ -24,6 +24,7 @@ from elastic_ddp.chaos.cluster import free_port, wait_for
 from elastic_ddp.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.rendezvous.plugin import trains_with_elastic_ddp
+from tests.support.rendezvous import rendezvous_together
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,25 +40,6 @@ def store_port():
 def handler(port: int, run_id: str, min_nodes: int = 1, max_nodes: int = 3, **conf):
     return registry.create_handler(RendezvousParameters(BACKEND_NAME, f"127.0.0.1:{port}", run_id, min_nodes,
                                                         max_nodes, **conf))
-
-
-def rendezvous_together(handlers) -> list:
-    """Every handler's next_rendezvous, run at once; their RendezvousInfo (or exception), in order."""
-    results: list = [None] * len(handlers)
-
-    def run(index):
-        try:
-            results[index] = handlers[index].next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            results[index] = exc
-
-    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(handlers))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
-    assert not any(thread.is_alive() for thread in threads), "a rendezvous did not return"
-    return results
 
 
 def stop(handlers) -> None:
