@@ -62,7 +62,7 @@ def test_published_beats_are_read_back_newest_first_and_garbage_is_skipped(share
 
 
 def test_heartbeats_of_a_formed_round_leave_the_state_alone_and_keep_every_live_node(shared_etcd_server, run_id):
-    """Two nodes beat every second with an expiry of 2 s. Over more than two expiries, the state's
+    """Two nodes beat every second with an expiry of 2 s. Over two expiries, the state's
     revision does not move (no heartbeat went through it), both nodes publish on the channel, and
     neither is dropped from the other's view of the round."""
     nodes = [handler(shared_etcd_server, run_id, keep_alive_interval="1", keep_alive_max_attempt="2")
@@ -71,7 +71,7 @@ def test_heartbeats_of_a_formed_round_leave_the_state_alone_and_keep_every_live_
     token = state_token(nodes[0])
     beats = channel(shared_etcd_server, run_id)
     started = datetime.now(timezone.utc)
-    ends = time.monotonic() + 5
+    ends = time.monotonic() + 4
 
     def both_beat_and_time_is_up() -> bool:
         for each in nodes:  # torchrun's monitor loop asks this every 0.1 s while workers train
@@ -79,7 +79,7 @@ def test_heartbeats_of_a_formed_round_leave_the_state_alone_and_keep_every_live_
             assert len(each._state_holder.state.participants) == 2, "a live node was dropped"
         return time.monotonic() > ends and len([beat for beat in beats.read().values() if beat > started]) == 2
 
-    wait_for(both_beat_and_time_is_up, 20, "5 s of heartbeats by both nodes", interval=0.1)
+    wait_for(both_beat_and_time_is_up, 20, "4 s of heartbeats by both nodes", interval=0.1)
     assert state_token(nodes[0]) == token, "a heartbeat wrote the rendezvous state"
     for each in nodes:
         each._stop_heartbeats()
@@ -105,10 +105,10 @@ def torch_node(each) -> NodeDesc:
 
 
 def test_nodes_waiting_in_a_round_that_forms_for_longer_than_the_expiry_stay_in_it(shared_etcd_server, run_id):
-    """A last call of 6 s against an expiry of 2 s: the waiting nodes beat on the channel only,
+    """A last call of 5 s against an expiry of 2 s: the waiting nodes beat on the channel only,
     and the round completes with all three."""
     nodes = [handler(shared_etcd_server, run_id, keep_alive_interval="1", keep_alive_max_attempt="2",
-                     last_call_timeout="6", max_nodes="4") for _ in range(3)]
+                     last_call_timeout="5", max_nodes="4") for _ in range(3)]
     started = time.monotonic()
     assert [getattr(info, "world_size", info) for info in rendezvous_together(nodes)] == [3, 3, 3]
     assert time.monotonic() - started >= 4  # the round did form for longer than the expiry
@@ -121,12 +121,12 @@ def test_a_node_busy_in_the_rendezvous_keeps_beating_on_the_channel(shared_etcd_
     sends no heartbeat: 63 agents leaving at once each waited seconds for a winning write and
     expired meanwhile (docs/benchmarks.md). Every sync of our state holder now beats on the
     channel when the last beat is an interval old: here a node whose heartbeat thread is stopped
-    only syncs, for three expiries, and its peer keeps it."""
+    only syncs, for two expiries, and its peer keeps it."""
     busy, peer = [handler(shared_etcd_server, run_id, keep_alive_interval="1", keep_alive_max_attempt="2",
                           probe_dead_nodes="0") for _ in range(2)]
     assert [getattr(info, "world_size", info) for info in rendezvous_together([busy, peer])] == [2, 2]
     busy._stop_heartbeats()
-    ends = time.monotonic() + 6
+    ends = time.monotonic() + 4
 
     def synced_long_enough() -> bool:
         busy._state_holder.sync()  # what torch's rendezvous loop does while the node waits
@@ -134,7 +134,7 @@ def test_a_node_busy_in_the_rendezvous_keeps_beating_on_the_channel(shared_etcd_
         assert torch_node(busy) in peer._state_holder.state.last_heartbeats, "the busy node was dropped"
         return time.monotonic() > ends
 
-    wait_for(synced_long_enough, 20, "6 s of syncs by the busy node", interval=0.1)
+    wait_for(synced_long_enough, 20, "4 s of syncs by the busy node", interval=0.1)
     peer._stop_heartbeats()
 
 
