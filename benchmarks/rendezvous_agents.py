@@ -39,11 +39,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_ddp.rendezvous.c10d import NamedBackend
 from elastic_ddp.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.rendezvous.etcd_backend import EtcdV3Heartbeats, EtcdV3RendezvousBackend
-from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
-from elastic_ddp.rendezvous.etcd_handler import NODES_PER_POLL
-from elastic_ddp.rendezvous.etcd_options import EtcdV3Options
-from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
+from elastic_ddp.rendezvous.etcd_handler import create_etcd_v3_handler
 from elastic_ddp.rendezvous.handler import elastic_handler
 from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.rendezvous.torch_internals import NodeDesc
@@ -132,11 +128,13 @@ def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host
     """An agent as torchrun would build it for `backend` (see the module docstring)."""
     params = _params(backend, endpoint, run_id, max_nodes, is_host)
     if backend == "etcd-v3":
-        connection = EtcdConnection(EtcdV3Options.from_params(params))
-        counter = CountingBackend(EtcdV3RendezvousBackend(connection, run_id))
-        heartbeats = counter.counting(EtcdV3Heartbeats(connection, run_id))
-        return Agent(elastic_handler(params, EtcdV3Store(connection, run_id), counter, heartbeats, NODES_PER_POLL),
-                     counter)
+        counters: list[CountingBackend] = []
+
+        def counting(state: RendezvousBackend, heartbeats: HeartbeatChannel):
+            counters.append(CountingBackend(state))
+            return counters[0], counters[0].counting(heartbeats)
+
+        return Agent(create_etcd_v3_handler(params, instrument=counting), counters[0])
     c10d_backend, store = create_backend(params)
     if backend == "c10d":
         counter = CountingBackend(c10d_backend)

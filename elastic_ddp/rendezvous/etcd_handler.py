@@ -19,14 +19,17 @@ starts a fresh TCPStore there for every round.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic_ddp.rendezvous.etcd_backend import EtcdV3Heartbeats, EtcdV3RendezvousBackend
 from elastic_ddp.rendezvous.etcd_connection import EtcdConnection
 from elastic_ddp.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.rendezvous.handler import check_options, elastic_handler
+from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,14 @@ logger = logging.getLogger(__name__)
 # a TCPStore get, and every agent reads ten times a second at 0.1 s.
 NODES_PER_POLL = 16
 
+Instrument = Callable[[RendezvousBackend, HeartbeatChannel], tuple[RendezvousBackend, HeartbeatChannel]]
 
-def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+
+def create_etcd_v3_handler(params: RendezvousParameters, instrument: Instrument | None = None) -> RendezvousHandler:
     """A dynamic rendezvous handler whose state and store live in etcd, through the v3 API.
+
+    `instrument` (for measurements, e.g. benchmarks/rendezvous_agents.py) gets the backend and the
+    heartbeat channel and returns what the handler uses instead: wrappers that count operations.
 
     Raises ValueError for a bad `--rdzv_endpoint` or `--rdzv_conf` value before connecting, and a
     `RendezvousConnectionError` (see `connection`) if etcd cannot be reached, refuses the
@@ -49,8 +57,11 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     try:
         backend = EtcdV3RendezvousBackend(connection, params.run_id)
         connection.call(f"read {backend.key}", lambda client: client.get(backend.key))
-        handler = elastic_handler(params, EtcdV3Store(connection, params.run_id), backend,
-                                  EtcdV3Heartbeats(connection, params.run_id), NODES_PER_POLL)
+        heartbeats: HeartbeatChannel = EtcdV3Heartbeats(connection, params.run_id)
+        if instrument is not None:
+            backend, heartbeats = instrument(backend, heartbeats)
+        handler = elastic_handler(params, EtcdV3Store(connection, params.run_id), backend, heartbeats,
+                                  NODES_PER_POLL)
     except BaseException:
         connection.close()
         raise

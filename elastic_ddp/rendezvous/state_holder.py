@@ -170,8 +170,7 @@ class ElasticStateHolder(BackendStateHolder):
         if self._nodes_per_poll:
             self._cache_duration = SYNC_POLL_S * max(1.0, self._node_count() / self._nodes_per_poll)
         if has_set is False:
-            nodes = len(self._state.participants) + len(self._state.wait_list)
-            time.sleep(random.uniform(0, min(MAX_BACKOFF_S, LOST_WRITE_BACKOFF_S * max(1, nodes))))
+            time.sleep(random.uniform(0, min(MAX_BACKOFF_S, LOST_WRITE_BACKOFF_S * max(1, self._node_count()))))
         return has_set
 
     def _beat_while_busy(self) -> None:
@@ -181,17 +180,14 @@ class ElasticStateHolder(BackendStateHolder):
         that all leave at once need seconds of lost compare-and-sets to get their turn, long
         enough for their heartbeats to expire while they wait. On the channel this costs nothing
         to anyone else. Only for a node that has a heartbeat in the state (one that left has none)."""
-        state = self._state
-        if self._node not in state.last_heartbeats:
-            return
+        beats = self._state.last_heartbeats  # this node's already raised to its newest published one
         now = datetime.now(timezone.utc)
-        newest = max(state.last_heartbeats[self._node], self._published or state.last_heartbeats[self._node])
-        if now - newest >= self._settings.keep_alive_interval:
+        if self._node in beats and now - beats[self._node] >= self._settings.keep_alive_interval:
             self._channel.publish(self._node, now)
-            self._published = now
-            state.last_heartbeats[self._node] = now
+            self._published = beats[self._node] = now
 
     def _node_count(self) -> int:
+        """The nodes in the state: participants, waiting and redundant."""
         state = self._state
         return len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
 

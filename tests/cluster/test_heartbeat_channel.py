@@ -162,12 +162,15 @@ def test_etcd_agents_read_the_state_less_often_the_more_nodes_it_holds(shared_et
                                      EtcdV3Heartbeats(connection, run_id), nodes_per_poll=1))
     assert [getattr(info, "world_size", info) for info in rendezvous_together(nodes)] == [2, 2]
     backends[0].reads = 0
-    looks = 0
+    looks = []
     ends = time.monotonic() + 1
-    while time.monotonic() < ends:
+
+    def looked_for_a_second() -> bool:  # torchrun's monitor loop, at the pace of wait_for's interval
         assert nodes[0].num_nodes_waiting() == 0
-        looks += 1
-        time.sleep(0.05)  # the monitor loop's pace (pacing, not a wait for a condition)
-    assert looks >= 10 and backends[0].reads <= 6, (looks, backends[0].reads)
+        looks.append(time.monotonic())
+        return looks[-1] > ends
+
+    wait_for(looked_for_a_second, 10, "a second of looks at the waiting nodes", interval=0.05)
+    assert len(looks) >= 10 and backends[0].reads <= 6, (len(looks), backends[0].reads)
     for each in nodes:
         each._stop_heartbeats()
