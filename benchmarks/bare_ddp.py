@@ -4,7 +4,7 @@
 
 (run from the repository root). It does the same work as `python -m elastic_ddp.train` with the
 same flags and `--micro_batch_size` equal to the per-rank share (no gradient accumulation): the same
-model (`elastic_ddp.models.build_model`), the same synthetic data (`SyntheticImageDataset`) with a
+model (`elastic_ddp.workload.models.build_model`), the same synthetic data (`SyntheticImageDataset`) with a
 random horizontal flip, SGD with momentum under the same warm-up plus cosine schedule, the same
 global batch split evenly over the same world. What it leaves out is what elastic_ddp adds:
 snapshots, the event log, the elastic sampler, per-sample seeded augmentation, restore on start.
@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled, steady_state_samples_per_second
-from elastic_ddp.data import SyntheticImageDataset
-from elastic_ddp.models import build_model
+from elastic_ddp.workload.data import SyntheticImageDataset
+from elastic_ddp.workload.models import build_model
 
 
 def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):

@@ -14,7 +14,7 @@ repetition so that a drift in machine load falls on every candidate alike):
   The last two are optional (`pip install xxhash google-crc32c`); a candidate whose module is
   missing is reported as not measured.
 - **The writer against the disk**: for each size, the real write path of a snapshot
-  (`elastic_ddp.snapshot.format.write_snapshot`'s frame: header, `torch.save` of the tensors
+  (`elastic_ddp.snapshot.serialization.write_snapshot`'s frame: header, `torch.save` of the tensors
   streamed through the checksum, trailer; through `LocalDirectoryStorage.write_stream_atomically`:
   temporary file, fsync, rename, fsync of the directory) with BLAKE3 and with sha256, against a
   plain write + fsync of the same number of bytes in the same directory (`benchmarks.disk`),
@@ -130,8 +130,8 @@ def writer_mb_per_s(directory: Path, tensors: dict[str, object], algorithm: str)
     """MB/s of the real snapshot write path for `tensors` (frame, checksum, atomic durable write)."""
     import torch
 
-    from elastic_ddp.snapshot.container import SnapshotHeader, write_framed
-    from elastic_ddp.snapshot.storage import LocalDirectoryStorage
+    from elastic_ddp.snapshot.files.file_layout import SnapshotHeader, write_framed
+    from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
 
     storage = LocalDirectoryStorage(directory)
     header = SnapshotHeader(global_step=1, epoch=0, samples_consumed=0, world_size=1, incarnation=0,

@@ -36,9 +36,9 @@ if __package__ in (None, ""):  # `python benchmarks/data_path.py`: make the repo
 
 from benchmarks.bare_ddp import RandomHorizontalFlip  # noqa: E402
 from benchmarks.table import Row, render_markdown  # noqa: E402
-from elastic_ddp.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip  # noqa: E402
-from elastic_ddp.models import build_model  # noqa: E402
-from elastic_ddp.sampler import ElasticSampler  # noqa: E402
+from elastic_ddp.workload.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip  # noqa: E402
+from elastic_ddp.workload.models import build_model  # noqa: E402
+from elastic_ddp.workload.sampler import ElasticSampler  # noqa: E402
 
 MODELS = ("mini_resnet", "mlp")
 

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled
 from elastic_ddp import train
-from elastic_ddp.distributed import exit_worker
+from elastic_ddp.runtime.distributed import exit_worker
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 

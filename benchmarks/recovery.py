@@ -13,9 +13,9 @@ waits for the first step of the group that includes it (world 2 -> 3, below --nn
 SIGSTOPs that new node and waits for the first step of the group that goes on without it.
 
 Five settings are measured in the same run, interleaved, on the same machine:
-- `ours`: what launch/node.sh ships: `python -m elastic_ddp.launcher` (torchrun with workers forked
+- `ours`: what launch/node.sh ships: `python -m elastic_ddp.agent.launcher` (torchrun with workers forked
   from a warm fork server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
-  `MONITOR_INTERVAL_S` of elastic_ddp.rendezvous.defaults; memory copies and the watchdog on (the
+  `MONITOR_INTERVAL_S` of elastic_ddp.agent.rendezvous.defaults; memory copies and the watchdog on (the
   defaults);
 - `plain`: plain torchrun (`python -m torch.distributed.run`) with `--rdzv_backend=elastic-c10d`
   and nothing else: the README's main command;
@@ -56,7 +56,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.chaos.cluster import (
+from elastic_ddp.testbed.local_cluster import (
     AGENT_ENV,
     LAUNCHER,
     MONITOR_INTERVAL_S,
@@ -65,9 +65,9 @@ from elastic_ddp.chaos.cluster import (
     LocalJob,
     LocalNode,
 )
-from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.runlog import schema
-from elastic_ddp.runlog.history import EventFollower, WorkerGroup
+from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},

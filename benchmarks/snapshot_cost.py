@@ -59,10 +59,10 @@ if __package__ in (None, ""):  # `python benchmarks/snapshot_cost.py`: make the 
 
 from benchmarks.table import Row, render_markdown  # noqa: E402
 from elastic_ddp.config import TrainingConfig  # noqa: E402
-from elastic_ddp.data import IMAGE_SHAPE, NUM_CLASSES, SyntheticImageDataset  # noqa: E402
-from elastic_ddp.runlog.history import read_events  # noqa: E402
+from elastic_ddp.workload.data import IMAGE_SHAPE, NUM_CLASSES, SyntheticImageDataset  # noqa: E402
+from elastic_ddp.runlog.reader import read_events  # noqa: E402
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
-from elastic_ddp.trainer import Trainer  # noqa: E402
+from elastic_ddp.training.trainer import Trainer  # noqa: E402
 
 MODES = ("none", "async", "sync")
 

@@ -31,9 +31,9 @@ if __package__ in (None, ""):  # `python benchmarks/thread_cpu.py`: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import SNAPSHOT_MODES, Workload, start_torchrun  # noqa: E402
-from elastic_ddp.chaos.cluster import signal_tree, wait_for  # noqa: E402
-from elastic_ddp.procfs import read_stat  # noqa: E402
-from elastic_ddp.runlog.history import EventFollower  # noqa: E402
+from elastic_ddp.testbed.local_cluster import signal_tree, wait_for  # noqa: E402
+from elastic_ddp.runtime.procfs import read_stat  # noqa: E402
+from elastic_ddp.runlog.reader import EventFollower  # noqa: E402
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")

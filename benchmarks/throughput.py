@@ -44,8 +44,8 @@ from benchmarks.measure import (  # noqa: E402
     steady_state_samples_per_second,
 )
 from benchmarks.table import Row, render_markdown  # noqa: E402
-from elastic_ddp.chaos.cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command  # noqa: E402
-from elastic_ddp.runlog.history import read_events  # noqa: E402
+from elastic_ddp.testbed.local_cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command  # noqa: E402
+from elastic_ddp.runlog.reader import read_events  # noqa: E402
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

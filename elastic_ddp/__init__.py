@@ -14,7 +14,7 @@ __all__ = ["Trainer", "TrainingConfig", "load_snapshot", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Trainer":
-        from elastic_ddp.trainer import Trainer
+        from elastic_ddp.training.trainer import Trainer
         return Trainer
     if name == "TrainingConfig":
         from elastic_ddp.config import TrainingConfig

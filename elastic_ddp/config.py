@@ -10,7 +10,7 @@ own gets flags for them from `from_args`. `--config FILE.toml` supplies values f
 Validation happens in `__post_init__`, before any process group exists, and raises `ValueError`
 with one line naming the flag, the value and what is accepted. Import paths (`--model`,
 `--dataset`, `--eval_dataset`, `--loss`) are checked for their form here and imported by
-elastic_ddp/user_code.py, also before any process group.
+elastic_ddp/workload/user_code.py, also before any process group.
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ from typing import Any, Sequence
 import torch
 
 from elastic_ddp.config_file import ConfigFileError, load_config_file
-from elastic_ddp.sampler import steps_per_epoch
-from elastic_ddp.snapshot.storage import is_url, open_storage
-from elastic_ddp.user_code import has_import_path_form
+from elastic_ddp.workload.sampler import steps_per_epoch
+from elastic_ddp.snapshot.files.backends import is_url, open_storage
+from elastic_ddp.workload.user_code import has_import_path_form
 
 MODELS = ("mini_resnet", "mlp")
-SYNTHETIC = "synthetic"  # the built-in dataset (elastic_ddp/data.py)
+SYNTHETIC = "synthetic"  # the built-in dataset (elastic_ddp/workload/data.py)
 SYNTHETIC_SIZE = 4096  # its default length
 OPTIMIZERS = ("sgd", "adamw")
 LOSSES = ("cross_entropy", "mse")
 IMPORT_PATH_FORM = "package.module:callable"
 # timedelta's limit is far above this; a collective that may block for more than a week is a mistake.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-# The peer watchdog's bound (elastic_ddp/watchdog.py) and the least it may be. Heartbeats every
+# The peer watchdog's bound (elastic_ddp/runtime/watchdog.py) and the least it may be. Heartbeats every
 # bound / 8 stayed unchanged for at most 0.77 s (two heartbeat periods) on a 2-core machine running
 # 4 workers and 12 busy loops (docs/failure-semantics.md, "The watchdog"): 3 s is 4x that.
 WATCHDOG_TIMEOUT_S = 3.0

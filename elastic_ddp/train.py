@@ -4,7 +4,7 @@
         --rdzv_id=demo --max_restarts=10 -m elastic_ddp.train --epochs 3 --checkpoint_dir runs/demo
 
 Your own model and data need no script: `--model my_pkg.models:build --dataset my_pkg.data:train`
-(elastic_ddp/workload.py). To add flags of your own, subclass `TrainingConfig` and pass it as
+(elastic_ddp/training/workload_builder.py). To add flags of your own, subclass `TrainingConfig` and pass it as
 `config_class`: `main(config_class=MyConfig)`.
 
 Run it with plain `python -m elastic_ddp.train ...` for a single process without torchrun.
@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
-from elastic_ddp.drain import DRAIN_EXIT_CODE, DrainRequested
-from elastic_ddp.prefetch import start_prefetching_dynamo
+from elastic_ddp.runtime.distributed import DistributedContext, exit_worker, process_group
+from elastic_ddp.runtime.drain import DRAIN_EXIT_CODE, DrainRequested
+from elastic_ddp.runtime.prefetch import start_prefetching_dynamo
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
-from elastic_ddp.trainer import Trainer
-from elastic_ddp.user_code import UserCodeError
-from elastic_ddp.workload import build_workload
+from elastic_ddp.training.trainer import Trainer
+from elastic_ddp.workload.user_code import UserCodeError
+from elastic_ddp.training.workload_builder import build_workload
 
 logger = logging.getLogger(__name__)
 

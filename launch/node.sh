@@ -16,10 +16,10 @@
 #   RDZV_CONF       torchrun --rdzv_conf (timeouts, heartbeats, etcd TLS/auth keys)
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.1]
-#   LAUNCHER        the agent program: elastic_ddp.launcher (torchrun whose workers are forked
+#   LAUNCHER        the agent program: elastic_ddp.agent.launcher (torchrun whose workers are forked
 #                   warm from a fork server: restarts 2-3 s faster, see docs/benchmarks.md; its
 #                   workers end with the agent; it runs c10d as elastic-c10d) or
-#                   torch.distributed.run (plain torchrun)                [elastic_ddp.launcher]
+#                   torch.distributed.run (plain torchrun)                [elastic_ddp.agent.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]
 set -euo pipefail
@@ -28,10 +28,10 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$repo/.venv/bin/python" ]]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
-# Keep these in step with elastic_ddp/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
+# Keep these in step with elastic_ddp/agent/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.1
-DEFAULT_LAUNCHER=elastic_ddp.launcher
+DEFAULT_LAUNCHER=elastic_ddp.agent.launcher
 
 nnodes="${NNODES:-1:4}"
 nproc="${NPROC_PER_NODE:-1}"
@@ -48,8 +48,8 @@ case "$backend" in
   *) echo "launch/node.sh: RDZV_BACKEND: got '$backend'; expected elastic-c10d, c10d or etcd-v3" >&2; exit 2 ;;
 esac
 case "$launcher" in
-  elastic_ddp.launcher|torch.distributed.run) ;;
-  *) echo "launch/node.sh: LAUNCHER: got '$launcher'; expected elastic_ddp.launcher or torch.distributed.run" >&2; exit 2 ;;
+  elastic_ddp.agent.launcher|torch.distributed.run) ;;
+  *) echo "launch/node.sh: LAUNCHER: got '$launcher'; expected elastic_ddp.agent.launcher or torch.distributed.run" >&2; exit 2 ;;
 esac
 if ! [[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]]; then
   echo "launch/node.sh: NNODES: got '$nnodes'; expected N or MIN:MAX, e.g. 1:4" >&2; exit 2

@@ -8,7 +8,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/launch/setup.sh"
 cd "$repo"
 export PYTHON="$repo/.venv/bin/python"
-export RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$("$PYTHON" -c 'from elastic_ddp.chaos.cluster import free_port; print(free_port())')}"
+export RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$("$PYTHON" -c 'from elastic_ddp.testbed.local_cluster import free_port; print(free_port())')}"
 # A new directory per run: a second run into a finished one would find nothing left to train, and
 # its first node would finish and close the job before the second one joined (that one then fails).
 # A --checkpoint_dir among your arguments comes later and wins.

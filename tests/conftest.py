@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.chaos.cluster import LocalJob
+from elastic_ddp.testbed.local_cluster import LocalJob
 
-pytest_plugins = ["tests.support.etcd"]  # the etcd server fixtures
+pytest_plugins = ["elastic_ddp.testbed.etcd_server"]  # the etcd server fixtures
 
 # Each local node is one process of torch: one thread each keeps 2-core machines responsive.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

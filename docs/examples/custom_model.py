@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elastic_ddp import Trainer, TrainingConfig
-from elastic_ddp.distributed import DistributedContext, exit_worker, process_group
+from elastic_ddp.runtime.distributed import DistributedContext, exit_worker, process_group
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
 
 SIGNAL_LENGTH = 64

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_ddp.runlog import schema
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.loading import load_snapshot
 

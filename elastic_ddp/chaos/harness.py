@@ -4,7 +4,7 @@
     report = harness.run()
     assert report.ok, report.summary()
 
-Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.chaos.cluster.LocalNode`) with real
+Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.testbed.local_cluster.LocalNode`) with real
 gloo workers; faults are real signals. The harness follows the plan (elastic_ddp/chaos/plan.py),
 reading triggers from the run's event log, never guessing with sleeps; then it waits for the job to
 finish within a deadline, and `chaos.verdict` checks what elastic_ddp promises
@@ -34,14 +34,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.chaos.cluster import C10D_BACKENDS, LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
+from elastic_ddp.testbed.local_cluster import C10D_BACKENDS, LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
 from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.procfs import process_is_alive, process_tree
-from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.runtime.procfs import process_is_alive, process_tree
+from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.runlog import schema
-from elastic_ddp.runlog.history import EventFollower
+from elastic_ddp.runlog.reader import EventFollower
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class ChaosHarness:
 
     def _live_workers(self, node: LocalNode) -> list[dict[str, Any]]:
         """The newest group's ranks that run on `node` and are alive (from the `start` event:
-        workers forked by elastic_ddp.launcher carry no RANK in /proc/PID/environ)."""
+        workers forked by elastic_ddp.agent.launcher carry no RANK in /proc/PID/environ)."""
         group = self.events.newest_group()
         if group is None or not node.is_running():
             return []
@@ -371,7 +371,7 @@ class ChaosHarness:
 
 
 def _kill_process_tree(pid: int) -> None:
-    """SIGKILL `pid` and its descendants, one by one: a worker forked by elastic_ddp.launcher
+    """SIGKILL `pid` and its descendants, one by one: a worker forked by elastic_ddp.agent.launcher
     shares its agent's process group, so a group kill would take the whole node down."""
     for member in process_tree(pid):
         try:

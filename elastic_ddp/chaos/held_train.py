@@ -15,7 +15,7 @@ the worker gets SIGTERM (torchrun stopping the group for a join must not wait): 
 takes long (a join) then happens mid-epoch.
 
 Being an `elastic_ddp.` module, it gets what `-m elastic_ddp.train` gets from the plugin (a store
-of its own for every worker group with torch's c10d; elastic_ddp/rendezvous/plugin.py).
+of its own for every worker group with torch's c10d; elastic_ddp/agent/rendezvous/plugin.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic_ddp import train
-from elastic_ddp.distributed import exit_worker
+from elastic_ddp.runtime.distributed import exit_worker
 
 HOLD_VARIABLE = "ELASTIC_DDP_HOLD"
 HELD_STEP_S = 0.05

@@ -21,7 +21,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from elastic_ddp.sampler import epoch_length
+from elastic_ddp.workload.sampler import epoch_length
 
 
 class AuditLog:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from elastic_ddp.config import PROGRESS_MODES
-from elastic_ddp.runlog.history import PreviousIncarnation, previous_incarnation
+from elastic_ddp.runlog.reader import PreviousIncarnation, previous_incarnation
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from elastic_ddp.procfs import process_start_unix
+from elastic_ddp.runtime.procfs import process_start_unix
 
 
 class StartupTimeline:

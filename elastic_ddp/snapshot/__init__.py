@@ -4,7 +4,7 @@
 - `format`: a snapshot as bytes (loaded with weights_only=True only);
 - `staging`: CPU copies the background writer reads while training goes on;
 - `storage`: where files live (a local directory or an fsspec URL), written all-or-nothing;
-- `store`: `CheckpointStore`, the manifest, checksums, keep-last pruning;
+- `store`: `SnapshotStore`, the manifest, checksums, keep-last pruning;
 - `writer`: rank 0's background writer;
 - `transport`: the one way snapshot bytes move between ranks (frames over a process group);
 - `recovery`: the group's agreement on the newest state any rank can read;

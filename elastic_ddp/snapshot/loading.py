@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from elastic_ddp.snapshot.format import public_dict, snapshot_from_bytes
-from elastic_ddp.snapshot.store import CheckpointStore
+from elastic_ddp.snapshot.serialization import public_dict, snapshot_from_bytes
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 
 
 def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -17,7 +17,7 @@ def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     checksum or do not load safely are skipped with a warning. Raises FileNotFoundError when the
     directory holds no valid snapshot.
     """
-    store = CheckpointStore(checkpoint_dir)
+    store = SnapshotStore(checkpoint_dir)
     found = store.latest_valid(accept=snapshot_from_bytes)
     if found is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no valid elastic_ddp snapshot (is it a --checkpoint_dir?)")

@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------ commands
 
 def run_report(args: argparse.Namespace) -> int:
-    from elastic_ddp.runlog.timeline import HistoryError, load_history
+    from elastic_ddp.runlog.run_history import HistoryError, load_history
     from elastic_ddp.tools.report import format_summary, summarise
 
     try:

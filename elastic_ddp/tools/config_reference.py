@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from elastic_ddp.config import TrainingConfig, _field_type
-from elastic_ddp.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 
 HEADER = """# Configuration reference
 

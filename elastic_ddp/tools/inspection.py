@@ -2,7 +2,7 @@
 
     elastic-ddp inspect runs/job1/ck
 
-Reads the directory through `CheckpointStore`'s public methods only: its index (the manifest's
+Reads the directory through `SnapshotStore`'s public methods only: its index (the manifest's
 entries, or, when the manifest is missing or unusable, the entries rebuilt from the self-describing
 snapshot files), then each entry's bytes checked against its size and checksum (`read_verified`)
 and, unless `load=False`, loaded the way a restore loads them (`torch.load(weights_only=True)`).
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
-from elastic_ddp.snapshot.errors import CheckpointError
-from elastic_ddp.snapshot.storage import TEMPORARY_PATTERN, is_url
-from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore
+from elastic_ddp.snapshot.files.errors import SnapshotStoreError
+from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN, is_url
+from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SNAPSHOT_PATTERN, SnapshotStore
 from elastic_ddp.tools.text import format_bytes, format_duration
 
 # Files a run leaves in its checkpoint directory besides snapshots and the manifest.
@@ -74,7 +74,7 @@ def inspect_checkpoints(location: str | os.PathLike, load: bool = True) -> Check
     """Check every snapshot the manifest at `location` lists. Raises InspectionError when
     `location` does not exist or holds files but none of a checkpoint directory."""
     _check_location(location)
-    store = CheckpointStore(location)
+    store = SnapshotStore(location)
     names = set(store.storage.list_names())
     inspection = CheckpointInspection(location=store.describe(), manifest_present=MANIFEST_NAME in names)
     index = store.index()
@@ -103,21 +103,21 @@ def _check_location(location: str | os.PathLike) -> None:
         raise InspectionError(f"{path}: not a directory; give the run's --checkpoint_dir")
 
 
-def _check_entry(store: CheckpointStore, entry, load: bool) -> SnapshotStatus:
+def _check_entry(store: SnapshotStore, entry, load: bool) -> SnapshotStatus:
     status = SnapshotStatus(file=entry.file, global_step=entry.global_step, epoch=entry.epoch,
                             samples_consumed=entry.samples_consumed, size_bytes=entry.size_bytes,
                             created_unix=entry.created_unix, valid=False)
     try:
         data = store.read_verified(entry)
         if load:
-            from elastic_ddp.snapshot.errors import SnapshotError
-            from elastic_ddp.snapshot.format import snapshot_from_bytes  # imports torch: only when loading
+            from elastic_ddp.snapshot.files.errors import SnapshotError
+            from elastic_ddp.snapshot.serialization import snapshot_from_bytes  # imports torch: only when loading
 
             try:
                 status.world_size = snapshot_from_bytes(data, store.describe(entry.file)).world_size
             except SnapshotError as exc:
-                raise CheckpointError(str(exc)) from exc
-    except CheckpointError as exc:
+                raise SnapshotStoreError(str(exc)) from exc
+    except SnapshotStoreError as exc:
         status.problem = str(exc)
         return status
     status.valid = True

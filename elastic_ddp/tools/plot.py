@@ -1,6 +1,6 @@
 """The picture of a run: loss and throughput against step and time, world size as a band.
 
-    from elastic_ddp.runlog.timeline import load_history
+    from elastic_ddp.runlog.run_history import load_history
     from elastic_ddp.tools.plot import render_plot
     render_plot(load_history("runs/job1"), "job1.png")
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.runlog.timeline import RunHistory, Transition
+from elastic_ddp.runlog.run_history import RunHistory, Transition
 from elastic_ddp.tools.report import summarise
 from elastic_ddp.tools.text import format_bytes, format_clock, format_duration, plural
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic_ddp.runlog.progress import source_text
-from elastic_ddp.runlog.timeline import RunHistory, Transition
+from elastic_ddp.runlog.run_history import RunHistory, Transition
 from elastic_ddp.tools.text import format_bytes, format_clock, format_duration, plural
 
 # ----------------------------------------------------------------------------------- the numbers

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from elastic_ddp.chaos.cluster import free_port, port_is_listening, wait_for
+from elastic_ddp.testbed.local_cluster import free_port, port_is_listening, wait_for
 
 
 def test_the_chaos_cli_explains_itself_and_refuses_bad_input(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.reader import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -1,7 +1,7 @@
 """Elasticity with real torchrun agents as separate nodes on 127.0.0.1, real gloo, real SIGKILLs.
 
 These run stock torchrun (`torch.distributed.run`), the path the README promises; the chaos tests
-run the same promises through `elastic_ddp.launcher`.
+run the same promises through `elastic_ddp.agent.launcher`.
 
 Each test asserts the final global step and that the audit log shows every sample of every epoch
 exactly once in the surviving trajectory. The jobs are held (elastic_ddp/chaos/held_train.py) until the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

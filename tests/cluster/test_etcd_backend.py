@@ -14,11 +14,11 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_ddp.chaos.cluster import free_port, wait_for
-from elastic_ddp.rendezvous import EtcdConnection, EtcdUnavailableError, EtcdV3Options, EtcdV3RendezvousBackend
+from elastic_ddp.testbed.local_cluster import free_port, wait_for
+from elastic_ddp.agent.rendezvous import EtcdConnection, EtcdUnavailableError, EtcdV3Options, EtcdV3RendezvousBackend
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.cluster import RDZV_CONF, LocalJob, wait_for
+from elastic_ddp.testbed.local_cluster import RDZV_CONF, LocalJob, wait_for
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdCluster, EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdCluster, EtcdServer
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.chaos.cluster import MONITOR_INTERVAL_S, wait_for
-from elastic_ddp.rendezvous import (
+from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
+from elastic_ddp.agent.rendezvous import (
     EtcdAuthenticationError,
     EtcdConnection,
     EtcdTlsError,
@@ -29,7 +29,7 @@ from elastic_ddp.rendezvous import (
 )
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdCluster, EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdCluster, EtcdServer
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 

@@ -19,10 +19,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils.store import barrier
 
-from elastic_ddp.rendezvous import EtcdConnection, EtcdV3Options, EtcdV3Store
+from elastic_ddp.agent.rendezvous import EtcdConnection, EtcdV3Options, EtcdV3Store
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import atexit, logging, sys
-    from elastic_ddp.distributed import exit_worker
+    from elastic_ddp.runtime.distributed import exit_worker
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     atexit.register(lambda: print("teardown ran", flush=True))
     print("printed before the exit")          # block-buffered: stdout is a pipe
@@ -32,7 +32,7 @@ def test_the_exit_code_and_buffered_output_arrive_and_teardown_is_skipped(code):
 
 @pytest.mark.timeout(60)
 def test_in_a_multiprocessing_child_it_raises_system_exit_for_the_caller_to_see():
-    # torchrun's wrapper in a forked worker (elastic_ddp.launcher) must see SystemExit(0) to put its
+    # torchrun's wrapper in a forked worker (elastic_ddp.agent.launcher) must see SystemExit(0) to put its
     # return value; os._exit there would leave the agent waiting for it forever.
     child = multiprocessing.get_context("spawn").Process(target=_raises_system_exit, args=(4,))
     child.start()
@@ -41,7 +41,7 @@ def test_in_a_multiprocessing_child_it_raises_system_exit_for_the_caller_to_see(
 
 
 def _raises_system_exit(code: int) -> None:
-    from elastic_ddp.distributed import exit_worker
+    from elastic_ddp.runtime.distributed import exit_worker
 
     try:
         exit_worker(code)
@@ -56,7 +56,7 @@ def test_a_kept_object_outlives_every_reference_of_its_own():
     import gc
     import weakref
 
-    from elastic_ddp.distributed import keep_until_exit
+    from elastic_ddp.runtime.distributed import keep_until_exit
 
     class Model:
         pass

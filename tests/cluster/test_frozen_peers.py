@@ -2,7 +2,7 @@
 briefly stopped one is not. Real torchrun agents on 127.0.0.1, real SIGSTOP, gloo.
 
 The collective timeout is 120 s in these jobs: a group that trains again without the frozen node
-sooner than that owes it to the watchdog (elastic_ddp/watchdog.py, bound `--watchdog_timeout_s`,
+sooner than that owes it to the watchdog (elastic_ddp/runtime/watchdog.py, bound `--watchdog_timeout_s`,
 3 s by default), not to gloo. With torch's own `c10d` the agents get the documented `--rdzv_conf`.
 """
 
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob, wait_for
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

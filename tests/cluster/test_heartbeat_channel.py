@@ -1,4 +1,4 @@
-"""Heartbeats beside the rendezvous state (elastic_ddp/rendezvous/heartbeats.py) with etcd-v3,
+"""Heartbeats beside the rendezvous state (elastic_ddp/agent/rendezvous/heartbeats.py) with etcd-v3,
 against a real etcd: the channel itself, then torch's real handlers using it.
 
 What must hold: a heartbeat alone never writes the state (its revision stays put while nodes
@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.chaos.cluster import wait_for
-from elastic_ddp.rendezvous import EtcdConnection, EtcdV3Options
-from elastic_ddp.rendezvous.etcd_backend import EtcdV3Heartbeats
-from elastic_ddp.rendezvous.etcd_handler import create_etcd_v3_handler
-from elastic_ddp.rendezvous.heartbeats import MAX_BEAT_BYTES, encode_beat, node_key
-from elastic_ddp.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
+from elastic_ddp.agent.rendezvous import EtcdConnection, EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd_backend import EtcdV3Heartbeats
+from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.heartbeats import MAX_BEAT_BYTES, encode_beat, node_key
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from tests.support.rendezvous import rendezvous_together
 
 if TYPE_CHECKING:
-    from tests.support.etcd import EtcdServer
+    from elastic_ddp.testbed.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 
@@ -142,9 +142,9 @@ def test_etcd_agents_read_the_state_less_often_the_more_nodes_it_holds(shared_et
     """With `nodes_per_poll` a read state is reused for 0.1 s per that many nodes: two nodes at one
     node per poll reuse it for 0.2 s, so a node whose monitor loop looks every 0.05 s for a second
     reads it at most 6 times (with 0.1 s it would be 10 or more)."""
-    from elastic_ddp.rendezvous.etcd_backend import EtcdV3RendezvousBackend
-    from elastic_ddp.rendezvous.etcd_store import EtcdV3Store
-    from elastic_ddp.rendezvous.handler import elastic_handler
+    from elastic_ddp.agent.rendezvous.etcd_backend import EtcdV3RendezvousBackend
+    from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
+    from elastic_ddp.agent.rendezvous.handler import elastic_handler
 
     class CountingBackend(EtcdV3RendezvousBackend):
         reads = 0

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_ddp.chaos.cluster import MONITOR_INTERVAL_S, RDZV_CONF, free_port
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, RDZV_CONF, free_port
+from elastic_ddp.runlog.reader import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"

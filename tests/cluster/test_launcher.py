@@ -1,4 +1,4 @@
-"""`python -m elastic_ddp.launcher` for real: warm workers train and exit like cold ones, and end
+"""`python -m elastic_ddp.agent.launcher` for real: warm workers train and exit like cold ones, and end
 with their agent.
 
 The recovery-speed work of docs/failure-semantics.md rests on it; the chaos tests run every job
@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from elastic_ddp.chaos.cluster import wait_for
-from elastic_ddp.procfs import process_is_alive
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.testbed.local_cluster import wait_for
+from elastic_ddp.runtime.procfs import process_is_alive
+from elastic_ddp.runlog.reader import read_events
 
 
 @pytest.mark.slow
@@ -36,7 +36,7 @@ def test_a_warm_worker_trains_reports_its_rank_and_exits_like_a_cold_one(local_j
 
 
 def test_the_launcher_shows_torchruns_help():
-    result = subprocess.run([sys.executable, "-m", "elastic_ddp.launcher", "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "elastic_ddp.agent.launcher", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "--rdzv-endpoint" in result.stdout
 

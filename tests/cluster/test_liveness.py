@@ -1,4 +1,4 @@
-"""Dead-node probes (elastic_ddp.rendezvous.liveness): a killed node leaves the rendezvous before its
+"""Dead-node probes (elastic_ddp.agent.rendezvous.liveness): a killed node leaves the rendezvous before its
 heartbeat expires.
 
 Real sockets, real signals, torch's real dynamic rendezvous on a real TCPStore, and at the end real
@@ -23,11 +23,11 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_ddp.chaos.cluster import free_port
-from elastic_ddp.rendezvous.c10d import BACKEND_NAME
-from elastic_ddp.rendezvous.defaults import RDZV_CONF
-from elastic_ddp.rendezvous.handler import elastic_handler
-from elastic_ddp.rendezvous.liveness import Answer, Beacon, DeadNodeDetector, beacon_key, probe
+from elastic_ddp.testbed.local_cluster import free_port
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
+from elastic_ddp.agent.rendezvous.handler import elastic_handler
+from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, DeadNodeDetector, beacon_key, probe
 from tests.support.cluster import hold_settings, node_logs
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +37,7 @@ EVICTION_LOG = "has exited (its beacon refuses connections)"
 
 BEACON_PROCESS = """
 import sys, threading
-from elastic_ddp.rendezvous.liveness import Beacon
+from elastic_ddp.agent.rendezvous.liveness import Beacon
 print(Beacon().port, flush=True)
 threading.Event().wait()
 """
@@ -138,7 +138,7 @@ def test_beacons_are_looked_up_a_bounded_batch_at_a_time_with_one_read_for_the_b
     reads each, which held etcd and every agent for 8 s (docs/benchmarks.md). Now at most
     OBSERVE_PER_SYNC per sync, found with one check and one multi_get; a port that is not one is
     never probed, and the other nodes are still learnt."""
-    from elastic_ddp.rendezvous.liveness import OBSERVE_PER_SYNC
+    from elastic_ddp.agent.rendezvous.liveness import OBSERVE_PER_SYNC
 
     beacons = [Beacon() for _ in range(OBSERVE_PER_SYNC + 4)]
     nodes = [_NodeDesc("localhost", 3000 + i, 0) for i in range(len(beacons))]
@@ -161,7 +161,7 @@ def test_beacons_are_looked_up_a_bounded_batch_at_a_time_with_one_read_for_the_b
 def test_agents_waiting_in_a_forming_round_do_not_probe_live_peers(store, monkeypatch):
     """Live peers that joined the forming round beat their heartbeats: none is a suspect. Probing
     all of them at every sync made the rendezvous of 16+ agents churn (docs/benchmarks.md)."""
-    from elastic_ddp.rendezvous import liveness
+    from elastic_ddp.agent.rendezvous import liveness
 
     probes = []
     real_probe = liveness.probe

@@ -1,4 +1,4 @@
-"""What our backends add to torch's rendezvous (elastic_ddp/rendezvous/handler.py), and what the
+"""What our backends add to torch's rendezvous (elastic_ddp/agent/rendezvous/handler.py), and what the
 plugin leaves alone: shipped timing that a user's value overrides, prompt completion, a last call
 that arrivals restart, faster polling, and torch's default for the shared store untouched in agents that do not run our trainer.
 
@@ -20,10 +20,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, Rendezvou
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-from elastic_ddp.chaos.cluster import free_port, wait_for
-from elastic_ddp.rendezvous.c10d import BACKEND_NAME
-from elastic_ddp.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.rendezvous.plugin import trains_with_elastic_ddp
+from elastic_ddp.testbed.local_cluster import free_port, wait_for
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
+from elastic_ddp.agent.rendezvous.plugin import trains_with_elastic_ddp
 from tests.support.rendezvous import rendezvous_together
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.cluster import LocalJob, LocalNode, free_port
+from elastic_ddp.testbed.local_cluster import LocalJob, LocalNode, free_port
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release
 
 DATASET, BATCH, EPOCHS, EVERY = 3840, 64, 2, 20

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.chaos.cluster import free_port, signal_tree, wait_for
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.testbed.local_cluster import free_port, signal_tree, wait_for
+from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.progress import source_text
 from elastic_ddp.tools import cli
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from elastic_ddp.snapshot.store import CheckpointStore
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.crashpoints import (
     KEEP_LAST,
     NO_RETRY,
@@ -38,7 +38,7 @@ def crash_at(directory, point: int) -> list[int]:
     if pid == 0:  # the child: dies at the point (or after the workload), never returns to pytest
         try:
             log = os.open(acknowledged_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            store = CheckpointStore(directory, keep_last=KEEP_LAST, retry=NO_RETRY)
+            store = SnapshotStore(directory, keep_last=KEEP_LAST, retry=NO_RETRY)
             with Injector(point, "crash").installed():
                 run_workload(store, lambda step: os.write(log, f"{step}\n".encode()))
         finally:
@@ -57,7 +57,7 @@ def test_a_crash_at_any_point_loses_nothing_listed_and_nothing_acknowledged(tmp_
         acknowledged = crash_at(directory, point)
         crashed_before_the_end += len(acknowledged) < 4
         newest = check_directory(directory, acknowledged)
-        store = CheckpointStore(directory, keep_last=KEEP_LAST)
+        store = SnapshotStore(directory, keep_last=KEEP_LAST)
         store.write(6, 0, 6, snapshot_bytes(6))  # the restarted writer
         assert check_directory(directory, [*acknowledged, 6]) == 6 >= newest
         assert not [name for name in leftovers(directory) if name.startswith(".")], (point, leftovers(directory))

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.runlog.reader import read_events
 from tests.support.disk import run_through_a_full_disk
 from tests.support.training import Crash, crash_at, make_trainer, small_config
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.chaos.cluster import wait_for
-from elastic_ddp.snapshot.format import snapshot_from_bytes
-from elastic_ddp.snapshot.storage import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.store import SNAPSHOT_PATTERN, CheckpointStore
+from elastic_ddp.testbed.local_cluster import wait_for
+from elastic_ddp.snapshot.serialization import snapshot_from_bytes
+from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
 from tests.support.kill_loop_writer import DURABLE_LOG, KEEP_LAST
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ class ForkServer:
         self.process.wait(timeout=30)
 
 
-def where_the_kill_landed(directory: Path, store: CheckpointStore) -> str:
+def where_the_kill_landed(directory: Path, store: SnapshotStore) -> str:
     names = os.listdir(directory)
     listed = {entry.file for entry in store.manifest_entries()}
     if any(TEMPORARY_PATTERN.match(name) for name in names):
@@ -81,7 +81,7 @@ def test_kills_at_random_moments_never_leave_a_torn_or_lost_snapshot(tmp_path):
             os.kill(pid, signal.SIGKILL)
             assert server.ask(f"reap {pid}") == "reaped"
 
-            store = CheckpointStore(directory, keep_last=KEEP_LAST)
+            store = SnapshotStore(directory, keep_last=KEEP_LAST)
             landed[where_the_kill_landed(directory, store)] += 1
             # Every listed snapshot is whole (read_verified raises if torn), the newest loads safely.
             listed = [(entry, store.read_verified(entry)) for entry in store.manifest_entries()]

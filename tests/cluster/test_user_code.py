@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.cluster import STOCK_LAUNCHER
-from elastic_ddp.evaluation import evaluate
-from elastic_ddp.losses import per_sample_cross_entropy
-from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
+from elastic_ddp.training.evaluation import evaluate
+from elastic_ddp.workload.losses import per_sample_cross_entropy
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -2,7 +2,7 @@
 
 Real torchrun agents as nodes on 127.0.0.1, real gloo, real SIGKILLs. Snapshot files are written
 only at epoch ends (`--snapshot_every_steps 0`), so a restore that loses nothing can only come from
-the memory copies the survivors keep (elastic_ddp/snapshot/memory.py); each node has its own
+the memory copies the survivors keep (elastic_ddp/snapshot/memory_copies.py); each node has its own
 memory directory, as separate machines would. Every test checks exactly-once in the audit log and
 the final parameters against one uninterrupted process (MLP, within 1e-4).
 """
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from elastic_ddp.chaos.cluster import STOCK_LAUNCHER, LocalJob, wait_for
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
-from elastic_ddp.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from tests.support.cluster import (
     FAULT_MODULE,
     assert_exactly_once,

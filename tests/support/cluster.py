@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elastic_ddp.chaos.cluster import LocalJob
+from elastic_ddp.testbed.local_cluster import LocalJob
 from elastic_ddp.chaos.held_train import HOLD_VARIABLE
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from elastic_ddp.snapshot import storage as storage_module
-from elastic_ddp.snapshot.format import snapshot_from_bytes, write_snapshot
-from elastic_ddp.snapshot.storage import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.store import SNAPSHOT_PATTERN, CheckpointStore, RetryPolicy
+from elastic_ddp.snapshot.files import backends as storage_module
+from elastic_ddp.snapshot.serialization import snapshot_from_bytes, write_snapshot
+from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore, RetryPolicy
 from tests.support.snapshots import make_snapshot, snapshot_bytes
 
 KEEP_LAST = 2
@@ -47,7 +47,7 @@ class Injector:
 
     @contextmanager
     def installed(self):
-        """Wrap the calls `elastic_ddp.snapshot.storage` makes, for the duration of the block."""
+        """Wrap the calls `elastic_ddp.snapshot.files.backends` makes, for the duration of the block."""
         originals = {name: getattr(os, name) for name in ("fsync", "replace", "open")}
         original_unlink, original_mkdir = Path.unlink, Path.mkdir
         original_write = storage_module._WriteAll.write
@@ -77,20 +77,20 @@ class Injector:
             del storage_module.open
 
 
-def prepare(directory: Path) -> CheckpointStore:
+def prepare(directory: Path) -> SnapshotStore:
     """A directory holding the snapshots of steps 1 and 2."""
-    store = CheckpointStore(directory, keep_last=KEEP_LAST, retry=NO_RETRY)
+    store = SnapshotStore(directory, keep_last=KEEP_LAST, retry=NO_RETRY)
     for step in (1, 2):
         store.write(step, 0, step, snapshot_bytes(step))
     return store
 
 
-def _streamed(store: CheckpointStore) -> None:
+def _streamed(store: SnapshotStore) -> None:
     snapshot = make_snapshot(3)
     store.write_stream(3, 0, 3, lambda file: write_snapshot(snapshot, file))
 
 
-WORKLOAD: list[tuple[int, Callable[[CheckpointStore], object]]] = [
+WORKLOAD: list[tuple[int, Callable[[SnapshotStore], object]]] = [
     (3, _streamed),  # the writer's path: streamed, hashed on the way
     (4, lambda store: store.write(4, 0, 4, snapshot_bytes(4))),  # a replica or a peer's snapshot
     (4, lambda store: store.write(4, 0, 4, snapshot_bytes(4, incarnation=2))),  # a rewrite of a listed step
@@ -98,7 +98,7 @@ WORKLOAD: list[tuple[int, Callable[[CheckpointStore], object]]] = [
 ]
 
 
-def run_workload(store: CheckpointStore, acknowledged: Callable[[int], None]) -> list[str]:
+def run_workload(store: SnapshotStore, acknowledged: Callable[[int], None]) -> list[str]:
     """Play WORKLOAD; `acknowledged(step)` after each operation that returned (durable); the errors."""
     errors = []
     for step, operation in WORKLOAD:
@@ -115,7 +115,7 @@ def check_directory(directory: Path, acknowledged: list[int]) -> int:
     """What must hold after any failure: every listed snapshot verifies and loads, the newest one
     is at least the newest acknowledged step (nothing acknowledged was lost), and it is never
     older than the newest snapshot the directory held before (step 2). Returns the newest step."""
-    store = CheckpointStore(directory, keep_last=KEEP_LAST)
+    store = SnapshotStore(directory, keep_last=KEEP_LAST)
     for entry in store.manifest_entries():
         snapshot_from_bytes(store.read_verified(entry), entry.file)  # raises if a listed file was lost
     found = store.latest_valid()
@@ -128,7 +128,7 @@ def check_directory(directory: Path, acknowledged: list[int]) -> int:
 
 def leftovers(directory: Path) -> list[str]:
     """Temporary files, and snapshot files that no index lists."""
-    listed = {e.file for e in CheckpointStore(directory).index().entries}
+    listed = {e.file for e in SnapshotStore(directory).index().entries}
     return sorted(name for name in os.listdir(directory)
                   if TEMPORARY_PATTERN.match(name) or (SNAPSHOT_PATTERN.match(name) and name not in listed))
 

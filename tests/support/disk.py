@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.snapshot.storage import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.store import SNAPSHOT_PATTERN, CheckpointStore
+from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
 from tests.support.training import make_trainer
 
 
 def leftovers(directory) -> list[str]:
     """Temporary files and snapshot files that the manifest does not list."""
-    listed = {e.file for e in CheckpointStore(directory).manifest_entries()}
+    listed = {e.file for e in SnapshotStore(directory).manifest_entries()}
     return [name for name in os.listdir(directory)
             if TEMPORARY_PATTERN.match(name) or (SNAPSHOT_PATTERN.match(name) and name not in listed)]
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
-from elastic_ddp.chaos.cluster import wait_for
+from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.chaos.held_train import held
-from elastic_ddp.distributed import exit_worker
+from elastic_ddp.runtime.distributed import exit_worker
 
 FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
 FAULT_MOMENTS = ("allreduce", "after_allreduce")

@@ -7,7 +7,7 @@ It is a fork server, so that the test can SIGKILL hundreds of writers without pa
                           answers its pid
     reap PID              wait for that (killed) writer; answers "reaped"
 
-Each writer is a real `CheckpointStore` client writing real `Snapshot`s of an MLP with SGD momentum
+Each writer is a real `SnapshotStore` client writing real `Snapshot`s of an MLP with SGD momentum
 (about 5 MB, so that a write takes long enough for kills to land inside it) the way the trainer's
 writer thread does (`write_stream`), and appends the step of every write that returned to
 DIR/durable.log with one O_APPEND write per line.
@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from elastic_ddp.snapshot.format import write_snapshot
+from elastic_ddp.snapshot.serialization import write_snapshot
 from elastic_ddp.snapshot.staging import StagingBuffers
-from elastic_ddp.snapshot.store import CheckpointStore
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.snapshots import make_snapshot
 
 DURABLE_LOG = "durable.log"
@@ -39,7 +39,7 @@ def build_state() -> dict[str, torch.Tensor]:
 
 
 def write_forever(directory: str, first_step: int, state: dict[str, torch.Tensor]) -> None:
-    store = CheckpointStore(directory, keep_last=KEEP_LAST)
+    store = SnapshotStore(directory, keep_last=KEEP_LAST)
     staging = StagingBuffers()
     durable = os.open(os.path.join(directory, DURABLE_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     step = first_step

@@ -33,21 +33,21 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from elastic_ddp.chaos.cluster import wait_for
+from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runlog.history import read_events
-from elastic_ddp.snapshot import replica_transfer
-from elastic_ddp.snapshot.checksum import checksum_of
-from elastic_ddp.snapshot.replica_transfer import (
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.snapshot.exchange import replica_transfer
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.exchange.replica_transfer import (
     ReplicaOffer,
     ReplicaReceiver,
     ReplicaTarget,
     SnapshotReplicator,
     _report_round,
 )
-from elastic_ddp.snapshot.replication import SIDE_GROUP_TIMEOUT
-from elastic_ddp.snapshot.store import CheckpointStore
-from elastic_ddp.snapshot.transport import ProcessGroupTransport
+from elastic_ddp.snapshot.exchange.replication import SIDE_GROUP_TIMEOUT
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
+from elastic_ddp.snapshot.exchange.transport import ProcessGroupTransport
 
 PAYLOAD = 300_000
 FUZZ_FRAMES = 300
@@ -57,7 +57,7 @@ def payload(step: int) -> bytes:
     return bytes([step % 256]) * PAYLOAD
 
 
-def write_and_offer(store: CheckpointStore, replicator: SnapshotReplicator, step: int) -> None:
+def write_and_offer(store: SnapshotStore, replicator: SnapshotReplicator, step: int) -> None:
     entry = store.write(step, 0, step, payload(step))
     replicator.offer(entry)
 
@@ -81,7 +81,7 @@ def main(scenario: str, rank: int, world: int, store_file: str, run_dir: str) ->
     if scenario == "directories":
         report_directories(rank, run)
         os._exit(0)
-    store = CheckpointStore(run / f"rank{rank}", keep_last=2)
+    store = SnapshotStore(run / f"rank{rank}", keep_last=2)
     group_ranks = list(range(world))
     group = dist.new_group(group_ranks, backend="gloo", timeout=SIDE_GROUP_TIMEOUT)
     result: dict = {"rank": rank}
@@ -131,18 +131,18 @@ def wait_until_sent(replicator: SnapshotReplicator) -> None:
 def report_directories(rank: int, run: Path) -> None:
     import shutil
 
-    from elastic_ddp.distributed import DistributedContext
-    from elastic_ddp.snapshot.replication import shared_directories
+    from elastic_ddp.runtime.distributed import DistributedContext
+    from elastic_ddp.snapshot.exchange.replication import shared_directories
 
     shared, copy = run / "shared", run / "copy"
     if rank == 0:
-        CheckpointStore(shared).write(1, 0, 1, payload(1))
+        SnapshotStore(shared).write(1, 0, 1, payload(1))
         (shared / ".store-id").write_text("0123456789abcdef")  # as versions before 0.2 wrote it
         shutil.copytree(shared, copy)  # pre-staged with rsync: the same files, another place
     dist.barrier()
     context = DistributedContext(rank=rank, local_rank=0, world_size=3, local_world_size=1,
                                  device=__import__("torch").device("cpu"), backend="gloo")
-    directories, writable = shared_directories(CheckpointStore(copy if rank == 2 else shared), context)
+    directories, writable = shared_directories(SnapshotStore(copy if rank == 2 else shared), context)
     dist.barrier()  # every rank has removed its probe
     (run / f"result-{rank}.json").write_text(json.dumps({"rank": rank, "directories": directories,
                                                          "writable": writable,
@@ -150,7 +150,7 @@ def report_directories(rank: int, run: Path) -> None:
                                                              copy if rank == 2 else shared).glob(".probe-*"))}))
 
 
-def send_garbage_then_one_replica(group, store: CheckpointStore, fuzz: bool = False) -> None:
+def send_garbage_then_one_replica(group, store: SnapshotStore, fuzz: bool = False) -> None:
     """Frames a replica receiver must refuse, through the real transport, then a good one."""
     transport = ProcessGroupTransport(group)
     size = dist.get_world_size(group)

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.snapshot.format import snapshot_to_bytes
-from elastic_ddp.snapshot.state import Snapshot
+from elastic_ddp.snapshot.serialization import snapshot_to_bytes
+from elastic_ddp.snapshot.training_state import Snapshot
 
 
 def make_snapshot(step: int, *, epoch: int = 0, samples_consumed: int | None = None, world_size: int = 1,

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.data import SyntheticImageDataset
-from elastic_ddp.models import build_model
-from elastic_ddp.trainer import Trainer
+from elastic_ddp.workload.data import SyntheticImageDataset
+from elastic_ddp.workload.models import build_model
+from elastic_ddp.training.trainer import Trainer
 
 
 def small_config(tmp_path: Path, **overrides: Any) -> TrainingConfig:

@@ -11,7 +11,7 @@ import torch
 from benchmarks import bare_ddp, run_all, snapshot_sweep
 from benchmarks.measure import emit_result, parse_results, steady_state_cpu_ms_per_step, steady_state_samples_per_second
 from benchmarks.table import Row, format_cell, parse_cell, render_markdown
-from elastic_ddp.optim import warmup_cosine_schedule
+from elastic_ddp.training.state_builder import warmup_cosine_schedule
 
 
 def test_steady_state_rate_leaves_out_the_first_steps():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError, random_plan
-from elastic_ddp.drain import DrainSignal
-from elastic_ddp.runlog.history import EventFollower
+from elastic_ddp.runtime.drain import DrainSignal
+from elastic_ddp.runlog.reader import EventFollower
 
 
 def test_a_plan_survives_a_json_round_trip(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_ddp.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip
+from elastic_ddp.workload.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip
 
 
 class UncachedDataset(SyntheticImageDataset):

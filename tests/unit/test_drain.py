@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_ddp import drain
+from elastic_ddp.runtime import drain
 
 
 @pytest.mark.timeout(60)
 def test_the_drain_vote_runs_about_every_quarter_second_not_every_step(monkeypatch):
-    """The throughput fix in elastic_ddp/drain.py: a collective per step cost several percent of a
+    """The throughput fix in elastic_ddp/runtime/drain.py: a collective per step cost several percent of a
     small model's step, so the ranks vote about every VOTE_INTERVAL_S seconds and still agree."""
     assert drain.steps_between_votes(0) == 1 and drain.steps_between_votes(1.0) == 1
     assert drain.steps_between_votes(0.01) == 25 and drain.steps_between_votes(1e-6) == drain.MAX_STEPS_BETWEEN_VOTES

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.rendezvous import EtcdV3Options
+from elastic_ddp.agent.rendezvous import EtcdV3Options
 
 if TYPE_CHECKING:
     pass

@@ -7,10 +7,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.data import SyntheticImageDataset
-from elastic_ddp.evaluation import evaluate
-from elastic_ddp.losses import per_sample_cross_entropy, per_sample_mse
-from elastic_ddp.runlog.history import read_events
+from elastic_ddp.workload.data import SyntheticImageDataset
+from elastic_ddp.training.evaluation import evaluate
+from elastic_ddp.workload.losses import per_sample_cross_entropy, per_sample_mse
+from elastic_ddp.runlog.reader import read_events
 from tests.support.training import assert_same_parameters, make_trainer, small_config
 
 CPU = torch.device("cpu")

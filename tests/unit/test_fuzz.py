@@ -15,12 +15,12 @@ import struct
 
 import pytest
 
-from elastic_ddp.snapshot.checksum import checksum_of
-from elastic_ddp.snapshot.container import HEAD_BYTES, TRAILER_BYTES, read_seal, verify
-from elastic_ddp.snapshot.errors import SnapshotError
-from elastic_ddp.snapshot.replica_transfer import ReplicaOffer
-from elastic_ddp.snapshot.store import MANIFEST_NAME, CheckpointStore, ManifestEntry
-from elastic_ddp.snapshot.transport import FrameError, FrameLimits, parse_header
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, read_seal, verify
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.exchange.replica_transfer import ReplicaOffer
+from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SnapshotStore, ManifestEntry
+from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, parse_header
 from tests.support.snapshots import snapshot_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,7 +115,7 @@ def test_mutated_snapshot_files_never_pass_as_valid_and_fail_only_with_snapshot_
 
 
 def test_random_manifests_never_crash_the_store_or_lead_it_outside_its_directory(tmp_path, snapshot_file):
-    store = CheckpointStore(tmp_path / "ck", keep_last=3)
+    store = SnapshotStore(tmp_path / "ck", keep_last=3)
     good = store.write(7, 0, 7, snapshot_file)
     outside = tmp_path / "secret.pt"
     outside.write_bytes(snapshot_file)

@@ -1,4 +1,4 @@
-"""The published heartbeat's encoding (elastic_ddp/rendezvous/heartbeats.py): what one node writes
+"""The published heartbeat's encoding (elastic_ddp/agent/rendezvous/heartbeats.py): what one node writes
 another reads back exactly, and anything else under the heartbeat prefix is refused, not trusted."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from elastic_ddp.rendezvous.heartbeats import MAX_ADDR_CHARS, MAX_BEAT_BYTES, decode_beat, encode_beat, node_key
-from elastic_ddp.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.heartbeats import MAX_ADDR_CHARS, MAX_BEAT_BYTES, decode_beat, encode_beat, node_key
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 
 def test_a_published_beat_reads_back_as_the_same_node_and_time():

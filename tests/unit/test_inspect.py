@@ -1,6 +1,6 @@
 """`elastic-ddp inspect` on good, corrupt, empty, foreign and missing directories: exit codes and text.
 
-The snapshots are real: written by `CheckpointStore.write` from real `Snapshot` bytes, then damaged
+The snapshots are real: written by `SnapshotStore.write` from real `Snapshot` bytes, then damaged
 on disk the way crashes and bad disks damage them.
 """
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from elastic_ddp.snapshot.store import CheckpointStore
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.tools import cli
 from elastic_ddp.tools.inspection import inspect_checkpoints
 from tests.support.snapshots import snapshot_bytes as make_snapshot_bytes
@@ -25,14 +25,14 @@ def snapshot_bytes(step: int, world_size: int = 2) -> bytes:
 @pytest.fixture
 def good_dir(tmp_path):
     directory = tmp_path / "ck"
-    store = CheckpointStore(directory, keep_last=3)
+    store = SnapshotStore(directory, keep_last=3)
     for step in (10, 20, 30):
         store.write(step, step // 10, step * 8, snapshot_bytes(step))
     return directory
 
 
 def file_of(directory, step: int):
-    [entry] = [e for e in CheckpointStore(directory).manifest_entries() if e.global_step == step]
+    [entry] = [e for e in SnapshotStore(directory).manifest_entries() if e.global_step == step]
     return directory / entry.file
 
 
@@ -87,7 +87,7 @@ def test_a_directory_with_no_valid_snapshot_exits_1(good_dir, capsys):
 
 
 def test_a_file_that_verifies_but_does_not_load_safely_is_bad_unless_only_checksums_are_asked(tmp_path, capsys):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     store.write(5, 0, 40, b"not a torch file")  # listed with its sha256, as a format-1 file would be
     code, out, _ = run_cli(capsys, "inspect", str(tmp_path))
     assert code == 1 and "not an elastic_ddp snapshot (neither format 1 nor 2)" in out

@@ -1,4 +1,4 @@
-"""`python -m elastic_ddp.launcher`'s arguments: `-m MODULE` runs warm, `--rdzv_backend=c10d` runs
+"""`python -m elastic_ddp.agent.launcher`'s arguments: `-m MODULE` runs warm, `--rdzv_backend=c10d` runs
 as `elastic-c10d` (probes), everything else is torchrun's.
 """
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.chaos.cluster import LAUNCHER, STOCK_LAUNCHER
-from elastic_ddp.launcher import probed_c10d_arguments, warm_arguments
+from elastic_ddp.testbed.local_cluster import LAUNCHER, STOCK_LAUNCHER
+from elastic_ddp.agent.launcher import probed_c10d_arguments, warm_arguments
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 
-from elastic_ddp.rendezvous.liveness import (
+from elastic_ddp.agent.rendezvous.liveness import (
     probes_enabled,
 )
 

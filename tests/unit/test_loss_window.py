@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.runlog.metrics import LossWindow
+from elastic_ddp.training.loss_window import LossWindow
 
 
 def fill(window: LossWindow, losses: list[float], rank_samples: int = 4, global_samples: int = 8) -> None:

@@ -1,5 +1,5 @@
 """Memory copies: the last committed step kept in node memory as training stops, and what a restore
-accepts from them (elastic_ddp/snapshot/memory.py, docs/failure-semantics.md)."""
+accepts from them (elastic_ddp/snapshot/memory_copies.py, docs/failure-semantics.md)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.distributed import DistributedContext
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
-from elastic_ddp.runlog.history import read_events
-from elastic_ddp.runlog.run_log import RunLog
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.runlog.startup import StartupTimeline
-from elastic_ddp.sampler import ElasticSampler
-from elastic_ddp.snapshot.errors import SnapshotError
-from elastic_ddp.snapshot.memory import SCOPE_TOKEN_NAME, MemoryTier, scope_token
-from elastic_ddp.snapshot.state import Snapshot
-from elastic_ddp.snapshot.storage import open_storage
+from elastic_ddp.workload.sampler import ElasticSampler
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.memory_copies import SCOPE_TOKEN_NAME, MemoryTier, scope_token
+from elastic_ddp.snapshot.training_state import Snapshot
+from elastic_ddp.snapshot.files.backends import open_storage
 from tests.support.training import Crash, assert_same_parameters, crash_at, make_trainer, small_config
 
 FINGERPRINT = {"model": "m", "dataset_size": 10}

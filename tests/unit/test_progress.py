@@ -12,7 +12,7 @@ import pytest
 
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runlog.history import PreviousIncarnation, previous_incarnation
+from elastic_ddp.runlog.reader import PreviousIncarnation, previous_incarnation
 from elastic_ddp.runlog.progress import ProgressReporter, restore_message, source_text
 from elastic_ddp.runlog.tensorboard import open_scalars
 

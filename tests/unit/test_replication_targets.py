@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_ddp.snapshot.replication import Member, choose_replica_targets
+from elastic_ddp.snapshot.exchange.replication import Member, choose_replica_targets
 
 
 def member(rank: int, group_rank: int, directory: int, receiver: bool = True, local_rank: int = 0) -> Member:

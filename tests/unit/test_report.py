@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.runlog.timeline import HistoryError, load_history
+from elastic_ddp.runlog.run_history import HistoryError, load_history
 from elastic_ddp.tools import cli
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.snapshot import rng_gather
-from elastic_ddp.snapshot.state import capture_rng_state, restore_rng_state
+from elastic_ddp.snapshot.exchange import rng_gather
+from elastic_ddp.snapshot.training_state import capture_rng_state, restore_rng_state
 
 
 def assert_same_state(a: dict, b: dict) -> None:

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.runlog import schema, timeline
+from elastic_ddp.runlog import run_history, schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runlog.history import EventFollower, parse_event, read_events
+from elastic_ddp.runlog.reader import EventFollower, parse_event, read_events
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_report_knows_every_declared_kind():
-    assert set(timeline.RECORDERS) == set(schema.EVENT_KINDS), (
-        "a kind of runlog/schema.py has no entry in runlog.timeline.RECORDERS: the report would not show it")
+    assert set(run_history.RECORDERS) == set(schema.EVENT_KINDS), (
+        "a kind of runlog/schema.py has no entry in runlog.run_history.RECORDERS: the report would not show it")
 
 
 def test_every_kind_the_package_emits_is_declared_and_every_declared_kind_is_emitted():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_ddp.sampler import ElasticSampler, even_split, micro_batches
+from elastic_ddp.workload.sampler import ElasticSampler, even_split, micro_batches
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.runlog.history import read_events
-from elastic_ddp.snapshot.container import TRAILER_BYTES, verify
-from elastic_ddp.snapshot.errors import IncompatibleSnapshotError, SnapshotError
-from elastic_ddp.snapshot.format import check_compatible, snapshot_from_bytes
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, verify
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
 from elastic_ddp.snapshot.staging import StagingBuffers
-from elastic_ddp.snapshot.store import CheckpointStore
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.snapshots import make_snapshot
 from tests.support.training import make_trainer, small_config
 
@@ -23,7 +23,7 @@ from tests.support.training import make_trainer, small_config
 def test_a_trained_snapshot_loads_with_weights_only(tmp_path):
     config = small_config(tmp_path)
     make_trainer(config).fit()
-    entry, data = CheckpointStore(config.checkpoint_dir).latest_valid()
+    entry, data = SnapshotStore(config.checkpoint_dir).latest_valid()
     seal = verify(data, entry.file)  # a self-describing file: its own checksum matches
     payload = torch.load(io.BytesIO(data[seal.payload_start:-TRAILER_BYTES]), weights_only=True)
     assert payload["states"]["progress"]["global_step"] == config.epochs * config.steps_per_epoch
@@ -48,7 +48,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
 def test_a_checksummed_but_unsafe_snapshot_is_skipped_for_the_previous_one(tmp_path):
     config = small_config(tmp_path, epochs=1)
     make_trainer(config).fit()
-    store = CheckpointStore(config.checkpoint_dir, keep_last=3)
+    store = SnapshotStore(config.checkpoint_dir, keep_last=3)
     good_step = store.latest_valid()[0].global_step
     buffer = io.BytesIO()
     torch.save({"format_version": 1, "payload": RunsCodeWhenUnpickled()}, buffer)
@@ -71,8 +71,8 @@ def test_a_foreign_snapshot_newer_than_ours_is_skipped_for_our_previous_one(tmp_
         make_trainer(config, after_step=stop_at(6)).fit()
     foreign = small_config(tmp_path / "other", epochs=2, seed=1)
     make_trainer(foreign).fit()
-    _, foreign_bytes = CheckpointStore(foreign.checkpoint_dir).latest_valid()
-    foreign_entry = CheckpointStore(config.checkpoint_dir).write(12, epoch=2, samples_consumed=0, data=foreign_bytes)
+    _, foreign_bytes = SnapshotStore(foreign.checkpoint_dir).latest_valid()
+    foreign_entry = SnapshotStore(config.checkpoint_dir).write(12, epoch=2, samples_consumed=0, data=foreign_bytes)
 
     trainer = make_trainer(config)
     trainer.fit()

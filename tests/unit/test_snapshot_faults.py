@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.runlog.history import read_events
-from elastic_ddp.snapshot.storage import LocalDirectoryStorage
-from elastic_ddp.snapshot.store import SNAPSHOT_PATTERN, CheckpointStore
-from elastic_ddp.snapshot.writer import SnapshotWriter
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
+from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from tests.support.disk import run_through_a_full_disk
 from tests.support.snapshots import make_snapshot
 from tests.support.training import make_trainer, small_config
@@ -46,7 +46,7 @@ def tiny_snapshot(step: int, staging):
 
 def test_a_snapshot_point_during_a_write_waits_for_it_and_skips_nothing(tmp_path):
     storage = GatedStorage(tmp_path)
-    writer = SnapshotWriter(CheckpointStore(storage))
+    writer = SnapshotWriter(SnapshotStore(storage))
     captured: list[int] = []
 
     def capture(step):
@@ -80,7 +80,7 @@ def test_a_snapshot_point_during_a_write_waits_for_it_and_skips_nothing(tmp_path
 def test_hung_storage_skips_a_snapshot_point_instead_of_blocking_training_and_close_is_bounded(tmp_path, caplog):
     storage = GatedStorage(tmp_path)  # a hard NFS mount that stopped answering: the gate never opens
     failures: list[tuple[int, str]] = []
-    writer = SnapshotWriter(CheckpointStore(storage), on_failed=lambda step, why: failures.append((step, why)),
+    writer = SnapshotWriter(SnapshotStore(storage), on_failed=lambda step, why: failures.append((step, why)),
                             write_timeout_s=0.5)
     writer.submit(lambda staging: tiny_snapshot(1, staging))
     assert storage.writing.wait(timeout=30)
@@ -107,12 +107,12 @@ def test_a_diverged_state_is_never_saved_and_the_last_finite_snapshot_stays(tmp_
     assert [e["global_step"] for e in failed] == [8, 12]
     assert "non-finite values (NaN or infinity) in model.net.1.weight" in failed[0]["error"]
     assert "the run has diverged" in caplog.text
-    assert [e.global_step for e in CheckpointStore(config.checkpoint_dir).manifest_entries()] == [4, 6]
+    assert [e.global_step for e in SnapshotStore(config.checkpoint_dir).manifest_entries()] == [4, 6]
     assert load_snapshot(config.checkpoint_dir)["global_step"] == 6
 
 
 def test_a_synchronous_writer_returns_only_when_the_snapshot_is_durable(tmp_path):
-    writer = SnapshotWriter(CheckpointStore(tmp_path), asynchronous=False)
+    writer = SnapshotWriter(SnapshotStore(tmp_path), asynchronous=False)
     writer.submit(lambda staging: tiny_snapshot(7, staging))
     assert writer.last_written is not None and writer.last_written.global_step == 7
     writer.close()
@@ -163,7 +163,7 @@ def test_a_write_that_keeps_failing_is_reported_and_training_goes_on(tmp_path, m
     [failed] = snapshot_events(config, "snapshot_failed")
     assert failed["global_step"] == 8 and "Input/output error" in failed["error"]
     assert "SNAPSHOT NOT SAVED (step 8)" in caplog.text and "listed snapshots are intact" in caplog.text
-    assert [e.global_step for e in CheckpointStore(config.checkpoint_dir).manifest_entries()] == [4, 6, 12]
+    assert [e.global_step for e in SnapshotStore(config.checkpoint_dir).manifest_entries()] == [4, 6, 12]
     assert load_snapshot(config.checkpoint_dir)["global_step"] == 12
 
 
@@ -184,5 +184,5 @@ def test_a_full_disk_injected(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(os, "fsync", fsync)
     run_through_a_full_disk(config, full.set, full.clear, caplog)
-    newest = CheckpointStore(tmp_path / "ck").manifest_entries()[-1]
+    newest = SnapshotStore(tmp_path / "ck").manifest_entries()[-1]
     assert newest.global_step == 30 and (tmp_path / "ck" / newest.file).exists()

@@ -13,8 +13,8 @@ import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.snapshot.storage import FsspecStorage, LocalDirectoryStorage, open_storage
-from elastic_ddp.snapshot.store import MANIFEST_NAME, SNAPSHOT_PATTERN, CheckpointStore, SnapshotWriteError
+from elastic_ddp.snapshot.files.backends import FsspecStorage, LocalDirectoryStorage, open_storage
+from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SNAPSHOT_PATTERN, SnapshotStore, SnapshotWriteError
 from tests.support.snapshots import snapshot_bytes
 from tests.support.training import Crash, crash_at, make_trainer, small_config
 
@@ -35,7 +35,7 @@ def fsspec_storage(request, memory_url, tmp_path) -> FsspecStorage:
     return FsspecStorage(url)
 
 
-def write(store: CheckpointStore, step: int) -> bytes:
+def write(store: SnapshotStore, step: int) -> bytes:
     data = snapshot_bytes(step)
     store.write(step, epoch=0, samples_consumed=step, data=data)
     return data
@@ -68,7 +68,7 @@ def test_snapshots_are_written_with_one_put_each_and_no_temporary_objects(fsspec
         return original(path, data, **kwargs)
 
     monkeypatch.setattr(fsspec_storage.fs, "pipe_file", pipe_file)
-    store = CheckpointStore(fsspec_storage, keep_last=2)
+    store = SnapshotStore(fsspec_storage, keep_last=2)
     for step in (1, 2, 3):
         newest = write(store, step)
     assert [SNAPSHOT_PATTERN.sub(r"snapshot-\1", name) for name in puts] == [
@@ -80,7 +80,7 @@ def test_snapshots_are_written_with_one_put_each_and_no_temporary_objects(fsspec
 
 
 def test_a_corrupt_object_is_skipped_for_the_previous_one(fsspec_storage, caplog):
-    store = CheckpointStore(fsspec_storage, keep_last=3)
+    store = SnapshotStore(fsspec_storage, keep_last=3)
     previous = write(store, 1)
     write(store, 2)
     damaged = store.manifest_entries()[-1].file
@@ -90,7 +90,7 @@ def test_a_corrupt_object_is_skipped_for_the_previous_one(fsspec_storage, caplog
 
 
 def test_a_failed_manifest_put_leaves_the_previous_state_and_no_orphan(fsspec_storage, monkeypatch):
-    store = CheckpointStore(fsspec_storage, keep_last=3)
+    store = SnapshotStore(fsspec_storage, keep_last=3)
     good = write(store, 1)
     original = fsspec_storage.fs.pipe_file
 

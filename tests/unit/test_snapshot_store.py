@@ -9,19 +9,19 @@ import os
 
 import pytest
 
-from elastic_ddp.snapshot.checksum import checksum_of
-from elastic_ddp.snapshot.storage import LocalDirectoryStorage
-from elastic_ddp.snapshot.store import MANIFEST_NAME, CheckpointStore, RetryPolicy, SnapshotWriteError
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SnapshotStore, RetryPolicy, SnapshotWriteError
 from tests.support.snapshots import snapshot_bytes, v1_snapshot_bytes
 
 
-def write(store: CheckpointStore, step: int) -> bytes:
+def write(store: SnapshotStore, step: int) -> bytes:
     data = snapshot_bytes(step)
     store.write(step, epoch=0, samples_consumed=step, data=data)
     return data
 
 
-def file_of(store: CheckpointStore, step: int):
+def file_of(store: SnapshotStore, step: int):
     [entry] = [e for e in store.manifest_entries() if e.global_step == step]
     return store.storage.local_directory / entry.file
 
@@ -31,7 +31,7 @@ def snapshot_files(directory) -> list[str]:
 
 
 def test_the_newest_snapshot_is_found_and_verified(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     write(store, 1)
     newest = write(store, 2)
     entry, data = store.latest_valid()
@@ -40,7 +40,7 @@ def test_the_newest_snapshot_is_found_and_verified(tmp_path):
 
 
 def test_a_truncated_newest_file_is_skipped_for_the_previous_one(tmp_path, caplog):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     previous = write(store, 1)
     write(store, 2)
     path = file_of(store, 2)
@@ -51,7 +51,7 @@ def test_a_truncated_newest_file_is_skipped_for_the_previous_one(tmp_path, caplo
 
 
 def test_a_checksum_failure_is_skipped_for_the_previous_one(tmp_path, caplog):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     write(store, 1)
     write(store, 2)
     path = file_of(store, 2)
@@ -63,7 +63,7 @@ def test_a_checksum_failure_is_skipped_for_the_previous_one(tmp_path, caplog):
 
 
 def test_a_manifest_pointing_at_a_missing_file_falls_back_and_nothing_valid_means_none(tmp_path, caplog):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     previous = write(store, 1)
     write(store, 2)
     missing = file_of(store, 2)
@@ -75,7 +75,7 @@ def test_a_manifest_pointing_at_a_missing_file_falls_back_and_nothing_valid_mean
 
 
 def test_keep_last_prunes_only_after_the_new_snapshot_is_durable(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     for step in (1, 2, 3):
         write(store, step)
     assert [e.global_step for e in store.manifest_entries()] == [2, 3]
@@ -83,7 +83,7 @@ def test_keep_last_prunes_only_after_the_new_snapshot_is_durable(tmp_path):
 
 
 def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = SnapshotStore(tmp_path)
     write(store, 1)
     leftover = tmp_path / ".snapshot-000000002-0badc0de.pt.tmp-12345"
     leftover.write_bytes(b"half a snapshot")
@@ -94,7 +94,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_write(tmp_pa
 
 
 def test_a_failed_write_raises_and_leaves_the_previous_snapshot_and_manifest(tmp_path, monkeypatch):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     good = write(store, 1)
     manifest_before = (tmp_path / MANIFEST_NAME).read_bytes()
 
@@ -123,7 +123,7 @@ def fail_manifest_writes(monkeypatch) -> None:
 
 def test_a_failed_manifest_write_removes_the_snapshot_file_it_was_to_list(tmp_path, monkeypatch):
     """On a full disk the orphan's space is what the next write needs; unlisted, it was never trusted."""
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     good = write(store, 1)
     listed = snapshot_files(tmp_path)
     fail_manifest_writes(monkeypatch)
@@ -136,7 +136,7 @@ def test_a_failed_manifest_write_removes_the_snapshot_file_it_was_to_list(tmp_pa
 def test_rewriting_a_listed_step_whose_manifest_write_fails_keeps_the_listed_file(tmp_path, monkeypatch):
     # The defect: the rewrite replaced the listed file of step 150, the manifest write failed, and
     # the cleanup deleted the only copy; restore fell to 100.
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     write(store, 100)
     good_150 = write(store, 150)
     fail_manifest_writes(monkeypatch)
@@ -147,7 +147,7 @@ def test_rewriting_a_listed_step_whose_manifest_write_fails_keeps_the_listed_fil
 
 
 def test_rewriting_a_listed_step_with_the_same_bytes_writes_nothing(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     data = write(store, 7)
     before = snapshot_files(tmp_path), (tmp_path / MANIFEST_NAME).read_bytes()
     assert store.write(7, 0, 7, data).file == before[0][0]
@@ -155,7 +155,7 @@ def test_rewriting_a_listed_step_with_the_same_bytes_writes_nothing(tmp_path):
 
 
 def test_rewriting_a_listed_step_with_other_bytes_replaces_it_after_the_manifest(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     write(store, 7)
     newer = snapshot_bytes(7, incarnation=2)
     store.write(7, 0, 7, newer)
@@ -163,7 +163,7 @@ def test_rewriting_a_listed_step_with_other_bytes_replaces_it_after_the_manifest
 
 
 def test_transient_errors_are_retried_a_bounded_number_of_times(tmp_path, monkeypatch, caplog):
-    store = CheckpointStore(tmp_path, retry=RetryPolicy(attempts=3, first_wait_s=0.01, max_wait_s=0.05))
+    store = SnapshotStore(tmp_path, retry=RetryPolicy(attempts=3, first_wait_s=0.01, max_wait_s=0.05))
     attempts = []
 
     def flaky(self, name, data):
@@ -179,13 +179,13 @@ def test_transient_errors_are_retried_a_bounded_number_of_times(tmp_path, monkey
 
 def test_keep_last_below_two_is_refused(tmp_path):
     with pytest.raises(ValueError, match="keep_last: got 1; expected at least 2"):
-        CheckpointStore(tmp_path, keep_last=1)
+        SnapshotStore(tmp_path, keep_last=1)
 
 
 # ------------------------------------------------------------------ the manifest is only an index
 
 def test_a_torn_manifest_is_rebuilt_from_the_files_and_no_valid_file_is_lost(tmp_path, caplog):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     write(store, 1)
     newest = write(store, 2)
     (tmp_path / MANIFEST_NAME).write_text('{"format": 2, "snapshots": [{"fi')  # a crash mid-PUT
@@ -197,7 +197,7 @@ def test_a_torn_manifest_is_rebuilt_from_the_files_and_no_valid_file_is_lost(tmp
 
 
 def test_a_manifest_that_lists_nothing_that_verifies_falls_back_to_the_files(tmp_path):
-    store = CheckpointStore(tmp_path, keep_last=2)
+    store = SnapshotStore(tmp_path, keep_last=2)
     newest = write(store, 2)
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 2, "snapshots": [
         {"file": "snapshot-000000009-00000000.pt", "global_step": 9, "epoch": 0, "samples_consumed": 9,
@@ -221,7 +221,7 @@ def test_a_manifest_that_lists_nothing_that_verifies_falls_back_to_the_files(tmp
     ("snapshot-000000099.pt", "not an object"),
 ])
 def test_a_bad_manifest_entry_is_ignored_and_the_good_ones_count(tmp_path, caplog, bad_entry, reason):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     good = write(store, 5)
     document = json.loads((tmp_path / MANIFEST_NAME).read_text())
     document["snapshots"].append(bad_entry)
@@ -231,7 +231,7 @@ def test_a_bad_manifest_entry_is_ignored_and_the_good_ones_count(tmp_path, caplo
 
 
 def test_a_listed_file_is_read_no_further_than_its_announced_size(tmp_path, caplog):
-    store = CheckpointStore(tmp_path, keep_last=3)
+    store = SnapshotStore(tmp_path, keep_last=3)
     good = write(store, 1)
     endless = tmp_path / "snapshot-000000002-0000beef.pt"
     endless.symlink_to("/dev/zero")
@@ -249,7 +249,7 @@ def test_format_1_files_still_load_with_their_manifest_and_are_skipped_without_i
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "snapshots": [
         {"file": "snapshot-000000004.pt", "global_step": 4, "epoch": 0, "samples_consumed": 4,
          "sha256": checksum_of(data, "sha256").split(":")[1], "size_bytes": len(data), "created_unix": 0.0}]}))
-    store = CheckpointStore(tmp_path)
+    store = SnapshotStore(tmp_path)
     assert store.latest_valid()[1] == data
     (tmp_path / MANIFEST_NAME).unlink()
     assert store.latest_valid() is None

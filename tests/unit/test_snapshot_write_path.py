@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from elastic_ddp.snapshot import container, writeback
-from elastic_ddp.snapshot.checksum import checksum_of
-from elastic_ddp.snapshot.container import SnapshotHeader, verify, write_framed
-from elastic_ddp.snapshot.storage import LocalDirectoryStorage
+from elastic_ddp.snapshot.files import file_layout, writeback
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.files.file_layout import SnapshotHeader, verify, write_framed
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
 
 HEADER = SnapshotHeader(global_step=3, epoch=0, samples_consumed=96, world_size=2, incarnation=1, wall_time=1.5,
                         fingerprint={"model": "mlp"}, components=("model",))
@@ -19,8 +19,8 @@ HEADER = SnapshotHeader(global_step=3, epoch=0, samples_consumed=96, world_size=
 
 def chunks() -> list[bytes]:
     """Small and large chunks, so that both ways through the hashing writer are taken."""
-    return [os.urandom(100), os.urandom(3 * container.PARALLEL_HASH_BYTES + 7), os.urandom(10),
-            os.urandom(container.PARALLEL_HASH_BYTES), os.urandom(5 * 2**20)]
+    return [os.urandom(100), os.urandom(3 * file_layout.PARALLEL_HASH_BYTES + 7), os.urandom(10),
+            os.urandom(file_layout.PARALLEL_HASH_BYTES), os.urandom(5 * 2**20)]
 
 
 @pytest.mark.timeout(60)
@@ -39,7 +39,7 @@ def test_large_chunks_hashed_alongside_the_write_give_the_sequential_checksum(tm
     seal = verify(data, "s.pt")  # recomputes the checksum in one sequential pass
     assert seal == seals[0] and seal.payload_bytes == sum(map(len, parts))
     assert seal.checksum.startswith(f"{algorithm}:")
-    prefix = data[:len(data) - container.TRAILER_BYTES]
+    prefix = data[:len(data) - file_layout.TRAILER_BYTES]
     assert seal.checksum == checksum_of(prefix, algorithm)
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("snapshot-hash")]
 
@@ -49,7 +49,7 @@ def test_a_failing_payload_stops_the_hashing_helper_and_leaves_no_file(tmp_path)
     storage = LocalDirectoryStorage(tmp_path)
 
     def payload(file) -> None:
-        file.write(os.urandom(2 * container.PARALLEL_HASH_BYTES))
+        file.write(os.urandom(2 * file_layout.PARALLEL_HASH_BYTES))
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space left"):

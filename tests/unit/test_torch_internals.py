@@ -1,4 +1,4 @@
-"""The private torch names elastic_ddp relies on (elastic_ddp/rendezvous/torch_internals.py) exist
+"""The private torch names elastic_ddp relies on (elastic_ddp/agent/rendezvous/torch_internals.py) exist
 with the shapes used there. A torch upgrade that moves one fails here first, with its name."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from elastic_ddp.rendezvous import torch_internals
-from elastic_ddp.rendezvous.liveness import DeadNodeDetector
-from elastic_ddp.rendezvous.state_holder import ElasticStateHolder
+from elastic_ddp.agent.rendezvous import torch_internals
+from elastic_ddp.agent.rendezvous.liveness import DeadNodeDetector
+from elastic_ddp.agent.rendezvous.state_holder import ElasticStateHolder
 
 
 def handler():

@@ -1,4 +1,4 @@
-"""The peer watchdog (elastic_ddp/watchdog.py) on a real TCPStore in this process: a rank whose
+"""The peer watchdog (elastic_ddp/runtime/watchdog.py) on a real TCPStore in this process: a rank whose
 heartbeat stops is found silent, one that left is not, and a store that stops answering counts as
 every peer silent."""
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_ddp.watchdog import PeerWatchdog
+from elastic_ddp.runtime.watchdog import PeerWatchdog
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.data import SyntheticImageDataset
-from elastic_ddp.losses import per_sample_mse
+from elastic_ddp.workload.data import SyntheticImageDataset
+from elastic_ddp.workload.losses import per_sample_mse
 from elastic_ddp.train import BAD_INPUT_EXIT_CODE, main
-from elastic_ddp.user_code import UserCodeError
-from elastic_ddp.workload import build_workload
+from elastic_ddp.workload.user_code import UserCodeError
+from elastic_ddp.training.workload_builder import build_workload
 
 USER_MODULE = '''
 import torch

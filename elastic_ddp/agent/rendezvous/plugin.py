@@ -1,0 +1,75 @@
+"""What torchrun loads from elastic_ddp at start-up, through the `torchrun.handlers` entry points.
+
+torch's registry imports every `torchrun.handlers` entry point of the environment when an agent
+starts, calls it, and registers the returned factory under the entry point's name (`etcd-v3`,
+`elastic-c10d`), whatever `--rdzv_backend` the job asked for. So this module must stay in its
+lane: it imports nothing heavy (a backend's modules load only when its rendezvous is created), and
+it changes nothing for a job that uses neither our backends nor our trainer. A plugin that fails to
+load is only logged as a warning by torch.
+
+One exception, for users of torch's own `--rdzv_backend=c10d` with our trainer: workers that share
+the agent's TCPStore hang or loop on "Connection refused" after a re-rendezvous
+(pytorch/pytorch#135712), so when this agent's training module is elastic_ddp's
+(`-m elastic_ddp.train`, or `elastic_ddp.agent.launcher`'s workers), the plugin gives every worker group
+a store of its own (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, unless the user set it). Our backends
+set it themselves when their rendezvous is created. A script of your own that uses the Trainer
+with torch's c10d gets a warning from the worker instead, naming the fix
+(`elastic_ddp.runtime.distributed.warn_if_agent_store_shared`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
+
+# The training modules whose workers need a store of their own (prefixes of the module name).
+OUR_TRAINING_MODULES = ("elastic_ddp.",)
+
+
+def trains_with_elastic_ddp(argv: Sequence[str]) -> bool:
+    """Whether torchrun arguments `argv` run an elastic_ddp training module (`-m elastic_ddp.train`)."""
+    if not any(argument.startswith(OUR_TRAINING_MODULES) for argument in argv):
+        return False  # cheap, and spares other programs that load torch's registry a parse of their argv
+    try:
+        from torch.distributed.run import parse_args
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = parse_args(list(argv))
+    except BaseException:  # not torchrun's arguments (argparse exits): not our job to decide
+        return False
+    return bool(args.module or args.run_path) and args.training_script.startswith(OUR_TRAINING_MODULES)
+
+
+def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
+    """Set the shared-store opt-out in this agent when it runs our trainer (see the module docstring)."""
+    if SHARED_STORE_OPT_OUT not in os.environ and trains_with_elastic_ddp(sys.argv[1:] if argv is None else argv):
+        os.environ[SHARED_STORE_OPT_OUT] = "1"
+
+
+def etcd_v3_handler_factory() -> Callable:
+    """Entry point `etcd-v3`: the factory torchrun calls with its `RendezvousParameters`."""
+    give_our_workers_their_own_store()
+
+    def create_etcd_v3_handler(params):
+        from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
+
+        return create(params)
+
+    return create_etcd_v3_handler
+
+
+def elastic_c10d_handler_factory() -> Callable:
+    """Entry point `elastic-c10d`: torch's c10d with our additions (`rendezvous.c10d`)."""
+    give_our_workers_their_own_store()
+
+    def create_elastic_c10d_handler(params):
+        from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler
+
+        return create_c10d_handler(params)
+
+    return create_elastic_c10d_handler

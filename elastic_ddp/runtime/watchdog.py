@@ -1,0 +1,148 @@
+"""The peer watchdog: a frozen or dead peer stops this worker within a bound, whatever the collectives.
+
+A peer that dies makes gloo raise at once, but one that freezes (SIGSTOP, a hung driver, a network
+partition that keeps sockets open) leaves the survivors waiting in their next collective until the
+collective timeout (60 s by default), and NCCL usually waits like that for a dead peer too. So each
+rank runs `PeerWatchdog`, a background thread that, every `interval_s`:
+
+- writes its heartbeat, a counter, under its rank in the worker group's store (the TCPStore every
+  worker already reaches at MASTER_ADDR:MASTER_PORT, through a connection of its own); and
+- reads every other rank's heartbeat in one request, and notes, by its own clock, when each one
+  last changed.
+
+A peer whose heartbeat has not changed for `bound_s` is *silent*; so are all of them when the store
+itself has not answered for `bound_s` (its host, rank 0's worker, is frozen or gone). Then the
+watchdog calls `on_silent(reason)` once, from its thread: the trainer keeps its last committed step
+in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
+collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
+
+What it never does: judge a peer by how fast it trains. A heartbeat comes from a thread that does
+nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
+only; `bound_s` (default `--watchdog_timeout_s`, chosen from measured heartbeat gaps under load:
+docs/failure-semantics.md, "The watchdog") leaves a wide margin for that. A rank that leaves
+training on its own (finished, drained, failed) marks its heartbeat `left`, and its peers stop
+watching it. Heartbeats are keyed by incarnation, so a store shared across rounds cannot mix them.
+
+Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
+small values per `interval_s` on rank 0's store (40-50 µs each on loopback).
+Limits: a frozen peer costs `bound_s` plus up to one `interval_s`; a process whose whole machine
+is frozen is left behind by the others, and when it is thawed its own watchdog finds the others
+silent and ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# EX_UNAVAILABLE from sysexits.h: a service this worker needs (a peer) is unavailable.
+SILENT_PEER_EXIT_CODE = 69
+LEFT = b"left"
+
+
+class PeerWatchdog:
+    """Heartbeats of every rank of one incarnation through the worker group's store (module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
+                 on_silent: Callable[[str], None], interval_s: float | None = None,
+                 store: dist.Store | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.bound_s = bound_s
+        self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
+        self.on_silent = on_silent
+        self._store = store
+        self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beats = 0
+        self.longest_gap_s = 0.0  # the longest a live peer's heartbeat stayed unchanged, for the record
+
+    def start(self) -> PeerWatchdog:
+        """Connect to the store, publish the first heartbeat and start watching (a thread)."""
+        if self._store is None:
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=timedelta(seconds=max(1.0, self.interval_s * 2)),
+                                        wait_for_workers=False)
+        self._store = dist.PrefixStore(self._prefix, self._store)
+        self._beat()
+        self._thread = threading.Thread(target=self._watch, name="elastic-ddp-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (and heartbeating): after the bound, peers find this rank silent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s * 4)
+
+    def leave(self) -> None:
+        """This rank stops training on its own: peers stop watching it; this watchdog stops."""
+        self.stop()
+        # A warning when the margin to the bound got thin, so that every rank reports it.
+        log = logger.warning if self.longest_gap_s > self.bound_s / 2 else logger.info
+        log("peer watchdog: the longest a peer's heartbeat stayed unchanged was %.2f s (bound %g s)",
+            self.longest_gap_s, self.bound_s)
+        try:
+            self._store.set(str(self.rank), LEFT)
+        except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
+            logger.debug("could not mark rank %d as left: %s", self.rank, exc)
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._store.set(str(self.rank), str(self._beats))
+
+    def _watch(self) -> None:
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        started = time.monotonic()
+        last_value: dict[int, bytes | None] = {rank: None for rank in peers}
+        changed_at = {rank: started for rank in peers}
+        store_answered_at = started
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            try:
+                self._beat()
+                values = self._read(peers)
+                store_answered_at = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - a store that does not answer is what is watched
+                if now - store_answered_at > self.bound_s:
+                    self._fire(f"the worker group's store (rank 0's) has not answered for {now - store_answered_at:.1f} s "
+                               f"({type(exc).__name__})")
+                    return
+                continue
+            silent = []
+            for rank, value in values.items():
+                if value == LEFT:
+                    changed_at[rank] = now
+                    continue
+                if value != last_value[rank]:
+                    if last_value[rank] is not None:
+                        self.longest_gap_s = max(self.longest_gap_s, now - changed_at[rank])
+                    last_value[rank], changed_at[rank] = value, now
+                elif now - changed_at[rank] > self.bound_s:
+                    silent.append(rank)
+            if silent:
+                self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone without "
+                           "closing their connections)")
+                return
+
+    def _read(self, peers: list[int]) -> dict[int, bytes | None]:
+        """Every peer's heartbeat (None for a peer that has published none yet), in one request
+        once all have published."""
+        keys = [str(rank) for rank in peers]
+        if not keys:
+            return {}
+        if self._store.check(keys):
+            return dict(zip(peers, self._store.multi_get(keys)))
+        return {rank: self._store.get(str(rank)) if self._store.check([str(rank)]) else None for rank in peers}
+
+    def _fire(self, reason: str) -> None:
+        logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)
+        self.on_silent(reason)

@@ -1,0 +1,173 @@
+"""Background snapshot writing on rank 0: training waits for a memory copy, not for the disk.
+
+At a snapshot point the training thread calls `SnapshotWriter.submit(capture)`: `capture` copies
+the state into the writer's reusable `StagingBuffers` (CPU memory; pinned, non-blocking copies for
+CUDA tensors), and one background thread then serialises the copy through the `SnapshotStore`,
+which hashes it on its way to storage and makes it durable (retrying transient I/O errors, bounded).
+On a local disk the serialised bytes go straight into the file: no second copy of the state is
+held in memory, and the GIL is released while each chunk is hashed and written.
+
+When the next snapshot point arrives while a write is still in flight, `submit` WAITS for that
+write to finish before copying (it never skips): the bound on lost work (one snapshot interval)
+holds, the staging buffers are free again, and the time waited is part of what `submit` returns
+as blocked. A run whose writes take longer than its snapshot interval therefore slows down to the
+disk's pace instead of silently losing snapshots; the `blocked_seconds` of the `snapshot_captured`
+events show it.
+
+A write that still fails after the store's retries is logged as an error (`SNAPSHOT NOT SAVED`),
+counted in `failed_writes` and passed to `on_failed`; training goes on, the previous snapshots stay
+as they were, and the next snapshot point tries again. So does a snapshot whose state holds a NaN
+or an infinity (a diverged run): it is refused, checked on the writer thread, never written as the
+newest "valid" one.
+
+Hung storage (a hard NFS mount, an object store without timeouts) cannot block training forever:
+`submit` waits at most `write_timeout_s` for the write in flight, then skips this snapshot (it
+reports why) and training goes on; `wait` and `close` take a timeout too. The hung write's thread
+is a daemon: it does not keep the process alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from elastic_ddp.snapshot.files.errors import SnapshotError, SnapshotWriteError
+from elastic_ddp.snapshot.serialization import write_snapshot
+from elastic_ddp.snapshot.staging import StagingBuffers
+from elastic_ddp.snapshot.training_state import Snapshot, non_finite_tensors
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
+
+logger = logging.getLogger(__name__)
+
+WrittenCallback = Callable[[ManifestEntry, float], None]  # entry, seconds the background write took
+FailedCallback = Callable[[int, str], None]  # global step, reason
+Capture = Callable[[StagingBuffers], Snapshot]
+# The longest a write may take before the next snapshot point gives up waiting for it.
+DEFAULT_WRITE_TIMEOUT_S = 600.0
+
+
+class SnapshotWriter:
+    """One background thread at a time that writes snapshots to `store`.
+
+    With `asynchronous=False`, `submit` returns only once the write is done (a synchronous save,
+    for debugging and for measuring what the background writing saves).
+    """
+
+    def __init__(self, store: SnapshotStore, on_written: WrittenCallback | None = None,
+                 on_failed: FailedCallback | None = None, asynchronous: bool = True,
+                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S):
+        self.store = store
+        self.on_written = on_written
+        self.on_failed = on_failed
+        self.asynchronous = asynchronous
+        self.write_timeout_s = write_timeout_s
+        self.staging = StagingBuffers()
+        self.failed_writes = 0
+        self.last_written: ManifestEntry | None = None
+        self._in_flight: tuple[int, threading.Event] | None = None  # (global step, done)
+
+    def submit(self, capture: Capture) -> float:
+        """Wait for the write in flight, copy the state with `capture(staging)`, queue its write.
+
+        Returns the seconds the caller was blocked: the wait plus the copy (plus the whole write
+        when not asynchronous). If the write in flight does not end within `write_timeout_s`, this
+        snapshot is skipped and reported (its staging buffers are still the hung write's).
+        """
+        started = time.monotonic()
+        if not self._wait_for_room():
+            return time.monotonic() - started
+        snapshot = capture(self.staging)
+        self._start(snapshot.global_step, self._write_snapshot, snapshot)
+        return time.monotonic() - started
+
+    def submit_serialized(self, global_step: int, epoch: int, samples_consumed: int, data: bytes) -> float:
+        """Queue the write of an already serialised snapshot (one restored from a peer)."""
+        started = time.monotonic()
+        if self._wait_for_room():
+            self._start(global_step, self._write_bytes, global_step, epoch, samples_consumed, data, started)
+        return time.monotonic() - started
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the write in flight (if any) is done, at most `timeout` seconds; whether it
+        is. It never raises the write's error (that goes to `on_failed`)."""
+        in_flight = self._in_flight
+        return in_flight is None or in_flight[1].wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Let the write in flight finish (so a clean exit keeps its last snapshot), at most
+        `timeout` seconds (default `write_timeout_s`); whether it did."""
+        finished = self.wait(self.write_timeout_s if timeout is None else timeout)
+        if not finished:
+            logger.error("the snapshot write of step %d is still running after %.0f s (storage hung?); "
+                         "leaving it behind", self._in_flight[0], self.write_timeout_s if timeout is None else timeout)
+        return finished
+
+    def _wait_for_room(self) -> bool:
+        if self.wait(self.write_timeout_s):
+            return True
+        step = self._in_flight[0]
+        self._report_failure(step, f"the write of step {step} is still running after {self.write_timeout_s:.0f} s "
+                                   "(storage hung?); this snapshot point is skipped")
+        return False
+
+    def _start(self, global_step: int, function, *args) -> None:
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                function(*args)
+            finally:
+                done.set()
+
+        self._in_flight = (global_step, done)
+        threading.Thread(target=run, name="snapshot-writer", daemon=True).start()
+        if not self.asynchronous:
+            self.wait()
+
+    def _write_snapshot(self, snapshot: Snapshot) -> None:
+        def produce(file):
+            self.staging.wait_until_copied()  # device-to-host copies still landing (CUDA)
+            bad = non_finite_tensors(snapshot.states)
+            if bad:
+                raise SnapshotError(f"non-finite values (NaN or infinity) in {', '.join(bad[:5])}"
+                                    f"{' and more' if len(bad) > 5 else ''}: the run has diverged; this state "
+                                    "is not saved, the previous snapshots are kept")
+            return write_snapshot(snapshot, file)
+
+        self._write(snapshot.global_step, time.monotonic(), self.store.write_stream, snapshot.global_step,
+                    snapshot.epoch, snapshot.samples_consumed, produce)
+
+    def _write_bytes(self, global_step: int, epoch: int, samples_consumed: int, data: bytes,
+                     started: float) -> None:
+        self._write(global_step, started, self.store.write, global_step, epoch, samples_consumed, data)
+
+    def _write(self, global_step: int, started: float, write: Callable[..., ManifestEntry], *args) -> None:
+        try:
+            entry = write(*args)
+        except (SnapshotWriteError, SnapshotError) as exc:
+            self._report_failure(global_step, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the writer silently
+            self._report_failure(global_step, f"unexpected error: {exc!r}", exc_info=True)
+            return
+        self.last_written = entry
+        if self.on_written is not None:
+            _call_safely(self.on_written, entry, time.monotonic() - started)
+
+    def _report_failure(self, global_step: int, reason: str, exc_info: bool = False) -> None:
+        self.failed_writes += 1
+        logger.error("SNAPSHOT NOT SAVED (step %d): %s. Training continues; the work since the last good "
+                     "snapshot is at risk until a write succeeds (%d failed so far).",
+                     global_step, reason, self.failed_writes, exc_info=exc_info)
+        if self.on_failed is not None:
+            _call_safely(self.on_failed, global_step, reason)
+
+
+def _call_safely(callback, *args) -> None:
+    """Run a caller's callback on the writer thread; its bug is logged, not left to end the thread."""
+    try:
+        callback(*args)
+    except Exception:  # the snapshot itself is fine; keep writing the next ones
+        logger.exception("snapshot writer callback %r failed", callback)

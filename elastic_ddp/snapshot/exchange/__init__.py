@@ -1,0 +1,1 @@
+"""Moving snapshot bytes between ranks: the transport, the restore agreement, replication, RNG gathering."""

@@ -1,0 +1,210 @@
+"""Restore on start: the whole group agrees on the newest state that any rank can offer.
+
+Each rank looks at two sources: its own `--checkpoint_dir` (the same directory on a shared
+filesystem, each node's local disk, or an object-store URL) for its newest snapshot that verifies
+(size and checksum), loads with weights_only=True and was written by a compatible run; and its
+node's memory copies (`snapshot.memory`: the state a worker of this node kept as its group
+stopped). Newer ones that fail are skipped with a warning naming the file and the reason. Each rank
+offers the better of the two; the ranks exchange (step, source, checksum, size); the highest step
+wins and a memory copy wins a tie (it is the state the survivors committed, nothing older). If some
+ranks lack it, the lowest rank that holds it sends the bytes to them through the snapshot
+transport (`snapshot.transport`: a broadcast, no pickle, sizes checked before anything is
+allocated), and every receiver checks the checksum before loading. So all ranks restore the same
+state, and a node that never saw it (a new node, a node with a disk of its own) still resumes
+from it.
+
+Memory copies of the same step held by several ranks are the same state (DDP keeps every rank's
+model and optimizer identical; only their own RNG stream differs, and a restore from a memory
+copy derives every rank's stream afresh): each holder loads its own, the others receive one.
+Snapshot files count as the same only with the same checksum.
+
+When no rank has a usable state but some rank found only snapshots of an incompatible run, every
+rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than silently
+starting from scratch over someone else's checkpoints.
+
+Not guaranteed: "newest" is by global step. A node that rejoins holding a newer snapshot of a
+trajectory the group has since rolled back from makes the group jump to it; that is a consistent
+state of the same run, only not the most recent work.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.files.file_layout import file_matches
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
+from elastic_ddp.snapshot.memory_copies import MemoryTier
+from elastic_ddp.snapshot.training_state import Snapshot
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
+from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
+
+logger = logging.getLogger(__name__)
+
+FILE, MEMORY = "file", "memory"
+
+
+@dataclass(frozen=True)
+class RestoredSnapshot:
+    snapshot: Snapshot
+    entry: ManifestEntry | None  # the file this rank read; None when it came from memory or a peer
+    checksum: str
+    source: str  # FILE or MEMORY: where the state was kept
+    source_rank: int  # the rank that offered it (and served it to those that lacked it)
+    source_host: str
+    description: str  # the file it was read from, or where it came from, for messages
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one rank can restore from, as all ranks exchange it."""
+
+    step: int  # -1: nothing
+    source: str  # FILE, MEMORY or "" (nothing)
+    checksum: str
+    size_bytes: int
+    host: str = ""
+    refusal: str = ""  # why this rank found only incompatible snapshots
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """How good the offer is: the step, then a memory copy before a file."""
+        return self.step, 1 if self.source == MEMORY else 0
+
+    def same_state(self, other: Offer) -> bool:
+        """Whether loading `other` instead of this gives the same state (see the module docstring)."""
+        if (self.step, self.source) != (other.step, other.source):
+            return False
+        return self.source == MEMORY or self.checksum == other.checksum
+
+
+@dataclass(frozen=True)
+class _Local:
+    offer: Offer
+    data: bytes
+    snapshot: Snapshot
+    entry: ManifestEntry | None
+    description: str
+
+
+def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | None = None,
+                           ) -> tuple[ManifestEntry, bytes, Snapshot] | None:
+    """This rank's newest snapshot file that verifies, loads safely and matches `fingerprint`.
+
+    Raises IncompatibleSnapshotError (the newest refusal) when every snapshot that verified came
+    from an incompatible run. Returns None when there is nothing usable otherwise.
+    """
+    loaded: dict[str, Snapshot] = {}
+    refusals: list[IncompatibleSnapshotError] = []
+
+    def accept(data: bytes, path: str) -> None:
+        snapshot = snapshot_from_bytes(data, path)
+        if fingerprint is not None:
+            try:
+                check_compatible(snapshot, fingerprint, path)
+            except IncompatibleSnapshotError as exc:
+                refusals.append(exc)
+                raise
+        loaded[path] = snapshot
+
+    found = store.latest_valid(accept=accept)
+    if found is None:
+        if refusals:
+            raise refusals[0]
+        return None
+    entry, data = found
+    return entry, data, loaded[store.describe(entry.file)]
+
+
+def _local_candidates(store: SnapshotStore, memory: MemoryTier | None,
+                      fingerprint: dict[str, Any] | None) -> tuple[list[_Local], str]:
+    """What this rank itself can restore from, and why it found only incompatible snapshots."""
+    host = socket.gethostname()
+    candidates, refusal = [], ""
+    try:
+        found = newest_usable_snapshot(store, fingerprint)
+    except IncompatibleSnapshotError as exc:
+        found, refusal = None, str(exc)
+    if found is not None:
+        entry, data, snapshot = found
+        candidates.append(_Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host), data,
+                                 snapshot, entry, store.describe(entry.file)))
+    copy = memory.newest() if memory is not None else None
+    if copy is not None:
+        candidates.append(_Local(Offer(copy.global_step, MEMORY, copy.checksum, len(copy.data), host), copy.data,
+                                 copy.snapshot, None, f"memory copy {copy.path}"))
+    return candidates, refusal
+
+
+def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
+                             fingerprint: dict[str, Any] | None = None,
+                             memory: MemoryTier | None = None) -> RestoredSnapshot | None:
+    """The state every rank restores, or None when no rank has one. Collective over the group."""
+    candidates, refusal = _local_candidates(store, memory, fingerprint)
+    local = max(candidates, key=lambda candidate: candidate.offer.rank, default=None)
+    mine = local.offer if local is not None else Offer(-1, "", "", 0, refusal=refusal)
+    offers = _exchange(mine, context)
+    best = max(offers, key=lambda offer: offer.rank)
+    if best.step < 0:
+        refusals = [offer.refusal for offer in offers if offer.refusal]
+        if refusals:  # every rank raises the same error, so none starts from scratch alone
+            raise IncompatibleSnapshotError(refusals[0])
+        return None
+    source_rank = next(rank for rank, offer in enumerate(offers) if offer.rank == best.rank)
+    best = offers[source_rank]
+    holds_it = mine.same_state(best)
+    data = local.data if holds_it else None
+    if not all(offer.same_state(best) for offer in offers):
+        data = _share(data, source_rank, best, context, [offer.same_state(best) for offer in offers])
+    if holds_it:
+        snapshot, entry, description = local.snapshot, local.entry, local.description
+    else:
+        entry = None
+        description = f"{best.source} state of step {best.step} received from rank {source_rank} on {best.host}"
+        snapshot = snapshot_from_bytes(data, description)
+    return RestoredSnapshot(snapshot=snapshot, entry=entry, checksum=mine.checksum if holds_it else best.checksum,
+                            source=best.source, source_rank=source_rank, source_host=best.host,
+                            description=description, data=data)
+
+
+def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:
+    if not (context.is_distributed and dist.is_initialized()):
+        return [mine]
+    offers: list[Any] = [None] * context.world_size
+    dist.all_gather_object(offers, mine)
+    return offers
+
+
+def _share(data: bytes | None, source_rank: int, offer: Offer, context: DistributedContext,
+           holders: list[bool]) -> bytes:
+    """The bytes of `source_rank`'s state on every rank that lacks it, checked against the offer's
+    checksum (collective over the default group: every rank takes part, holders drop what arrives)."""
+    transport = ProcessGroupTransport(device=context.device)
+    if context.rank == source_rank:
+        accepted = transport.send(source_rank, {"global_step": offer.step, "checksum": offer.checksum}, data)
+        refused = [rank for rank, took in enumerate(accepted) if not took and not holders[rank]]
+        if refused:
+            raise SnapshotError(f"rank(s) {refused} refused the state of step {offer.step} ({offer.size_bytes} "
+                                f"bytes) that rank {source_rank} serves (see their logs)")
+        return data
+    if holders[context.rank]:  # takes part, keeps nothing: its own copy is the same state
+        try:
+            transport.receive(source_rank, FrameLimits(max_payload_bytes=0))
+        except FrameRefused:
+            return data
+        raise SnapshotError(f"rank {context.rank} was sent the state of step {offer.step} it holds")
+    try:
+        received = transport.receive(source_rank, FrameLimits(max_payload_bytes=offer.size_bytes)).payload
+    except FrameError as exc:
+        raise SnapshotError(f"the state of step {offer.step} from rank {source_rank} was refused ({exc})") from exc
+    if len(received) != offer.size_bytes or not file_matches(received, offer.checksum):
+        raise SnapshotError(f"the state of step {offer.step} from rank {source_rank} arrived damaged "
+                            f"(its checksum is not {offer.checksum[:20]}...)")
+    return received

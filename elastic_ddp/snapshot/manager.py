@@ -1,0 +1,178 @@
+"""One worker group's snapshots, as the trainer sees them: restore, save, finish, close.
+
+    session = SnapshotSession(config, context, events, fingerprint, incarnation)
+    session.start()                       # collective: replica targets
+    restored = session.restore(state)     # collective: the newest state any rank can read
+    ... session.save(state) at the trainer's cadence (collective: every rank's RNG) ...
+    session.keep_in_memory(state, why)    # training stopped early: this node keeps the last step
+    session.finish()                      # the last snapshot durable and replicated
+    session.close()                       # always, also when training raised
+
+Behind it: the store (`store`, on `storage`), rank 0's background writer (`writer`), the node's
+memory copies (`memory`), the restore agreement (`recovery`) and replication (`replication`),
+which move bytes through `transport`. The session emits the snapshot events (`snapshot_captured`,
+`snapshot`, `snapshot_failed`, `memory_copy`) to the event log it is given; nothing calls back
+into the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
+from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
+from elastic_ddp.snapshot.exchange.replication import Replication
+from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
+from elastic_ddp.snapshot.staging import StagingBuffers
+from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
+from elastic_ddp.snapshot.background_writer import SnapshotWriter
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotSession:
+    """Snapshots of one incarnation (see the module docstring). Rank 0 writes; all ranks take part."""
+
+    def __init__(self, config: TrainingConfig, context: DistributedContext, events: EventLog,
+                 fingerprint: dict[str, Any], incarnation: int):
+        self.config = config
+        self.context = context
+        self.events = events
+        self.fingerprint = fingerprint
+        self.incarnation = incarnation
+        self.store = SnapshotStore(config.checkpoint_dir, config.keep_last)
+        self.writer: SnapshotWriter | None = None
+        if context.is_main:
+            self.writer = SnapshotWriter(self.store, on_written=self._written, on_failed=self._failed,
+                                         asynchronous=config.snapshot_async, write_timeout_s=config.snapshot_timeout_s)
+        self.replication = Replication()  # the real one is agreed on in start()
+        self.memory = self._memory_tier() if config.memory_copies else None
+        self.last_saved_step: int | None = None
+        self._kept_in_memory: int | None = None  # the step this worker kept in memory
+
+    def _memory_tier(self) -> MemoryTier | None:
+        try:
+            token = scope_token(self.store.storage)
+        except (OSError, SnapshotError) as exc:
+            logger.error("memory copies are off for this worker group: no scope token in %s (%s)",
+                         self.config.checkpoint_dir, exc)
+            return None
+        return MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint, token)
+
+    @property
+    def _distributed(self) -> bool:
+        return self.context.is_distributed and dist.is_initialized()
+
+    def start(self) -> None:
+        """Agree on replica targets and start replication (collective)."""
+        self.replication = Replication.start(self.store, self.context, self.config.snapshot_replicas, self.events)
+
+    def restore(self, state: TrainingState) -> RestoredSnapshot | None:
+        """Load the newest state the group can offer into `state` (collective); None: from scratch."""
+        restored = agree_on_latest_snapshot(self.store, self.context, self.fingerprint, self.memory)
+        if restored is None:
+            logger.info("no snapshot in %s: starting from scratch", self.config.checkpoint_dir)
+            seed_rng_for_step(self.config.seed, 0, self.context.rank)
+            return None
+        with state.updating():
+            restored.snapshot.restore_into(state, self.context.rank, self.context.world_size, self.config.seed)
+        self.last_saved_step = restored.snapshot.global_step
+        self._keep_restored_copies(restored)
+        return restored
+
+    def _keep_restored_copies(self, restored: RestoredSnapshot) -> None:
+        """Rank 0: write the restored state here if it came from memory or a peer, and to the
+        replicas, so that losing the node it came from next (or the whole job) does not lose it."""
+        if self.writer is None:
+            return
+        if restored.entry is None:
+            snapshot = restored.snapshot
+            self.writer.submit_serialized(snapshot.global_step, snapshot.epoch, snapshot.samples_consumed,
+                                          restored.data)
+        else:
+            self.replication.offer(restored.entry)
+
+    def save(self, state: TrainingState) -> None:
+        """Snapshot `state` now (collective: every rank's RNG); rank 0 queues the write."""
+        self.last_saved_step = state.global_step
+        if self._distributed:
+            rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
+        else:
+            rng_per_rank = [capture_rng_state()]
+        if self.writer is None:
+            return
+
+        def capture(staging: StagingBuffers) -> Snapshot:
+            return Snapshot(states=staging.copy(state.state_dicts(), "states"), rng_per_rank=rng_per_rank,
+                            fingerprint=self.fingerprint, world_size=self.context.world_size,
+                            incarnation=self.incarnation, wall_time=time.time())
+
+        blocked_seconds = self.writer.submit(capture)
+        self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
+                         blocked_seconds=round(blocked_seconds, 4))
+
+    def keep_in_memory(self, state: TrainingState, reason: str) -> KeptCopy | None:
+        """Keep the last committed step of `state` in this node's memory, as training stops early
+        (not a collective: the group may be broken). Nothing when the state is half updated."""
+        if self.memory is None or self._kept_in_memory == state.global_step:
+            return None
+        with state.lock:  # no step is applied meanwhile, from whatever thread this is called
+            if not state.consistent:
+                logger.error("stopped in the middle of applying step %d: that state is not kept",
+                             state.global_step + 1)
+                return None
+            snapshot = Snapshot(states=state.state_dicts(), rng_per_rank=[], fingerprint=self.fingerprint,
+                                world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time())
+            kept = self.memory.keep(snapshot)
+        if kept is None:
+            return None
+        self._kept_in_memory = state.global_step
+        logger.info("%s: kept the state of step %d in memory (%s, %.1f MB, %.2f s)", reason, state.global_step,
+                    kept.path if kept.written else "written by a sibling rank", kept.size_bytes / 1e6, kept.seconds)
+        self.events.emit(schema.MEMORY_COPY, global_step=state.global_step, reason=reason,
+                         size_bytes=kept.size_bytes, seconds=round(kept.seconds, 4), written=kept.written)
+        return kept
+
+    def finish(self) -> bool | None:
+        """Wait until the last snapshot is durable (at most --snapshot_timeout_s) and replicated (at
+        most half the collective timeout). Returns whether the last save is durable; None off rank 0."""
+        durable = None
+        if self.writer is not None:
+            if not self.writer.wait(self.config.snapshot_timeout_s):
+                logger.error("the snapshot of step %s is still being written after %.0f s (storage hung?): not "
+                             "waiting longer", self.last_saved_step, self.config.snapshot_timeout_s)
+            last = self.writer.last_written
+            durable = last is not None and last.global_step == self.last_saved_step
+        self.replication.finish(timeout=self.config.collective_timeout_s / 2)
+        return durable
+
+    def forget_memory_copies(self) -> None:
+        """The run is complete: remove this node's memory copies (its local rank 0 does)."""
+        if self.memory is not None and self.context.local_rank == 0:
+            self.memory.clear()
+
+    def close(self) -> None:
+        """Finish a write in flight (so that a clean exit keeps it) and stop every thread."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            self.replication.close()
+
+    def _written(self, entry: ManifestEntry, write_seconds: float) -> None:
+        self.events.emit(schema.SNAPSHOT, global_step=entry.global_step, epoch=entry.epoch, file=entry.file,
+                         checksum=entry.checksum, size_bytes=entry.size_bytes, write_seconds=round(write_seconds, 4))
+        self.replication.offer(entry)
+
+    def _failed(self, global_step: int, reason: str) -> None:
+        self.events.emit(schema.SNAPSHOT_FAILED, global_step=global_step, error=reason)

@@ -1,0 +1,292 @@
+"""Memory copies: the state of the last committed step, kept in node-local memory as a worker stops.
+
+When a worker group breaks (a peer died and a collective failed, torchrun stopped the workers
+with SIGTERM to re-form the group, the watchdog found a peer silent) every surviving DDP rank still
+holds the whole model and optimizer state of the last step it committed. Before the worker
+exits, `MemoryTier.keep` writes it to a directory in node-local memory (`--memory_dir`, by default
+/dev/shm): a self-describing snapshot file (`snapshot.container`: header, payload, checksum),
+written to a temporary name and renamed, so a copy is whole or absent. The next worker
+group on that node offers it in the restore agreement next to the snapshot files; the newest state
+wins, a memory copy wins a tie, and its holder serves it to the ranks that lack it. So a failure
+costs the survivors no committed step, whatever the snapshot cadence.
+
+Scope: the copies of one run live in `<memory_dir>/elastic_ddp-<hash>`, the hash of the user, the
+run id and the checkpoint directory; each carries the run's fingerprint and the checkpoint
+directory's scope token (a random id created once in the checkpoint directory, `.memory-scope`).
+A copy of another model or data set-up, or of an earlier run whose checkpoint directory was since
+created anew, is refused with a line that says so, as is a torn or damaged one. Copies are pruned
+to the newest two, and removed when the run finishes.
+
+One copy per node: the ranks of a node hold the same state (DDP), so they take turns under a
+file lock and the first one writes; the others find its copy of the same step and are done. A
+rank that waited `LOCK_WAIT_S` for the lock (its holder frozen) writes a copy of its own.
+
+Trust: /dev/shm is shared by every user of the machine. The run's directory is created private
+(0700) and used only when it belongs to this user, nobody else can write to it, and its parent is
+either not writable by others or sticky (as /dev/shm is); a copy is read as untrusted bytes all
+the same (its own checksum, weights_only=True, the fingerprint and scope).
+
+Limits: a copy is written at memory speed (about 1-2 GB/s on one core), while torchrun waits for
+the worker (it SIGKILLs it 30 s after SIGTERM: a state that takes longer to write is not kept, and
+the temporary file the kill leaves is removed by the next keep or restore on that node). A state
+that does not fit in the memory directory's free space is not kept (a warning says so, and the
+restart falls back to the snapshot files). /dev/shm is RAM: a copy costs as much memory as the
+state (up to KEEP copies, one more while a new one is written), until the end of the run removes
+them. A copy survives the worker, not the machine. Not guaranteed: a copy when the whole node
+dies (its survivors on other nodes keep theirs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_ddp.runtime.procfs import process_is_alive
+from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, format_of, verify
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, write_snapshot
+from elastic_ddp.snapshot.training_state import Snapshot
+from elastic_ddp.snapshot.files.backends import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+SCOPE_TOKEN_NAME = ".memory-scope"
+TOKEN_LENGTH = 32
+TOKEN_PATTERN = re.compile(r"[0-9a-f]{32}")
+SCOPE_KEY = "memory_scope"  # the fingerprint key that ties a copy to its checkpoint directory
+COPY_PATTERN = re.compile(r"^memory-(\d{9})-[0-9a-f]{8}\.pt$")
+TEMPORARY_PATTERN = re.compile(r"^\.memory-\d{9}-[0-9a-f]{8}\.pt\.tmp-(\d+)$")
+LOCK_NAME = ".lock"
+KEEP = 2  # copies per node: the newest, and the one before it in case the newest is refused
+HEADROOM = 1.1  # free space a copy needs, relative to the state's size
+LOCK_WAIT_S = 10.0  # how long a rank waits for a sibling that is writing the node's copy
+
+
+@dataclass(frozen=True)
+class MemoryCopy:
+    """A verified memory copy of this node."""
+
+    path: Path
+    global_step: int
+    checksum: str
+    data: bytes
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class KeptCopy:
+    """What `MemoryTier.keep` did."""
+
+    path: Path
+    size_bytes: int
+    seconds: float
+    written: bool  # False: a sibling rank of this node had already kept this step
+
+
+def scope_token(storage: StorageBackend) -> str:
+    """The checkpoint directory's scope token, created on first use (every rank reads the same one).
+
+    SnapshotError when the file there is not a token (32 hex digits): it is read as untrusted input.
+    """
+    raw = storage.create_if_absent(SCOPE_TOKEN_NAME, secrets.token_hex(16).encode(), limit=TOKEN_LENGTH)
+    token = raw.decode("ascii", errors="replace")
+    if not TOKEN_PATTERN.fullmatch(token):
+        raise SnapshotError(f"{storage.describe(SCOPE_TOKEN_NAME)} is not a scope token (32 hex digits); remove it")
+    return token
+
+
+def state_bytes(states: Any) -> int:
+    """The bytes of every tensor in `states` (what a copy of it will take, about)."""
+    if isinstance(states, torch.Tensor):
+        return states.numel() * states.element_size()
+    if isinstance(states, dict):
+        return sum(state_bytes(value) for value in states.values())
+    if isinstance(states, (list, tuple)):
+        return sum(state_bytes(value) for value in states)
+    return 0
+
+
+class MemoryTier:
+    """This node's memory copies of one run (see the module docstring).
+
+    `root` is --memory_dir; `run_id` and `checkpoint_location` name the run (torchrun's --rdzv_id,
+    --checkpoint_dir); `fingerprint` is the run's; `token` the checkpoint directory's scope token.
+    """
+
+    def __init__(self, root: str | os.PathLike, run_id: str, checkpoint_location: str, fingerprint: dict[str, Any],
+                 token: str):
+        scope = hashlib.sha256(f"{os.getuid()}\0{run_id}\0{checkpoint_location}".encode()).hexdigest()[:20]
+        self.root = Path(root)
+        self.directory = self.root / f"elastic_ddp-{scope}"
+        self.fingerprint = {**fingerprint, SCOPE_KEY: token}
+
+    # ---------------------------------------------------------------------------------- keeping
+
+    def keep(self, snapshot: Snapshot) -> KeptCopy | None:
+        """Make `snapshot` (its fingerprint replaced by this tier's) this node's newest copy.
+
+        Returns what was done, or None when nothing was kept (no room, an unsafe directory, an
+        I/O error: logged). Never raises an OSError or SnapshotError.
+        """
+        started = time.monotonic()
+        try:
+            self._make_private_directories()
+            with self._node_lock():
+                existing = next((path for path, step in self._files() if step == snapshot.global_step), None)
+                if existing is not None:
+                    return KeptCopy(existing, existing.stat().st_size, time.monotonic() - started, written=False)
+                self._remove_abandoned_temporaries()
+                needed = state_bytes(snapshot.states) * HEADROOM
+                free = shutil.disk_usage(self.directory).free
+                if needed > free:
+                    logger.warning("the state of step %d (%.2f GB) does not fit in %s (%.2f GB free): not kept in "
+                                   "memory; a restart falls back to the snapshot files", snapshot.global_step,
+                                   needed / 1e9, self.directory, free / 1e9)
+                    return None
+                path = self._write(dataclasses.replace(snapshot, fingerprint=self.fingerprint))
+                self._prune()
+            return KeptCopy(path, path.stat().st_size, time.monotonic() - started, written=True)
+        except (OSError, SnapshotError) as exc:
+            logger.error("the state of step %d was not kept in memory (%s)", snapshot.global_step, exc)
+            return None
+
+    def _make_private_directories(self) -> None:
+        """Create the run directory as 0700; refuse one that is not this user's alone, or a root
+        in which others could replace it."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_parent(self.root)
+        with contextlib.suppress(FileExistsError):
+            self.directory.mkdir(mode=0o700)
+        _check_private(self.directory)
+
+    @contextlib.contextmanager
+    def _node_lock(self) -> Iterator[None]:
+        """Exclusive among this node's ranks, for at most LOCK_WAIT_S (then without it)."""
+        handle = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        logger.warning("a sibling rank holds %s for over %.0f s: writing a copy of this rank's own",
+                                       self.directory / LOCK_NAME, LOCK_WAIT_S)
+                        break
+                    time.sleep(0.01)  # polling: flock has no timeout, and the holder is writing
+            yield
+        finally:
+            os.close(handle)  # releases the lock
+
+    def _write(self, snapshot: Snapshot) -> Path:
+        path = self.directory / f"memory-{snapshot.global_step:09d}-{secrets.token_hex(4)}.pt"
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+                write_snapshot(snapshot, handle)
+            os.replace(temporary, path)  # whole or absent: a reader never sees a part
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _files(self) -> list[tuple[Path, int]]:
+        """(path, step) of the copies present, newest first."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        found = [(self.directory / name, int(match.group(1))) for name in names if (match := COPY_PATTERN.match(name))]
+        return sorted(found, key=lambda item: (item[1], _mtime(item[0])), reverse=True)
+
+    def _prune(self) -> None:
+        for path, _ in self._files()[KEEP:]:
+            path.unlink(missing_ok=True)
+
+    def _remove_abandoned_temporaries(self) -> None:
+        """Remove the partial copies of workers that were killed while writing them."""
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                match = TEMPORARY_PATTERN.match(name)
+                if match and not process_is_alive(int(match.group(1))):
+                    (self.directory / name).unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def newest(self) -> MemoryCopy | None:
+        """This node's newest copy that is whole, verifies and belongs to this run; every newer one
+        that does not is reported and skipped."""
+        if not self.directory.is_dir():
+            return None
+        try:
+            _check_parent(self.root)
+            _check_private(self.directory)
+        except SnapshotError as exc:
+            logger.warning("memory copies not used: %s", exc)
+            return None
+        self._remove_abandoned_temporaries()
+        for path, step in self._files():
+            try:
+                data = path.read_bytes()
+                if format_of(data[:8]) != 2 or len(data) < TRAILER_BYTES:
+                    raise SnapshotError(f"{path}: not a whole memory copy")
+                seal = verify(data, str(path))  # whole, and matches its own checksum
+                if seal.header.global_step != step:
+                    raise SnapshotError(f"{path}: its header says step {seal.header.global_step}")
+                self._check_scope(seal.header.fingerprint, path)
+                snapshot = snapshot_from_bytes(data, str(path))
+                check_compatible(snapshot, {key: value for key, value in self.fingerprint.items()
+                                            if key != SCOPE_KEY}, str(path))
+            except (OSError, SnapshotError) as exc:
+                logger.warning("memory copy refused: %s", exc)
+                continue
+            return MemoryCopy(path, step, seal.checksum, data, snapshot)
+        return None
+
+    def _check_scope(self, fingerprint: dict[str, Any], path: Path) -> None:
+        if fingerprint.get(SCOPE_KEY) != self.fingerprint[SCOPE_KEY]:
+            raise IncompatibleSnapshotError(
+                f"{path} is stale: it is from an earlier run whose checkpoint directory has since been created anew")
+
+    def clear(self) -> None:
+        """Remove this run's copies (the run is finished: its final state is on disk)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _check_private(directory: Path) -> None:
+    """SnapshotError unless `directory` is a real directory of this user that only it can write."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise SnapshotError(f"{directory} is not a private directory of this user (owner uid {info.st_uid}, "
+                            f"mode {stat.filemode(info.st_mode)}); choose another --memory_dir")
+
+
+def _check_parent(directory: Path) -> None:
+    """SnapshotError when others could replace `directory`'s entries (writable by all, not sticky)."""
+    mode = os.stat(directory).st_mode
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        raise SnapshotError(f"{directory} is writable by every user and not sticky (mode {stat.filemode(mode)}); "
+                            "choose another --memory_dir")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # pruned by a sibling meanwhile
+        return 0.0

@@ -1,0 +1,1 @@
+"""Local test beds that tests, benchmarks and `elastic-ddp chaos` share: torchrun nodes on this machine, an etcd server."""

@@ -1,0 +1,74 @@
+"""Evaluation on held-out data, over whatever ranks there are now.
+
+`evaluate` splits the held-out set over the current ranks (contiguous shares, each sample once, no
+padding), runs the model in eval mode under `torch.no_grad()` in batches of `batch_size`, and
+all-reduces three sums: the per-sample loss, the correct predictions and the samples. The result
+is the mean loss over the whole held-out set and, when the targets are class indices (integer
+targets of one dimension, outputs of two), the accuracy; otherwise `accuracy` is None.
+
+It does not change the training trajectory: no RNG is drawn (the samples are read in order and
+collated directly, without a DataLoader, whose iterator draws a seed from the global RNG), the
+sampler is not touched, and the model goes back to train mode afterwards. Buffers (BatchNorm's
+running statistics) are first taken from rank 0, as DDP's next training forward would do anyway,
+so every rank evaluates the same model. It is a collective: every rank calls it at the same step
+with the unwrapped model (DDP's forward is a collective too, and the shares differ in length).
+Not covered: models whose eval-mode forward depends on how the set is split into batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from elastic_ddp.workload.losses import LossFn
+from elastic_ddp.workload.sampler import even_split
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean per-sample loss over the held-out set
+    accuracy: float | None  # fraction of correct predictions, None when targets are not class indices
+    samples: int
+
+
+def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, world_size: int,
+             batch_size: int, device: torch.device, distributed: bool) -> EvalResult:
+    """The held-out loss (and accuracy) of `model` over all ranks (see the module docstring)."""
+    if distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    start, stop = even_split(len(dataset), world_size, rank)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    classified = torch.zeros((), dtype=torch.float64, device=device)  # samples whose targets are class indices
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for first in range(start, stop, batch_size):
+                inputs, targets = (item.to(device) for item in
+                                   default_collate([dataset[i] for i in range(first, min(stop, first + batch_size))]))
+                outputs = model(inputs)
+                loss_sum += loss_fn(outputs, targets).double().sum()
+                if _are_class_indices(outputs, targets):
+                    correct += (outputs.argmax(dim=1) == targets).sum()
+                    classified += len(targets)
+    finally:
+        model.train(was_training)
+    sums = torch.stack([loss_sum, correct, classified])
+    if distributed:
+        dist.all_reduce(sums)
+    loss_total, correct_total, classified_total = sums.tolist()
+    samples = len(dataset)
+    accuracy = correct_total / classified_total if classified_total == samples else None
+    return EvalResult(loss=loss_total / samples, accuracy=accuracy, samples=samples)
+
+
+def _are_class_indices(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    return (not targets.is_floating_point() and targets.dim() == 1 and outputs.dim() == 2
+            and len(outputs) == len(targets))
+

@@ -1,0 +1,180 @@
+"""What one worker group tells about itself, in one object: the trainer's only way out.
+
+`RunLog` gathers the event log (rank 0), this rank's audit lines (`--audit_log`), progress on
+rank 0 (a bar or log lines), TensorBoard scalars (`--tensorboard_dir`), the `[rank/world step N]`
+log prefix and the start-up timeline. The trainer calls one method per thing that happened
+(`started`, `restored`, `step_committed`, ...) and never touches the pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
+from elastic_ddp.training.evaluation import EvalResult
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.audit import AuditLog
+from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.runlog.reader import next_round, work_lost
+from elastic_ddp.runlog.progress import ProgressReporter, source_text
+from elastic_ddp.runlog.startup import StartupTimeline
+from elastic_ddp.runlog.tensorboard import TensorBoardScalars, open_scalars
+from elastic_ddp.runlog.worker_logging import RankPrefix
+from elastic_ddp.workload.sampler import StepPlan
+from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot
+from elastic_ddp.snapshot.files.backends import open_storage
+
+logger = logging.getLogger(__name__)
+
+
+def default_event_log(checkpoint_dir: str) -> Path:
+    """CHECKPOINT_DIR/events.jsonl; ./events.jsonl when snapshots go to an object store."""
+    directory = open_storage(checkpoint_dir).local_directory
+    return (directory if directory is not None else Path.cwd()) / schema.EVENT_LOG_NAME
+
+
+class RunLog:
+    """Everything one incarnation reports (see the module docstring). Close it when done."""
+
+    def __init__(self, config: TrainingConfig, context: DistributedContext, incarnation: int,
+                 steps_per_epoch: int, startup: StartupTimeline, log_prefix: RankPrefix | None = None):
+        self.config = config
+        self.context = context
+        self.incarnation = incarnation
+        self.startup = startup
+        self.log_prefix = log_prefix
+        self.events = EventLog(config.event_log or default_event_log(config.checkpoint_dir), incarnation,
+                               enabled=context.is_main)
+        self.audit = (AuditLog(config.audit_log, incarnation, context.rank, context.world_size)
+                      if config.audit_log else None)
+        self.progress = ProgressReporter(config.progress, config.epochs, steps_per_epoch, enabled=context.is_main)
+        self.scalars: TensorBoardScalars | None = None
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def started(self) -> None:
+        """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""
+        ctx = self.context
+        mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": agent_pid(),
+                "group_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": ctx.local_rank}
+        ranks: list[Any] = [mine]
+        if ctx.is_distributed and dist.is_initialized():
+            ranks = [None] * ctx.world_size
+            dist.all_gather_object(ranks, mine)
+        self.events.emit(schema.START, round=next_round(self.events.path) if ctx.is_main else None,
+                         world_size=ctx.world_size, local_world_size=ctx.local_world_size,
+                         nodes=len({(r["host"], r["agent_pid"]) for r in ranks}), ranks=ranks,
+                         restart_count=ctx.restart_count, run_id=ctx.run_id)
+
+    def restored(self, restored: RestoredSnapshot | None) -> None:
+        """What the restore found: the `restore` event and its one-line announcement (rank 0)."""
+        self.startup.mark("restored")
+        step = restored.snapshot.global_step if restored is not None else 0
+        self._set_step(step)
+        if self.context.is_main:
+            self.scalars = open_scalars(self.config.tensorboard_dir, resumed_from_step=step)
+        if restored is None:
+            return
+        snapshot = restored.snapshot
+        lost = work_lost(self.events.path, snapshot.global_step) if self.context.is_main else None
+        lost_steps, lost_seconds = lost if lost is not None else (None, None)
+        self.events.emit(
+            schema.RESTORE, global_step=snapshot.global_step, epoch=snapshot.epoch,
+            samples_consumed=snapshot.samples_consumed, checksum=restored.checksum, verified=True,
+            source=restored.source, source_rank=restored.source_rank, source_host=restored.source_host,
+            file=restored.entry.file if restored.entry else None,
+            previous_world_size=snapshot.world_size, world_size=self.context.world_size,
+            lost_steps=lost_steps, lost_seconds=lost_seconds)
+        self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
+                                       snapshot.world_size, self.context.world_size, lost_steps, lost_seconds,
+                                       source=source_text(restored.source, restored.source_rank, restored.source_host))
+
+    def finished(self, global_step: int, seconds: float) -> None:
+        self.events.emit(schema.FINISHED, global_step=global_step, seconds=round(seconds, 3))
+        logger.info("finished: %d epochs, step %d; snapshots in %s", self.config.epochs, global_step,
+                    self.config.checkpoint_dir)
+
+    def drained(self, global_step: int, durable: bool | None, seconds_since_signal: float | None) -> None:
+        self.events.emit(schema.DRAIN, global_step=global_step, snapshot_durable=durable,
+                         seconds_since_signal=seconds_since_signal)
+        # A worker cannot tell why torchrun sent SIGTERM: it re-forms the group (a node joined or
+        # left) or this node is leaving. Neither is an error.
+        logger.info("SIGTERM from torchrun (the worker group is re-formed, or this node leaves): stopped at step %d; "
+                    "final snapshot durable: %s", global_step,
+                    "yes" if durable else "see rank 0" if durable is None else "NO")
+
+    def stopped_early(self, global_step: int, last_plan: StepPlan | None, reason: str) -> None:
+        """Training stopped before its end (`reason`). The audit log gets every rank's share of the
+        last step this rank committed: a finished gradient all-reduce means every rank trained its
+        share, and a rank that died right after cannot write its line (docs/failure-semantics.md)."""
+        logger.info("training stopped at step %d: %s", global_step, reason)
+        if self.audit is not None and last_plan is not None:
+            world_size = self.context.world_size
+            for rank in range(world_size):
+                if rank != self.context.rank:
+                    self.audit.record_step_for(rank, last_plan.epoch, global_step,
+                                               last_plan.samples_of(rank, world_size))
+
+    def close(self) -> None:
+        for close in (self.audit.close if self.audit else None, self.progress.close,
+                      self.scalars.close if self.scalars else None, self.events.close):
+            if close is not None:
+                close()
+
+    # ------------------------------------------------------------------------------- training
+
+    def epoch_started(self, epoch: int, steps_done: int) -> None:
+        self.progress.start_epoch(epoch, steps_done=steps_done)
+
+    def step_committed(self, plan: StepPlan, global_step: int) -> None:
+        """One optimizer step is committed: audit line, `step` event, progress, start-up timeline."""
+        self._set_step(global_step)
+        if self.audit is not None:
+            self.audit.record_step(plan.epoch, global_step, plan.rank_samples)
+        self.events.emit(schema.STEP, global_step=global_step, epoch=plan.epoch)
+        self.progress.advance()
+        if "first_step" not in self.startup.marks:
+            self.startup.mark("first_step")
+            self.events.emit(schema.STARTUP, global_step=global_step, process_started=self.startup.process_started,
+                             seconds=self.startup.marks)
+
+    def epoch_ended(self, epoch: int, global_step: int) -> None:
+        self.progress.end_epoch()
+        self.events.emit(schema.EPOCH_END, epoch=epoch, global_step=global_step)
+
+    def evaluated(self, global_step: int, epoch: int, result: EvalResult) -> None:
+        """An evaluation on the held-out set (rank 0 writes it): a log line, an `eval` event, scalars."""
+        if not self.context.is_main:
+            return
+        accuracy = f", accuracy {result.accuracy:.4f}" if result.accuracy is not None else ""
+        logger.info("eval at step %d (epoch %d): held-out loss %.4f%s over %d samples", global_step, epoch + 1,
+                    result.loss, accuracy, result.samples)
+        self.events.emit(schema.EVAL, global_step=global_step, epoch=epoch, loss=result.loss,
+                         accuracy=result.accuracy, samples=result.samples)
+        if self.scalars is not None:
+            values = {"eval_loss": result.loss}
+            if result.accuracy is not None:
+                values["eval_accuracy"] = result.accuracy
+            self.scalars.add(global_step, time.time(), **values)
+
+    def report_progress(self, global_step: int, epoch: int, loss: float, lr: float, samples_per_second: float) -> None:
+        """The numbers of the last --log_interval steps, already reduced over all ranks."""
+        world_size = self.context.world_size
+        self.progress.report(global_step, epoch, loss, lr, samples_per_second, world_size)
+        self.events.emit(schema.PROGRESS, global_step=global_step, epoch=epoch, loss=loss, lr=lr,
+                         samples_per_second=round(samples_per_second, 1), world_size=world_size)
+        if self.scalars is not None:
+            self.scalars.add(global_step, time.time(), loss=loss, lr=lr, samples_per_second=samples_per_second,
+                             world_size=world_size)
+
+    def _set_step(self, global_step: int) -> None:
+        if self.log_prefix is not None:
+            self.log_prefix.step = global_step

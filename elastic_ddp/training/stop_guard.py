@@ -1,0 +1,93 @@
+"""When training stops before its end: keep the last committed step, whoever stops it.
+
+Three things end a worker's training early: an exception (a collective failed because a peer died,
+the collective timeout, a bug), a drain (SIGTERM: torchrun re-forms the group, or the node leaves),
+and the peer watchdog (a peer sent no heartbeat within the bound). Each keeps the same thing, the
+state of the last step this rank committed: in node memory (`SnapshotSession.keep_in_memory`), and
+in the audit log, the shares of every rank of that step (`RunLog.stopped_early`: a rank that died
+right after the all-reduce never wrote its own). docs/failure-semantics.md, "What a failure costs".
+
+`StopGuard` is what the trainer uses for that:
+
+    guard = StopGuard(state, run_log, snapshots, context, watchdog_timeout_s)
+    with guard.watching_peers(incarnation):     # the watchdog, for the whole worker group's life
+        ...
+        with guard.keeping_the_last_step():     # any exception out of training keeps it
+            ... guard.committed(plan) after each committed step ...
+    guard.keep("drain")                         # a drain keeps it before its final snapshot
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from elastic_ddp.runtime.distributed import DistributedContext, end_worker_now
+from elastic_ddp.runtime.drain import DrainRequested
+from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.workload.sampler import StepPlan
+from elastic_ddp.snapshot.manager import SnapshotSession
+from elastic_ddp.snapshot.training_state import TrainingState
+from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
+
+
+class StopGuard:
+    """Keeps the last committed step of one worker group's training (see the module docstring)."""
+
+    def __init__(self, state: TrainingState, run_log: RunLog, snapshots: SnapshotSession,
+                 context: DistributedContext, watchdog_timeout_s: float, distributed: bool):
+        self.state, self.run_log, self.snapshots = state, run_log, snapshots
+        self.context = context
+        self.watchdog_timeout_s = watchdog_timeout_s if distributed else 0
+        self.last_plan: StepPlan | None = None  # of the last step committed by this worker group
+        self._kept_step: int | None = None
+        self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
+
+    def committed(self, plan: StepPlan) -> None:
+        """Step `plan` is committed (call it inside the commit, see `TrainingState.updating`)."""
+        self.last_plan = plan
+
+    def keep(self, reason: str) -> None:
+        """Keep the last committed step now (audit shares, memory copy); once per step."""
+        with self._lock:
+            if self._kept_step == self.state.global_step:
+                return
+            self.run_log.stopped_early(self.state.global_step, self.last_plan, reason)
+            self.snapshots.keep_in_memory(self.state, reason)
+            self._kept_step = self.state.global_step
+
+    @contextlib.contextmanager
+    def keeping_the_last_step(self) -> Iterator[None]:
+        """Whatever exception leaves the block, keep the last committed step, then re-raise."""
+        try:
+            yield
+        except BaseException as exc:
+            self.keep("drain" if isinstance(exc, DrainRequested) else f"{type(exc).__name__}: {exc}"[:300])
+            raise
+
+    @contextlib.contextmanager
+    def watching_peers(self, incarnation: int) -> Iterator[None]:
+        """The peer watchdog for the block (none when off, or without a process group). On the way
+        out this rank is marked as left, unless it failed: then its peers must find it silent, as
+        a dead one (under NCCL nothing else would tell them)."""
+        if not self.watchdog_timeout_s:
+            yield
+            return
+        watchdog = PeerWatchdog(self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
+                                on_silent=self._stop_for_silent_peer).start()
+        try:
+            yield
+        except DrainRequested:
+            watchdog.leave()
+            raise
+        except BaseException:
+            watchdog.stop()
+            raise
+        watchdog.leave()
+
+    def _stop_for_silent_peer(self, reason: str) -> None:
+        """From the watchdog's thread: keep the last committed step, then end the process (the main
+        thread may be blocked in a collective that never returns)."""
+        self.keep(f"peer watchdog: {reason}")
+        end_worker_now(SILENT_PEER_EXIT_CODE)
