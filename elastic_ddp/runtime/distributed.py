@@ -71,6 +71,11 @@ class DistributedContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def in_process_group(self) -> bool:
+        """Launched by torchrun and the default process group is up: collectives can be called."""
+        return self.is_distributed and dist.is_initialized()
+
 
 def agent_pid() -> int:
     """The pid of the torchrun agent that started this worker (this process's parent, or its
@@ -87,7 +92,7 @@ def agent_pid() -> int:
 def agree_on_incarnation(context: DistributedContext) -> int:
     """A number shared by all ranks of this worker-group start, larger than any before it: rank 0's
     clock in microseconds (a collective)."""
-    if not (context.is_distributed and dist.is_initialized()):
+    if not context.in_process_group:
         return time.time_ns() // 1000
     value = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=context.device)
     dist.broadcast(value, src=0)

@@ -21,7 +21,6 @@ import logging
 import time
 from typing import Any
 
-import torch.distributed as dist
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runtime.distributed import DistributedContext
@@ -69,10 +68,6 @@ class SnapshotSession:
             return None
         return MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint, token)
 
-    @property
-    def _distributed(self) -> bool:
-        return self.context.is_distributed and dist.is_initialized()
-
     def start(self) -> None:
         """Agree on replica targets and start replication (collective)."""
         self.replication = Replication.start(self.store, self.context, self.config.snapshot_replicas, self.events)
@@ -105,7 +100,7 @@ class SnapshotSession:
     def save(self, state: TrainingState) -> None:
         """Snapshot `state` now (collective: every rank's RNG); rank 0 queues the write."""
         self.last_saved_step = state.global_step
-        if self._distributed:
+        if self.context.in_process_group:
             rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
         else:
             rng_per_rank = [capture_rng_state()]

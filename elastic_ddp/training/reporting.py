@@ -66,7 +66,7 @@ class RunLog:
         mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": agent_pid(),
                 "group_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": ctx.local_rank}
         ranks: list[Any] = [mine]
-        if ctx.is_distributed and dist.is_initialized():
+        if ctx.in_process_group:
             ranks = [None] * ctx.world_size
             dist.all_gather_object(ranks, mine)
         self.events.emit(schema.START, round=next_round(self.events.path) if ctx.is_main else None,

@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
@@ -114,7 +113,7 @@ class Trainer:
 
     @property
     def _distributed(self) -> bool:
-        return self.context.is_distributed and dist.is_initialized()
+        return self.context.in_process_group
 
     # ------------------------------------------------------------------------------- lifecycle
 

@@ -100,7 +100,7 @@ class Replication:
     def start(cls, store: SnapshotStore, context: DistributedContext, replicas: int,
               events: EventLog) -> Replication:
         """Agree on the targets, form their group and start the threads. Collective over the job."""
-        if replicas == 0 or not (context.is_distributed and dist.is_initialized()):
+        if replicas == 0 or not context.in_process_group:
             return cls()
         directories, writable = shared_directories(store, context)
         can_receive = (context.local_rank == 0 and context.rank != 0 and writable

@@ -175,7 +175,7 @@ def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
 
 
 def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:
-    if not (context.is_distributed and dist.is_initialized()):
+    if not context.in_process_group:
         return [mine]
     offers: list[Any] = [None] * context.world_size
     dist.all_gather_object(offers, mine)
