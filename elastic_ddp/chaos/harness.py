@@ -34,14 +34,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.testbed.local_cluster import C10D_BACKENDS, LAUNCHER, LocalJob, LocalNode, port_is_listening, wait_for
+from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
 from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runtime.procfs import process_is_alive, process_tree
-from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import EventFollower
+from elastic_ddp.runtime.procfs import process_is_alive, process_tree
+from elastic_ddp.testbed.local_cluster import (
+    C10D_BACKENDS,
+    LAUNCHER,
+    JobEnded,
+    LocalJob,
+    LocalNode,
+    port_is_listening,
+    wait_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +59,6 @@ POLL_SECONDS = 0.005
 HARNESS_AGENT_ENV = {**AGENT_ENV, "LOGLEVEL": "INFO"}
 # torchrun logs this (at INFO) just before it connects to the rendezvous store.
 AGENT_READY_LINE = "Starting elastic_operator with launch configs"
-
-
-class JobEnded(Exception):
-    """Every agent has exited: no later fault can fire."""
 
 
 class DeadlineExceeded(Exception):
@@ -199,7 +203,7 @@ class ChaosHarness:
         if time.monotonic() > self._deadline:
             raise DeadlineExceeded(f"the run did not finish within {self.deadline_s:.0f} s")
         if not any(node.is_running() for node in self.job.nodes if self.state[node.name] in ("live", "terminated")):
-            raise JobEnded()
+            raise JobEnded("every agent has exited: no later fault can fire")
 
     def _wait_for_trigger(self, fault: Fault, since: float, joiner: int | None) -> Callable[[FaultRecord], None]:
         """Poll the event log until `fault` may fire and its target is known; return the firing."""

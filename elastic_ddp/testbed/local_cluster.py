@@ -21,14 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from elastic_ddp.runtime.procfs import process_tree
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
+from elastic_ddp.runtime.procfs import process_tree
 
 # The backends whose store lives in the first node's agent (torch's, and ours built on it).
 C10D_BACKENDS = ("c10d", "elastic-c10d")
-from elastic_ddp.runlog.reader import read_events
-from elastic_ddp.runlog.schema import EVENT_LOG_NAME
-
 # The agent program: torchrun with workers forked from a warm fork server and dead-node probes
 # (elastic_ddp/agent/launcher.py); STOCK_LAUNCHER is plain torchrun.
 LAUNCHER = "elastic_ddp.agent.launcher"
@@ -103,8 +102,9 @@ def signal_tree(root_pid: int, sig: int) -> list[int]:
     return pids
 
 
-class JobEnded(AssertionError):
-    """Every node of a job exited before the condition a caller waited for came true."""
+class JobEnded(Exception):
+    """Every node of a job exited, so what a caller waits for (a step, an event, a fault's trigger)
+    can no longer happen. Tests let it fail the test; the chaos harness stops playing its plan."""
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1,
