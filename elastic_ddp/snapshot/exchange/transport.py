@@ -29,13 +29,14 @@ parse is refused only after its bytes arrived (its sizes were within the limits)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 
 # A header is a few hundred bytes of JSON; anything much larger is not one of ours.
 MAX_HEADER_BYTES = 64 * 1024
@@ -80,24 +81,14 @@ class Frame:
     payload: bytes
 
 
-def encode_header(header: dict[str, Any]) -> bytes:
-    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-
-
 def parse_header(raw: bytes) -> dict[str, Any]:
-    """The JSON object in `raw`; FrameError for anything else (bad UTF-8, bad JSON, not an object,
-    non-finite numbers, nesting too deep)."""
+    """The JSON object in `raw`; FrameError for anything else (the contract of
+    `snapshot.files.strict_json`: bad UTF-8, bad JSON, not an object, non-finite numbers, nesting
+    too deep)."""
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FrameError(f"frame header is not JSON ({type(exc).__name__})") from exc
-    if not isinstance(header, dict):
-        raise FrameError(f"frame header is a JSON {type(header).__name__}, not an object")
-    return header
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a frame header")
+        return parse_object(raw)
+    except StrictJSONError as exc:
+        raise FrameError(f"frame header is {exc}") from exc
 
 
 class ProcessGroupTransport:
@@ -121,7 +112,7 @@ class ProcessGroupTransport:
 
         Returns which ranks of the group accepted it, by group rank (this one included).
         """
-        raw_header = encode_header(header)
+        raw_header = encode_object(header)
         sizes = torch.tensor([len(raw_header), len(payload)], dtype=torch.int64, device=self.device)
         self._broadcast(sizes, source_rank)
         accepted = self._vote(accepts=True)

@@ -18,7 +18,6 @@ a header is checked before use (it is file content: untrusted input).
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any, BinaryIO
 
 from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM, checksum_text, matches, new_hasher, parse_checksum
 from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 
 FORMAT_VERSION = 2
 MAGIC = b"EDDPSNAP"
@@ -60,16 +60,16 @@ class SnapshotHeader:
                     "samples_consumed": self.samples_consumed, "world_size": self.world_size,
                     "incarnation": self.incarnation, "wall_time": self.wall_time, "fingerprint": self.fingerprint,
                     "components": list(self.components)}
-        return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+        return encode_object(document)
 
     @classmethod
     def from_bytes(cls, raw: bytes, source: str) -> SnapshotHeader:
         """Parse an untrusted header; SnapshotError names the file and the first bad field."""
         try:
-            document = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise SnapshotError(f"{source}: its header is not JSON ({type(exc).__name__})") from exc
-        if not isinstance(document, dict) or document.get("format") != FORMAT_VERSION:
+            document = parse_object(raw)
+        except StrictJSONError as exc:
+            raise SnapshotError(f"{source}: its header is {exc}") from exc
+        if document.get("format") != FORMAT_VERSION:
             raise SnapshotError(f"{source}: its header is not an elastic_ddp snapshot header of format "
                                 f"{FORMAT_VERSION}")
         for name in ("global_step", "epoch", "samples_consumed", "world_size", "incarnation"):
@@ -102,10 +102,6 @@ class Seal:
     @property
     def payload_start(self) -> int:
         return PREFIX_BYTES + self.header_bytes
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
 
 
 # Chunks at least this large are hashed on a helper thread while the same bytes are written.
