@@ -3,7 +3,7 @@
     session = SnapshotSession(config, context, events, fingerprint, incarnation)
     session.start()                       # collective: replica targets
     restored = session.restore(state)     # collective: the newest state any rank can read
-    ... session.save(state) at the trainer's cadence (collective: every rank's RNG) ...
+    session.save(state, epoch_ended=...)  # after every step: saves when its cadence says so
     session.keep_in_memory(state, why)    # training stopped early: this node keeps the last step
     session.finish()                      # the last snapshot durable and replicated
     session.close()                       # always, also when training raised
@@ -21,20 +21,19 @@ import logging
 import time
 from typing import Any
 
-
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.snapshot.files.errors import SnapshotError
-from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
-from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.exchange.replication import Replication
+from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.snapshot_store import ManifestEntry, SnapshotStore
+from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
 from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
-from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
-from elastic_ddp.snapshot.background_writer import SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +96,22 @@ class SnapshotSession:
         else:
             self.replication.offer(restored.entry)
 
-    def save(self, state: TrainingState) -> None:
-        """Snapshot `state` now (collective: every rank's RNG); rank 0 queues the write."""
+    def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
+        """Snapshot `state` if the cadence asks for one: every --snapshot_every_steps steps, at
+        each epoch end, and on `final` (a drain) unless this step is saved already. Call it after
+        every committed step on every rank: when it saves it is a collective (every rank's RNG),
+        and rank 0 queues the write. Returns whether it saved."""
+        step = state.global_step
+        every = self.config.snapshot_every_steps
+        if final:
+            due = self.last_saved_step != step
+        else:
+            due = epoch_ended or bool(every and step % every == 0)
+        if due:
+            self._save_now(state)
+        return due
+
+    def _save_now(self, state: TrainingState) -> None:
         self.last_saved_step = state.global_step
         if self.context.in_process_group:
             rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)

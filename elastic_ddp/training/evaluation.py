@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.workload.losses import LossFn
 from elastic_ddp.workload.sampler import even_split
 
@@ -33,6 +34,26 @@ class EvalResult:
     loss: float  # mean per-sample loss over the held-out set
     accuracy: float | None  # fraction of correct predictions, None when targets are not class indices
     samples: int
+
+
+class Evaluator:
+    """Evaluation on a schedule: every `every_steps` optimizer steps (0: never) and at each epoch end."""
+
+    def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn, context: DistributedContext,
+                 every_steps: int, batch_size: int):
+        self.model, self.dataset, self.loss_fn, self.context = model, dataset, loss_fn, context
+        self.every_steps = every_steps
+        self.batch_size = batch_size
+
+    def should_evaluate(self, global_step: int, epoch_ended: bool) -> bool:
+        """Whether the step just committed is one to evaluate at (the same answer on every rank)."""
+        return epoch_ended or bool(self.every_steps and global_step % self.every_steps == 0)
+
+    def evaluate(self) -> EvalResult:
+        """Held-out loss and accuracy over all current ranks (a collective: every rank calls it)."""
+        ctx = self.context
+        return evaluate(self.model, self.dataset, self.loss_fn, ctx.rank, ctx.world_size, self.batch_size,
+                        ctx.device, ctx.in_process_group)
 
 
 def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, world_size: int,

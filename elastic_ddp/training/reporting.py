@@ -3,11 +3,14 @@
 `RunLog` gathers the event log (rank 0), this rank's audit lines (`--audit_log`), progress on
 rank 0 (a bar or log lines), TensorBoard scalars (`--tensorboard_dir`), the `[rank/world step N]`
 log prefix and the start-up timeline. The trainer calls one method per thing that happened
-(`started`, `restored`, `step_committed`, ...) and never touches the pieces.
+(`started`, `restored`, `step_committed`, ...) and never touches the pieces. It also owns the
+progress windows: the loss and throughput of every --log_interval steps, reduced over all ranks
+without making training wait (loss_window.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -15,22 +18,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
-from elastic_ddp.training.evaluation import EvalResult
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runlog.reader import next_round, work_lost
 from elastic_ddp.runlog.progress import ProgressReporter, source_text
+from elastic_ddp.runlog.reader import next_round, work_lost
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.tensorboard import TensorBoardScalars, open_scalars
 from elastic_ddp.runlog.worker_logging import RankPrefix
-from elastic_ddp.workload.sampler import StepPlan
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot
 from elastic_ddp.snapshot.files.backends import open_storage
+from elastic_ddp.training.evaluation import EvalResult
+from elastic_ddp.training.loss_window import LossWindow, WindowReport
+from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ class RunLog:
                       if config.audit_log else None)
         self.progress = ProgressReporter(config.progress, config.epochs, steps_per_epoch, enabled=context.is_main)
         self.scalars: TensorBoardScalars | None = None
+        self.window = LossWindow(context.device)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -64,7 +70,7 @@ class RunLog:
         """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""
         ctx = self.context
         mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": agent_pid(),
-                "group_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": ctx.local_rank}
+                "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": ctx.local_rank}
         ranks: list[Any] = [mine]
         if ctx.in_process_group:
             ranks = [None] * ctx.world_size
@@ -133,10 +139,17 @@ class RunLog:
 
     def epoch_started(self, epoch: int, steps_done: int) -> None:
         self.progress.start_epoch(epoch, steps_done=steps_done)
+        self.window = LossWindow(self.context.device)
 
-    def step_committed(self, plan: StepPlan, global_step: int) -> None:
-        """One optimizer step is committed: audit line, `step` event, progress, start-up timeline."""
+    def step_committed(self, plan: StepPlan, global_step: int, loss_sum: torch.Tensor, lr: float) -> None:
+        """One optimizer step is committed: audit line, `step` event, progress, start-up timeline,
+        and the progress window (`loss_sum` over this rank's samples; a collective every
+        --log_interval steps, so every rank calls it after every step)."""
         self._set_step(global_step)
+        self.window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
+        self._report(self.window.take_report())  # the window closed a step or more ago, once reduced
+        if global_step % self.config.log_interval == 0:
+            self.window.close(global_step, plan.epoch, lr, self.context.in_process_group)
         if self.audit is not None:
             self.audit.record_step(plan.epoch, global_step, plan.rank_samples)
         self.events.emit(schema.STEP, global_step=global_step, epoch=plan.epoch)
@@ -147,6 +160,7 @@ class RunLog:
                              seconds=self.startup.marks)
 
     def epoch_ended(self, epoch: int, global_step: int) -> None:
+        self._report(self.window.finish())  # the epoch's last window, before its summary line
         self.progress.end_epoch()
         self.events.emit(schema.EPOCH_END, epoch=epoch, global_step=global_step)
 
@@ -174,6 +188,16 @@ class RunLog:
         if self.scalars is not None:
             self.scalars.add(global_step, time.time(), loss=loss, lr=lr, samples_per_second=samples_per_second,
                              world_size=world_size)
+
+    def training_interrupted(self) -> None:
+        """Training raised: report a window already reduced before the failure, never waiting for
+        one (the group may be broken). Its reduce came before the failed step's collectives."""
+        with contextlib.suppress(Exception):
+            self._report(self.window.take_report())
+
+    def _report(self, report: WindowReport | None) -> None:
+        if report is not None:
+            self.report_progress(report.global_step, report.epoch, report.loss, report.lr, report.samples_per_second)
 
     def _set_step(self, global_step: int) -> None:
         if self.log_prefix is not None:

@@ -1,4 +1,15 @@
-"""The optimizer and learning-rate schedule the trainer builds when you bring none."""
+"""What the trainer builds when you bring less: the optimizer, the schedule, the scaler, autocast.
+
+`build_training_state` assembles the `TrainingState` a run snapshots from your model, your
+optimizer and scheduler if you gave them, and the defaults below otherwise:
+
+- `--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr` and `--weight_decay`;
+- a linear warm-up (`--warmup_steps`) then cosine decay to zero over all epochs;
+- a GradScaler, enabled only for fp16 autocast (`--use_amp` on CUDA); bf16 on CPU needs none.
+
+Not guaranteed: a scheduler you bring is stepped once per optimizer step and saved with the
+state; one whose state_dict does not capture its position resumes from the wrong place.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,8 @@ from collections.abc import Iterable
 import torch
 
 from elastic_ddp.config import TrainingConfig
+from elastic_ddp.snapshot.training_state import ScalerState, StepCounter, TrainingState
+from elastic_ddp.workload.sampler import ElasticSampler
 
 
 def build_optimizer(config: TrainingConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -26,3 +39,25 @@ def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast_dtype(config: TrainingConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `--use_amp`: fp16 on CUDA, bf16 on CPU; None without AMP."""
+    if not config.use_amp:
+        return None
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def build_training_state(model: torch.nn.Module, dataset_size: int, config: TrainingConfig, device: torch.device,
+                         optimizer: torch.optim.Optimizer | None = None,
+                         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainingState:
+    """The state of a run of `model` (already on `device`) over `dataset_size` samples, with the
+    defaults of the module docstring for what is None."""
+    optimizer = optimizer or build_optimizer(config, model.parameters())
+    sampler = ElasticSampler(dataset_size, config.global_batch_size, config.seed, config.drop_last)
+    if scheduler is None:
+        scheduler = warmup_cosine_schedule(optimizer, config.warmup_steps, config.epochs * sampler.steps_per_epoch)
+    fp16 = autocast_dtype(config, device) == torch.float16
+    return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler,
+                         grad_scaler=ScalerState(torch.amp.GradScaler("cuda", enabled=fp16)),
+                         sampler=sampler, progress=StepCounter())

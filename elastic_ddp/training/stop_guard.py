@@ -9,12 +9,12 @@ right after the all-reduce never wrote its own). docs/failure-semantics.md, "Wha
 
 `StopGuard` is what the trainer uses for that:
 
-    guard = StopGuard(state, run_log, snapshots, context, watchdog_timeout_s)
+    guard = StopGuard(state, run_log, snapshots, context, drain, epochs, watchdog_timeout_s)
     with guard.watching_peers(incarnation):     # the watchdog, for the whole worker group's life
         ...
         with guard.keeping_the_last_step():     # any exception out of training keeps it
-            ... guard.committed(plan) after each committed step ...
-    guard.keep("drain")                         # a drain keeps it before its final snapshot
+            ... guard.committed(plan) inside each commit ...
+            guard.drain_if_agreed()             # at each step boundary: SIGTERM -> final snapshot, stop
 """
 
 from __future__ import annotations
@@ -24,22 +24,24 @@ import threading
 from collections.abc import Iterator
 
 from elastic_ddp.runtime.distributed import DistributedContext, end_worker_now
-from elastic_ddp.runtime.drain import DrainRequested
-from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.workload.sampler import StepPlan
+from elastic_ddp.runtime.drain import DrainRequested, DrainSignal
+from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
 from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
-from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
+from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.workload.sampler import StepPlan
 
 
 class StopGuard:
     """Keeps the last committed step of one worker group's training (see the module docstring)."""
 
     def __init__(self, state: TrainingState, run_log: RunLog, snapshots: SnapshotSession,
-                 context: DistributedContext, watchdog_timeout_s: float, distributed: bool):
+                 context: DistributedContext, drain: DrainSignal, epochs: int, watchdog_timeout_s: float):
         self.state, self.run_log, self.snapshots = state, run_log, snapshots
         self.context = context
-        self.watchdog_timeout_s = watchdog_timeout_s if distributed else 0
+        self.drain = drain
+        self.epochs = epochs
+        self.watchdog_timeout_s = watchdog_timeout_s if context.in_process_group else 0
         self.last_plan: StepPlan | None = None  # of the last step committed by this worker group
         self._kept_step: int | None = None
         self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
@@ -56,6 +58,18 @@ class StopGuard:
             self.run_log.stopped_early(self.state.global_step, self.last_plan, reason)
             self.snapshots.keep_in_memory(self.state, reason)
             self._kept_step = self.state.global_step
+
+    def drain_if_agreed(self) -> None:
+        """At a step boundary, on every rank: if any rank got SIGTERM (see runtime/drain.py), stop
+        here: keep the step, make a final snapshot durable and replicated, raise DrainRequested."""
+        if not self.drain.agreed() or self.state.sampler.epoch >= self.epochs:
+            return  # (a run whose last step is done simply finishes)
+        self.keep("drain")  # first: fast, and kept if SIGKILL comes during the snapshot write
+        self.snapshots.save(self.state, final=True)
+        self.drain.finish()
+        durable = self.snapshots.finish()  # a drained rank 0 takes its disk along: replicate first
+        self.run_log.drained(self.state.global_step, durable, self.drain.seconds_since_request())
+        raise DrainRequested(f"stopped on SIGTERM at step {self.state.global_step}")
 
     @contextlib.contextmanager
     def keeping_the_last_step(self) -> Iterator[None]:

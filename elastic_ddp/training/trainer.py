@@ -30,8 +30,10 @@ Contracts:
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
-What is saved is `TrainingState` (elastic_ddp/snapshot/training_state.py); where it goes, the snapshot
-session (elastic_ddp/snapshot/manager.py); what is reported, the run log (elastic_ddp/runlog).
+The loop asks and its components decide: the snapshot session when to snapshot
+(elastic_ddp/snapshot/manager.py), the evaluator when to evaluate (evaluation.py), the run log when
+to report progress (reporting.py), the stop guard when to drain (stop_guard.py). What is saved is
+`TrainingState` (elastic_ddp/snapshot/training_state.py), built by state_builder.py.
 """
 
 from __future__ import annotations
@@ -48,22 +50,24 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
-from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
-from elastic_ddp.runtime.drain import DrainRequested, DrainSignal
-from elastic_ddp.training.evaluation import evaluate
-from elastic_ddp.workload.losses import LossFn, per_sample_cross_entropy
-from elastic_ddp.training.state_builder import build_optimizer, warmup_cosine_schedule
-from elastic_ddp.training.loss_window import LossWindow, WindowReport
-from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix
-from elastic_ddp.workload.sampler import ElasticSampler, StepPlan
+from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
+from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.manager import SnapshotSession
-from elastic_ddp.snapshot.training_state import ScalerState, StepCounter, TrainingState, run_fingerprint
+from elastic_ddp.snapshot.training_state import run_fingerprint
+from elastic_ddp.training.evaluation import Evaluator
+from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.training.state_builder import autocast_dtype, build_training_state
+from elastic_ddp.training.step_hooks import MinimumStepTime
 from elastic_ddp.training.stop_guard import StopGuard
+from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
+from elastic_ddp.workload.losses import LossFn, check_per_sample, per_sample_cross_entropy
+from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
+
+StepHook = Callable[["Trainer"], None]
 
 
 class Trainer:
@@ -77,28 +81,22 @@ class Trainer:
                  sample_transform: SampleTransform | None = None,
                  context: DistributedContext | None = None,
                  log_prefix: RankPrefix | None = None,
-                 after_step: Callable[[Trainer], None] | None = None,
+                 after_step: StepHook | None = None,
                  startup: StartupTimeline | None = None):
         self.config = config
         self.context = context or DistributedContext.from_env(config.device)
         self.model = model.to(self.context.device)
         self.ddp_model: nn.Module = self.model
-        optimizer = optimizer or build_optimizer(config, self.model.parameters())
-        sampler = ElasticSampler(len(dataset), config.global_batch_size, config.seed, config.drop_last)
-        use_cuda = self.context.device.type == "cuda"
-        self.state = TrainingState(
-            model=self.model, optimizer=optimizer,
-            scheduler=scheduler or warmup_cosine_schedule(optimizer, config.warmup_steps,
-                                                          config.epochs * sampler.steps_per_epoch),
-            grad_scaler=ScalerState(torch.amp.GradScaler("cuda", enabled=config.use_amp and use_cuda)),
-            sampler=sampler, progress=StepCounter())
+        self.state = build_training_state(self.model, len(dataset), config, self.context.device, optimizer, scheduler)
         self.fingerprint = run_fingerprint(self.model, len(dataset), config.global_batch_size, config.seed,
                                            config.drop_last)
         self.samples = EpochSampleView(dataset, config.seed, sample_transform)
-        self.eval_dataset = eval_dataset
+        self.evaluator = (Evaluator(self.model, eval_dataset, loss_fn, self.context, config.eval_every_steps,
+                                    config.micro_batch_size) if eval_dataset is not None else None)
         self.loss_fn = loss_fn
-        self.autocast_dtype = (torch.float16 if use_cuda else torch.bfloat16) if config.use_amp else None
-        self.after_step = after_step
+        self.autocast_dtype = autocast_dtype(config, self.context.device)
+        self.after_step_hooks: list[StepHook] = [hook for hook in (
+            after_step, MinimumStepTime(config.min_step_time_s) if config.min_step_time_s else None) if hook]
         self.startup = startup or StartupTimeline()
         self.log_prefix = log_prefix
         self.drain = DrainSignal(self.context.device)
@@ -110,10 +108,6 @@ class Trainer:
     @property
     def global_step(self) -> int:
         return self.state.global_step
-
-    @property
-    def _distributed(self) -> bool:
-        return self.context.in_process_group
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -127,8 +121,8 @@ class Trainer:
         started = time.monotonic()
         incarnation = agree_on_incarnation(self.context)
         with self._incarnation(incarnation) as (log, snapshots):
-            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context,
-                                                self.config.watchdog_timeout_s, self._distributed)
+            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
+                                                self.config.epochs, self.config.watchdog_timeout_s)
             with guard.watching_peers(incarnation):
                 log.started()
                 snapshots.start()
@@ -146,10 +140,10 @@ class Trainer:
     def _incarnation(self, incarnation: int) -> Iterator[tuple[RunLog, SnapshotSession]]:
         """The run log and snapshot session of one `fit`, closed whatever happens."""
         self.run_log = RunLog(self.config, self.context, incarnation, self.state.sampler.steps_per_epoch,
-                           self.startup, self.log_prefix)
+                              self.startup, self.log_prefix)
         try:
             self.snapshots = SnapshotSession(self.config, self.context, self.run_log.events, self.fingerprint,
-                                              incarnation)
+                                             incarnation)
             try:
                 yield self.run_log, self.snapshots
             finally:
@@ -158,7 +152,7 @@ class Trainer:
             self.run_log.close()
 
     def _wrap_model(self) -> None:
-        if self._distributed:
+        if self.context.in_process_group:
             device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
             self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
             keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
@@ -175,25 +169,20 @@ class Trainer:
     def _train_epoch_remainder(self) -> None:
         ctx, sampler = self.context, self.state.sampler
         plans = sampler.plan_epoch_remainder(ctx.rank, ctx.world_size, self.config.micro_batch_size)
+        # A committed state never holds a finished epoch (the rollover is part of the commit), so
+        # there is always a step to plan; without one this loop would never end.
+        assert plans, f"epoch {sampler.epoch} has no step left at sample {sampler.samples_consumed}"
         batches = iter(plan_loader(self.samples, sampler.epoch, plans, self.config.num_workers,
                                    pin_memory=ctx.device.type == "cuda"))
         self.ddp_model.train()
-        window = LossWindow(ctx.device)
         self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
         try:
             for plan in plans:
-                step_started = time.monotonic()
                 loss_sum = self._forward_backward(plan, batches)
-                self._commit(plan)
-                window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
-                self._after_step(plan, window)
-                if self.config.min_step_time_s:
-                    time.sleep(max(0.0, self.config.min_step_time_s - (time.monotonic() - step_started)))
+                epoch_ended = self._commit(plan)
+                self._after_step(plan, loss_sum, epoch_ended)
         except BaseException:
-            # A window reduced before the failure is still reported (never waited for: the group
-            # may be broken). Its reduce came before the failed step's collectives, so it is done.
-            with contextlib.suppress(Exception):
-                self._report_progress(window.take_report())
+            self.run_log.training_interrupted()
             raise
 
     def _forward_backward(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
@@ -211,14 +200,15 @@ class Trainer:
                 with torch.autocast(self.context.device.type, dtype=self.autocast_dtype,
                                     enabled=self.autocast_dtype is not None):
                     losses = self.loss_fn(self.ddp_model(inputs), targets)
-                _check_per_sample(losses, len(inputs))
+                check_per_sample(losses, len(inputs))
                 loss = losses.float().sum()
                 scaler.scale(loss * loss_scale).backward()
             loss_sum += loss.detach()
         return loss_sum
 
-    def _commit(self, plan: StepPlan) -> None:
-        """Apply the step whole: optimizer, scaler, schedule, data position and step count."""
+    def _commit(self, plan: StepPlan) -> bool:
+        """Apply the step whole: optimizer, scaler, schedule, data position (rolled over into the
+        next epoch when this step ends one) and step count. Returns whether it ended the epoch."""
         scaler, state = self.state.grad_scaler.scaler, self.state
         with state.updating():
             scaler.step(state.optimizer)
@@ -226,8 +216,12 @@ class Trainer:
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.sampler.advance(plan.global_samples)
+            epoch_ended = state.sampler.epoch_finished
+            if epoch_ended:
+                state.sampler.start_next_epoch()
             state.progress.global_step += 1
             self.stop_guard.committed(plan)
+        return epoch_ended
 
     def _to_device(self, batch: Any) -> Any:
         non_blocking = self.context.device.type == "cuda"
@@ -238,54 +232,16 @@ class Trainer:
             self._empty_batch = empty_batch_like(self.samples)
         return self._empty_batch
 
-    def _after_step(self, plan: StepPlan, window: LossWindow) -> None:
-        sampler = self.state.sampler
-        self.run_log.step_committed(plan, self.global_step)
-        self._report_progress(window.take_report())  # the window closed a step or more ago, once reduced
-        if self.global_step % self.config.log_interval == 0:
-            window.close(self.global_step, plan.epoch, self.state.scheduler.get_last_lr()[0], self._distributed)
-        every = self.config.snapshot_every_steps
-        epoch_ended = sampler.epoch_finished
+    def _after_step(self, plan: StepPlan, loss_sum: torch.Tensor, epoch_ended: bool) -> None:
+        """Each component decides for itself what a committed step means to it, in this order on
+        every rank (their collectives must line up)."""
+        step = self.global_step
+        self.run_log.step_committed(plan, step, loss_sum, self.state.scheduler.get_last_lr()[0])
         if epoch_ended:
-            self._report_progress(window.finish())  # the epoch's last window, before its summary line
-            sampler.start_next_epoch()
-            self.run_log.epoch_ended(plan.epoch, self.global_step)
-            self.snapshots.save(self.state)
-        elif every and self.global_step % every == 0:
-            self.snapshots.save(self.state)
-        eval_every = self.config.eval_every_steps
-        if self.eval_dataset is not None and (epoch_ended or (eval_every and self.global_step % eval_every == 0)):
-            self._evaluate(plan.epoch)
-        self._drain_if_agreed()
-        if self.after_step is not None:
-            self.after_step(self)
-
-    def _report_progress(self, report: WindowReport | None) -> None:
-        if report is not None:
-            self.run_log.report_progress(report.global_step, report.epoch, report.loss, report.lr,
-                                         report.samples_per_second)
-
-    def _evaluate(self, epoch: int) -> None:
-        """Held-out loss and accuracy over all ranks, reported by rank 0 (a collective)."""
-        ctx = self.context
-        result = evaluate(self.model, self.eval_dataset, self.loss_fn, ctx.rank, ctx.world_size,
-                          self.config.micro_batch_size, ctx.device, self._distributed)
-        self.run_log.evaluated(self.global_step, epoch, result)
-
-    def _drain_if_agreed(self) -> None:
-        """If any rank got SIGTERM, stop every rank here: final snapshot, then DrainRequested."""
-        if not self.drain.agreed() or self.state.sampler.epoch >= self.config.epochs:
-            return  # (a run whose last step is done simply finishes)
-        self.stop_guard.keep("drain")  # first: fast, and kept if SIGKILL comes during the snapshot write
-        if self.snapshots.last_saved_step != self.global_step:
-            self.snapshots.save(self.state)
-        self.drain.finish()
-        durable = self.snapshots.finish()  # a drained rank 0 takes its disk along: replicate first
-        self.run_log.drained(self.global_step, durable, self.drain.seconds_since_request())
-        raise DrainRequested(f"stopped on SIGTERM at step {self.global_step}")
-
-
-def _check_per_sample(losses: torch.Tensor, samples: int) -> None:
-    if losses.dim() != 1 or losses.shape[0] != samples:
-        raise ValueError(f"--loss: the loss returned a tensor of shape {tuple(losses.shape)} for {samples} samples; "
-                         "expected one loss per sample, shape (samples,) (reduction='none')")
+            self.run_log.epoch_ended(plan.epoch, step)
+        self.snapshots.save(self.state, epoch_ended=epoch_ended)
+        if self.evaluator is not None and self.evaluator.should_evaluate(step, epoch_ended):
+            self.run_log.evaluated(step, plan.epoch, self.evaluator.evaluate())
+        self.stop_guard.drain_if_agreed()
+        for hook in self.after_step_hooks:
+            hook(self)

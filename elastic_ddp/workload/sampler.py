@@ -98,7 +98,8 @@ class ElasticSampler:
 
     Call `plan_epoch_remainder(rank, world_size, micro_batch_size)` at the start of an epoch (or
     after a restore), train the steps in order, and `advance(step.global_samples)` after each
-    committed optimizer step. `state_dict()` is independent of the world size.
+    committed optimizer step, then `start_next_epoch()` in the same commit once `epoch_finished`:
+    a committed state never holds a finished epoch. `state_dict()` is independent of the world size.
     """
 
     def __init__(self, dataset_size: int, global_batch_size: int, seed: int, drop_last: bool = False):
@@ -170,8 +171,12 @@ class ElasticSampler:
         return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Load a cursor. One at the very end of an epoch (a state committed before the epoch
+        rollover joined the commit) is the start of the next: it has no step left to plan."""
         epoch, consumed = int(state["epoch"]), int(state["samples_consumed"])
         if epoch < 0 or not 0 <= consumed <= self.epoch_length:
             raise ValueError(f"sampler state {state} does not fit a dataset of {self.dataset_size} samples "
                              f"with a global batch of {self.global_batch_size}")
         self.epoch, self.samples_consumed = epoch, consumed
+        if self.epoch_finished:
+            self.start_next_epoch()

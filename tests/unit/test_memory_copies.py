@@ -187,7 +187,7 @@ def test_the_audit_log_gets_every_ranks_share_of_the_last_committed_step(tmp_pat
                                  backend="gloo")
     log = RunLog(config, context, 0, len(plans), StartupTimeline())
     for step, plan in enumerate(plans[:5], start=1):
-        log.step_committed(plan, step)
+        log.step_committed(plan, step, torch.tensor(1.0), lr=0.1)
     log.stopped_early(5, plans[4], "RuntimeError: Connection reset by peer")
     log.stopped_early(5, plans[4], "again")
     log.close()
