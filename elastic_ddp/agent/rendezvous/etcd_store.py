@@ -57,13 +57,13 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
-from urllib.parse import quote
 
 from torch.distributed import DistStoreError, QueueEmptyError, Store
 
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd_store_queues import EtcdStoreQueues, mark_is
 
 T = TypeVar("T")
 
@@ -93,10 +93,10 @@ class EtcdV3Store(Store):
         self._connection = connection
         self._run_id = run_id
         self._prefix = run + "/store/"
-        self._queue_prefix = run + "/store-queues/"
         # Where `add`, `append` and `queue_pop` mark which of their writes landed; outside the
         # store's keys, so `num_keys` does not count them. One id per instance: see `_update`.
         self._marks = f"{run}/store-marks/{uuid.uuid4().hex}/"
+        self._queues = EtcdStoreQueues(connection, run + "/store-queues/", self._marks + "queues/")
         self._clones: list[EtcdV3Store] = []
         if timeout is not None:
             self.set_timeout(timeout)
@@ -225,10 +225,7 @@ class EtcdV3Store(Store):
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """See base class. Appends to queue `key`; not reachable through C++ (see module docstring)."""
-        item = self._queue_dir(key) + uuid.uuid4().hex  # chosen once: a retried put is the same item
-        data = _as_bytes(value)
-        self._connection.call(f"push to store queue {key!r}", lambda client: client.put(
-            item, data, lease=self._connection.lease_id(client)))
+        self._queues.push(key, _as_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """See base class. Takes the oldest item of queue `key`; each item goes to one caller.
@@ -237,27 +234,21 @@ class EtcdV3Store(Store):
         QueueEmptyError at once if the queue is empty.
         """
         if not block:
-            value = self._pop_oldest(key)
+            value = self._queues.pop_oldest(key)
             if value is None:
-                raise QueueEmptyError(f"queue {key!r} under {self._queue_prefix} in etcd is empty")
+                raise QueueEmptyError(f"queue {key!r} under {self._queues.prefix} in etcd is empty")
             return value
-        return self._poll("queue_pop", self.timeout, lambda: self._pop_oldest(key),
-                          lambda: f"an item of queue {key!r} under {self._queue_prefix}")
+        return self._poll("queue_pop", self.timeout, lambda: self._queues.pop_oldest(key),
+                          lambda: f"an item of queue {key!r} under {self._queues.prefix}")
 
     def queue_len(self, key: str) -> int:
         """See base class. The number of items in queue `key` now."""
-        response = self._connection.call(f"count store queue {key!r}", lambda client: client.get_prefix_response(
-            self._queue_dir(key), keys_only=True, count_only=True))
-        return response.count
+        return self._queues.length(key)
 
     # --- helpers ------------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
         return self._prefix + key
-
-    def _queue_dir(self, key: str) -> str:
-        # Quoted, '/' included, so that queue "a" never lists the items of queue "a/b".
-        return self._queue_prefix + quote(key, safe="") + "/"
 
     def _read(self, key: str) -> tuple[bytes | None, int]:
         value, metadata = self._connection.call(f"read store key {key!r}", lambda client: client.get(self._key(key)))
@@ -278,12 +269,8 @@ class EtcdV3Store(Store):
             new = change(value)
             if self._write_if_unchanged(key, revision, new, also=(mark, operation)):
                 return new
-            if self._mark_is(mark, operation):
+            if mark_is(self._connection, mark, operation):
                 return new
-
-    def _mark_is(self, mark: str, operation: bytes) -> bool:
-        landed, _ = self._connection.call("read an operation mark", lambda client: client.get(mark))
-        return landed == operation
 
     def _write_if_unchanged(self, key: str, revision: int, value: bytes,
                             also: tuple[str, bytes] | None = None) -> bool:
@@ -302,40 +289,6 @@ class EtcdV3Store(Store):
 
         return self._connection.call(f"update store key {key!r}", write)
 
-    def _pop_oldest(self, key: str) -> bytes | None:
-        """Remove and return the oldest item of queue `key`, or None if it is empty now."""
-        operation = uuid.uuid4().hex.encode()
-        mark = self._marks + "queues/" + quote(key, safe="")
-        while True:
-            oldest = self._oldest_item(key)
-            if oldest is None:
-                return None
-            value, item, created = oldest
-            if self._take_item(item, created, mark, operation) or self._mark_is(mark, operation):
-                return value
-            # Another consumer took it first: try the next one.
-
-    def _oldest_item(self, key: str) -> tuple[bytes, bytes, int] | None:
-        """(value, etcd key, create revision) of the oldest item of queue `key`, or None."""
-        items = self._connection.call(f"read store queue {key!r}", lambda client: list(client.get_prefix(
-            self._queue_dir(key), sort_order="ascend", sort_target="create", limit=1)))
-        if not items:
-            return None
-        value, metadata = items[0]
-        return value, metadata.key, metadata.create_revision
-
-    def _take_item(self, item: bytes, created: int, mark: str, operation: bytes) -> bool:
-        """Delete queue item `item` if it is still the one created at revision `created`."""
-        def take(client: Etcd3Client) -> bool:
-            succeeded, _ = client.transaction(
-                compare=[client.transactions.create(item) == created],
-                success=[client.transactions.delete(item),
-                         client.transactions.put(mark, operation, lease=self._connection.lease_id(client))],
-                failure=[])
-            return succeeded
-
-        return self._connection.call("take a store queue item", take)
-
     def _read_many(self, keys: list[str]) -> list[bytes | None]:
         def read(client: Etcd3Client) -> list[bytes | None]:
             _, responses = client.transaction(
@@ -349,7 +302,7 @@ class EtcdV3Store(Store):
         def read(client: Etcd3Client) -> list[bool]:
             reads = []
             for k in keys:
-                queue = self._queue_dir(k)
+                queue = self._queues.directory(k)
                 reads += [client.transactions.get(self._key(k)),
                           client.transactions.get(queue, range_end=_range_end(queue))]
             _, responses = client.transaction(compare=[], success=reads, failure=[])
