@@ -50,9 +50,12 @@ def test_get_waits_for_a_key_set_later(store: EtcdV3Store) -> None:
     setter = threading.Timer(0.5, store.set, args=("late", "here"))
     setter.start()
     started = time.monotonic()
-    assert store.get("late") == b"here"
-    assert time.monotonic() - started >= 0.4
-    setter.join()
+    try:
+        assert store.get("late") == b"here"
+        assert time.monotonic() - started >= 0.4
+    finally:
+        setter.cancel()
+        setter.join()
 
 
 def test_get_of_a_missing_key_times_out_with_dist_store_error(store: EtcdV3Store) -> None:
@@ -89,11 +92,35 @@ def test_a_zero_timeout_waits_without_limit_as_in_c10d(store: EtcdV3Store) -> No
         setter.join()
 
 
-def test_wait_returns_when_all_keys_exist(store: EtcdV3Store) -> None:
+def test_wait_returns_only_once_every_key_exists(store: EtcdV3Store) -> None:
     store.set("a", "1")
-    threading.Timer(0.3, store.set, args=("b", "2")).start()
-    store.wait(["a", "b"])
-    store.wait(["a", "b"], timedelta(seconds=1))
+    waiter_store, returned = store.clone(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def wait_for_a_and_b() -> None:
+        try:
+            waiter_store.wait(["a", "b"])  # the store's own timeout: 5 s
+            outcome["returned_at"] = time.monotonic()
+            outcome["present"] = waiter_store.check(["a", "b"])  # check() does not wait
+            outcome["b"] = waiter_store.get("b") if outcome["present"] else None
+        except Exception as exc:  # noqa: BLE001 - reported by the test below
+            outcome["error"] = exc
+        finally:
+            returned.set()
+
+    waiter = threading.Thread(target=wait_for_a_and_b)
+    waiter.start()
+    try:
+        assert not returned.wait(timeout=0.5), f"wait() returned while 'b' was missing: {outcome}"
+        set_at = time.monotonic()
+        store.set("b", "2")
+        assert returned.wait(timeout=10), "wait() did not return once 'b' was set"
+    finally:
+        waiter.join(timeout=10)  # wait() gives up after the store's 5 s timeout at the latest
+    assert not waiter.is_alive()
+    assert "error" not in outcome, outcome
+    assert outcome["returned_at"] >= set_at and outcome["present"] and outcome["b"] == b"2"
+    store.wait(["a", "b"], timedelta(seconds=1))  # both there: returns, where a timeout would raise
 
 
 def test_wait_times_out_after_its_own_timeout(store: EtcdV3Store) -> None:
@@ -406,8 +433,13 @@ def test_queue_pop_empty_nonblocking_and_blocking_timeout(store: EtcdV3Store) ->
 def test_blocking_queue_pop_gets_an_item_pushed_later(store: EtcdV3Store) -> None:
     pusher = threading.Timer(0.5, store.clone().queue_push, args=("later", "x"))
     pusher.start()
-    assert store.queue_pop("later") == b"x"
-    pusher.join()
+    started = time.monotonic()
+    try:
+        assert store.queue_pop("later") == b"x"
+        assert time.monotonic() - started >= 0.4
+    finally:
+        pusher.cancel()
+        pusher.join()
 
 
 def test_concurrent_consumers_each_get_distinct_items(store: EtcdV3Store) -> None:
