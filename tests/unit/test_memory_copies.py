@@ -1,27 +1,29 @@
 """Memory copies: the last committed step kept in node memory as training stops, and what a restore
-accepts from them (elastic_ddp/snapshot/memory_copies.py, docs/failure-semantics.md)."""
+accepts from them (elastic_ddp/snapshot/memory_copies.py, docs/failure-semantics.md). The partial
+copy of a writer that has ended: tests/cluster/test_memory_copies_killed_writer.py (a real process).
+
+    .venv/bin/python -m pytest -q tests/unit/test_memory_copies.py
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
 from elastic_ddp.runlog.reader import read_events
-from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.runlog.startup import StartupTimeline
-from elastic_ddp.workload.sampler import ElasticSampler
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.files.backends import open_storage
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.memory_copies import SCOPE_TOKEN_NAME, MemoryTier, scope_token
 from elastic_ddp.snapshot.training_state import Snapshot
-from elastic_ddp.snapshot.files.backends import open_storage
+from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.workload.sampler import ElasticSampler
 from tests.support.training import Crash, assert_same_parameters, crash_at, make_trainer, small_config
 
 FINGERPRINT = {"model": "m", "dataset_size": 10}
@@ -99,19 +101,6 @@ def test_a_directory_others_can_write_is_not_used(tmp_path, caplog):
     (tmp_path / "memory").chmod(0o777)  # a root anyone may write to, without the sticky bit
     assert memory.newest() is None
     assert "is writable by every user and not sticky" in caplog.text
-
-
-def test_the_partial_copy_of_a_killed_writer_is_removed(tmp_path):
-    memory = tier(tmp_path)
-    memory.keep(snapshot_of(1))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True, timeout=60)
-    partial = memory.directory / f".memory-000000002-0badc0de.pt.tmp-{dead.stdout.strip()}"
-    partial.write_bytes(b"half a copy")
-    ours = memory.directory / f".memory-000000002-0badc0de.pt.tmp-{os.getpid()}"  # a live writer's
-    ours.write_bytes(b"being written")
-    assert memory.newest().global_step == 1
-    assert not partial.exists() and ours.exists()
 
 
 def test_the_scope_token_is_created_once_and_checked(tmp_path):
@@ -193,7 +182,7 @@ def test_the_audit_log_gets_every_ranks_share_of_the_last_committed_step(tmp_pat
     log.close()
     entries = read_entries(tmp_path / "audit")
     assert sorted(e["rank"] for e in entries if e["step"] == 5) == [0, 1, 1, 2, 2]
-    assert [e["samples"] for e in entries if e["step"] == 5 and e["rank"] == 2][0] == plans[4].samples_of(2, 3)
+    assert next(e["samples"] for e in entries if e["step"] == 5 and e["rank"] == 2) == plans[4].samples_of(2, 3)
     # Steps 1-4 lack ranks 1 and 2 (they were never written here); step 5 is whole.
     problems = exactly_once_violations(entries, config.dataset_size, 1, config.global_batch_size)
     assert not any(problem.startswith("step 5:") for problem in problems)
