@@ -37,17 +37,14 @@ def test_an_empty_window_reports_zero_rather_than_dividing_by_zero():
 
 
 @pytest.mark.timeout(60)
-def test_the_reduce_over_a_real_process_group_is_asynchronous_and_sums_every_rank(monkeypatch):
+def test_the_reduce_over_a_real_process_group_is_asynchronous_and_sums_every_rank(one_rank_gloo_group,
+                                                                                  monkeypatch):
     calls = []
     all_reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kwargs: calls.append(kwargs) or all_reduce(tensor, **kwargs))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        window = LossWindow(torch.device("cpu"))
-        fill(window, [3.0, 3.0, 6.0], rank_samples=2)
-        window.close(global_step=3, epoch=0, lr=0.1, distributed=True)
-        report = window.finish()  # waits for the reduce in flight
-    finally:
-        dist.destroy_process_group()
+    window = LossWindow(torch.device("cpu"))
+    fill(window, [3.0, 3.0, 6.0], rank_samples=2)
+    window.close(global_step=3, epoch=0, lr=0.1, distributed=True)
+    report = window.finish()  # waits for the reduce in flight
     assert calls == [{"async_op": True}]
     assert report.global_step == 3 and report.loss == pytest.approx(2.0)

@@ -46,18 +46,14 @@ def test_every_state_encodes_to_the_same_size():
 
 
 @pytest.mark.timeout(60)
-def test_the_gather_is_one_collective_of_fixed_size_tensors_on_cpu(monkeypatch):
+def test_the_gather_is_one_collective_of_fixed_size_tensors_on_cpu(one_rank_gloo_group, monkeypatch):
     calls = []
     all_gather = dist.all_gather
     monkeypatch.setattr(dist, "all_gather", lambda outputs, tensor, **kw: calls.append(tensor.numel())
                         or all_gather(outputs, tensor, **kw))
     monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: pytest.fail("pickled gather used on CPU"))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(3)
-        expected = capture_rng_state()
-        gathered = rng_gather.gather_rng_states(1, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(3)
+    expected = capture_rng_state()
+    gathered = rng_gather.gather_rng_states(1, torch.device("cpu"))
     assert len(calls) == 1 and len(gathered) == 1
     assert_same_state(gathered[0], expected)
