@@ -34,10 +34,11 @@ import time
 from collections.abc import Callable
 
 from elastic_ddp.snapshot.files.errors import SnapshotError, SnapshotWriteError
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.serialization import write_snapshot
 from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.training_state import Snapshot, non_finite_tensors
-from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
 
 logger = logging.getLogger(__name__)
 

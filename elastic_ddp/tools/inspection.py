@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
-from elastic_ddp.snapshot.files.errors import SnapshotStoreError
 from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN, is_url
-from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SNAPSHOT_PATTERN, SnapshotStore
+from elastic_ddp.snapshot.files.errors import SnapshotStoreError
+from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.tools.text import format_bytes, format_duration
 
 # Files a run leaves in its checkpoint directory besides snapshots and the manifest.

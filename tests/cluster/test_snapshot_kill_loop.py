@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.snapshot.serialization import snapshot_from_bytes
 from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
+from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
+from elastic_ddp.snapshot.serialization import snapshot_from_bytes
+from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.kill_loop_writer import DURABLE_LOG, KEEP_LAST
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from elastic_ddp.snapshot.files import backends as storage_module
-from elastic_ddp.snapshot.serialization import snapshot_from_bytes, write_snapshot
 from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore, RetryPolicy
+from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import RetryPolicy, SnapshotStore
+from elastic_ddp.snapshot.serialization import snapshot_from_bytes, write_snapshot
 from tests.support.snapshots import make_snapshot, snapshot_bytes
 
 KEEP_LAST = 2

@@ -6,7 +6,8 @@ import os
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN
-from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
+from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.training import make_trainer
 
 

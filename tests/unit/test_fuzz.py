@@ -15,12 +15,13 @@ import struct
 
 import pytest
 
-from elastic_ddp.snapshot.files.checksum import checksum_of
-from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, read_seal, verify
-from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.exchange.replica_transfer import ReplicaOffer
-from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SnapshotStore, ManifestEntry
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, parse_header
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, read_seal, verify
+from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.snapshots import snapshot_bytes
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,9 +14,10 @@ import torch
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.runlog.reader import read_events
-from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
-from elastic_ddp.snapshot.files.snapshot_store import SNAPSHOT_PATTERN, SnapshotStore
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.disk import run_through_a_full_disk
 from tests.support.snapshots import make_snapshot
 from tests.support.training import make_trainer, small_config

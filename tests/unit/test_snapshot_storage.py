@@ -14,7 +14,9 @@ import pytest
 from elastic_ddp import load_snapshot
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.snapshot.files.backends import FsspecStorage, LocalDirectoryStorage, open_storage
-from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SNAPSHOT_PATTERN, SnapshotStore, SnapshotWriteError
+from elastic_ddp.snapshot.files.errors import SnapshotWriteError
+from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.snapshots import snapshot_bytes
 from tests.support.training import Crash, crash_at, make_trainer, small_config
 

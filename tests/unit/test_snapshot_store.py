@@ -9,9 +9,11 @@ import os
 
 import pytest
 
-from elastic_ddp.snapshot.files.checksum import checksum_of
 from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
-from elastic_ddp.snapshot.files.snapshot_store import MANIFEST_NAME, SnapshotStore, RetryPolicy, SnapshotWriteError
+from elastic_ddp.snapshot.files.checksum import checksum_of
+from elastic_ddp.snapshot.files.errors import SnapshotWriteError
+from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME
+from elastic_ddp.snapshot.files.snapshot_store import RetryPolicy, SnapshotStore
 from tests.support.snapshots import snapshot_bytes, v1_snapshot_bytes
 
 

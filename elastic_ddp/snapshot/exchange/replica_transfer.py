@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.snapshot.files.checksum import parse_checksum
-from elastic_ddp.snapshot.files.file_layout import file_matches
-from elastic_ddp.snapshot.files.errors import SnapshotWriteError
-from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
+from elastic_ddp.snapshot.files.checksum import parse_checksum
+from elastic_ddp.snapshot.files.errors import SnapshotWriteError
+from elastic_ddp.snapshot.files.file_layout import file_matches
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 
 logger = logging.getLogger(__name__)
 

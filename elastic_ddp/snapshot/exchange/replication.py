@@ -41,11 +41,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.replica_transfer import ReplicaReceiver, ReplicaTarget, SnapshotReplicator
-from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 
 logger = logging.getLogger(__name__)
 

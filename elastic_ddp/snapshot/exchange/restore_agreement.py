@@ -37,13 +37,14 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext
-from elastic_ddp.snapshot.files.file_layout import file_matches
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
-from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
-from elastic_ddp.snapshot.memory_copies import MemoryTier
-from elastic_ddp.snapshot.training_state import Snapshot
-from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore, ManifestEntry
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.files.file_layout import file_matches
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
+from elastic_ddp.snapshot.memory_copies import MemoryTier
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
+from elastic_ddp.snapshot.training_state import Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -3,10 +3,9 @@
 Layout (docs/snapshots.md has the full description):
 
     CHECKPOINT_DIR/
-      snapshot-000000120-3f9a0c1e.pt  one format-2 snapshot (snapshot.container): self-describing
+      snapshot-000000120-3f9a0c1e.pt  one format-2 snapshot (file_layout.py): self-describing
       snapshot-000000100.pt           a format-1 snapshot (older versions), trusted via the manifest
-      manifest.json                   {"format": 2, "snapshots": [{file, global_step, epoch,
-                                       samples_consumed, checksum, size_bytes, created_unix}, ...]}
+      manifest.json                   the index: an entry per listed snapshot (manifest.py)
 
 A write makes the snapshot file durable first, under a name no file had before (a fresh suffix per
 write: a write never replaces a file), then replaces the manifest, written the same way, by one
@@ -14,9 +13,9 @@ that lists it. So a writer that fails or dies at any moment leaves every listed 
 what it leaves at worst is a temporary file or an unlisted snapshot file, which later writes
 remove. Rewriting a step that is already listed with the same checksum changes nothing.
 
-Reading trusts nothing it reads: a manifest entry is used only when its file name is a snapshot
-name (no path), its numbers are numbers and its checksum a checksum; a file is read no further
-than the size its entry announces; a format-2 file must match its own checksum and its entry's.
+Reading trusts nothing it reads: the manifest is checked entry by entry (manifest.py); a file is
+read no further than the size its entry announces; a format-2 file must match its own checksum and
+its entry's.
 When the manifest is missing, unreadable, or lists nothing that verifies, the index is rebuilt
 from the format-2 files themselves (their headers and trailers), so a torn manifest never loses a
 valid snapshot; pruning then waits for a readable manifest.
@@ -32,68 +31,41 @@ format-1 file whose manifest entry is lost (it cannot prove its integrity; it is
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import os
-import re
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, BinaryIO
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from elastic_ddp.snapshot.files.checksum import checksum_of, matches, parse_checksum
-from elastic_ddp.snapshot.files.file_layout import FORMAT_VERSION, HEAD_BYTES, TRAILER_BYTES, Seal, format_of, read_seal, verify
-from elastic_ddp.snapshot.files.errors import SnapshotStoreError, SnapshotError, SnapshotWriteError
 from elastic_ddp.snapshot.files.backends import StorageBackend, open_storage
+from elastic_ddp.snapshot.files.checksum import checksum_of, matches
+from elastic_ddp.snapshot.files.errors import SnapshotError, SnapshotStoreError, SnapshotWriteError
+from elastic_ddp.snapshot.files.file_layout import (
+    FORMAT_VERSION,
+    HEAD_BYTES,
+    TRAILER_BYTES,
+    Seal,
+    format_of,
+    read_seal,
+    verify,
+)
+from elastic_ddp.snapshot.files.manifest import (
+    SNAPSHOT_PATTERN,
+    Index,
+    ManifestEntry,
+    read_manifest,
+    snapshot_file_name,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 2
-MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists --keep_last entries: a few hundred bytes each
-# Format 1: snapshot-000000120.pt. Format 2: snapshot-000000120-3f9a0c1e.pt (a fresh suffix per write).
-SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d{9})(?:-([0-9a-f]{8}))?\.pt$")
 # I/O errors worth retrying: a full disk, a read-only mount or missing permission will not heal.
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE,
                     errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE}
-
-
-@dataclass(frozen=True)
-class ManifestEntry:
-    """One listed snapshot: its file and what the file must prove when read."""
-
-    file: str
-    global_step: int
-    epoch: int
-    samples_consumed: int
-    checksum: str  # "algorithm:hex" (format-1 files: sha256 of the whole file)
-    size_bytes: int
-    created_unix: float
-
-    @classmethod
-    def from_document(cls, item: Any) -> ManifestEntry:
-        """An entry of a manifest (format 1 or 2), checked field by field; ValueError says which."""
-        if not isinstance(item, dict):
-            raise ValueError("an entry is not an object")
-        file = item.get("file")
-        if not isinstance(file, str) or not SNAPSHOT_PATTERN.match(file):
-            raise ValueError(f"file {str(file)[:80]!r} is not a snapshot file name")
-        numbers = {name: item.get(name) for name in ("global_step", "epoch", "samples_consumed", "size_bytes")}
-        for name, value in numbers.items():
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name} of {file} is not a non-negative integer")
-        if numbers["global_step"] != int(SNAPSHOT_PATTERN.match(file).group(1)):
-            raise ValueError(f"{file} is listed with global_step {numbers['global_step']}")
-        checksum = item.get("checksum", f"sha256:{item['sha256']}" if isinstance(item.get("sha256"), str) else None)
-        parse_checksum(checksum)  # ValueError for anything but algorithm:hex
-        created = item.get("created_unix")
-        if type(created) not in (int, float) or not math.isfinite(created):
-            raise ValueError(f"created_unix of {file} is not a number")
-        return cls(file=file, checksum=checksum, created_unix=float(created), **numbers)
 
 
 @dataclass(frozen=True)
@@ -105,23 +77,9 @@ class RetryPolicy:
     first_wait_s: float = 0.1
 
 
-def snapshot_file_name(global_step: int) -> str:
-    """A fresh name for a snapshot of `global_step` (random suffix: never an existing file's)."""
-    return f"snapshot-{global_step:09d}-{secrets.token_hex(4)}.pt"
-
-
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying `exc` soon may succeed (timeouts and the errnos in TRANSIENT_ERRNOS)."""
     return isinstance(exc, TimeoutError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
-
-
-@dataclass(frozen=True)
-class Index:
-    """The snapshots a store knows of, oldest first, and where that knowledge came from."""
-
-    entries: list[ManifestEntry]
-    manifest_readable: bool  # False: the manifest exists but could not be used at all
-    rebuilt: bool  # the entries come from the files themselves
 
 
 class SnapshotStore:
@@ -143,12 +101,12 @@ class SnapshotStore:
 
     def manifest_entries(self) -> list[ManifestEntry]:
         """The manifest's usable entries, oldest first; [] without a (readable) manifest."""
-        return self._read_manifest().entries
+        return read_manifest(self.storage).entries
 
     def index(self) -> Index:
         """The manifest's entries, or, when it is missing, unreadable or lists nothing, the index
         rebuilt from the format-2 files present."""
-        listed = self._read_manifest()
+        listed = read_manifest(self.storage)
         if listed.entries:
             return listed
         rebuilt = self._rebuild_index()
@@ -158,31 +116,6 @@ class SnapshotStore:
                            len(rebuilt))
             return Index(rebuilt, listed.manifest_readable, rebuilt=True)
         return listed
-
-    def _read_manifest(self) -> Index:
-        try:
-            raw = self.storage.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return Index([], manifest_readable=True, rebuilt=False)
-        except OSError as exc:
-            logger.error("%s cannot be read (%s)", self.describe(MANIFEST_NAME), exc)
-            return Index([], manifest_readable=False, rebuilt=False)
-        try:
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise ValueError(f"more than {MAX_MANIFEST_BYTES} bytes")
-            document = json.loads(raw)
-            if not isinstance(document, dict) or not isinstance(document.get("snapshots"), list):
-                raise ValueError('not an object with a "snapshots" list')
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            logger.error("%s is unreadable (%s)", self.describe(MANIFEST_NAME), exc)
-            return Index([], manifest_readable=False, rebuilt=False)
-        entries = []
-        for item in document["snapshots"]:
-            try:
-                entries.append(ManifestEntry.from_document(item))
-            except (ValueError, KeyError, TypeError) as exc:
-                logger.warning("%s: ignoring an entry (%s)", self.describe(MANIFEST_NAME), exc)
-        return Index(sorted(entries, key=lambda entry: entry.global_step), manifest_readable=True, rebuilt=False)
 
     def _rebuild_index(self) -> list[ManifestEntry]:
         """Entries for every format-2 file whose header and trailer add up (not yet verified whole)."""
@@ -200,9 +133,7 @@ class SnapshotStore:
             except (OSError, SnapshotError) as exc:
                 logger.warning("not indexed: %s", exc)
                 continue
-            header = seal.header
-            entries.append(ManifestEntry(name, header.global_step, header.epoch, header.samples_consumed,
-                                         seal.checksum, seal.size_bytes, header.wall_time))
+            entries.append(ManifestEntry.from_seal(name, seal))
         return sorted(entries, key=lambda entry: (entry.global_step, entry.created_unix))
 
     def read_seal(self, name: str) -> Seal:
@@ -248,7 +179,7 @@ class SnapshotStore:
         with a warning naming the file and the reason. When nothing the manifest lists verifies
         (or there is no usable manifest), the self-describing files are tried.
         """
-        listed = self._read_manifest()
+        listed = read_manifest(self.storage)
         found = self._newest_verified(listed.entries, accept)
         if found is not None:
             return found
@@ -350,12 +281,12 @@ class SnapshotStore:
         # older copy of this very step).
         kept = ([e for e in index.entries if e.global_step < global_step] + [entry])[-self.keep_last:]
         try:
-            self._write_manifest(kept)
+            write_manifest(self.storage, kept)
         except BaseException:
             # A new file that no manifest lists is never trusted, and on a full disk its space is what
             # the next write needs: delete it. But the manifest may be in place already (its rename
             # done, the directory's fsync failed): then it lists the file, which must stay.
-            after = self._read_manifest()
+            after = read_manifest(self.storage)
             if after.manifest_readable and name not in {e.file for e in after.entries}:
                 self._delete_quietly(name)
             raise
@@ -379,10 +310,6 @@ class SnapshotStore:
         logger.warning("snapshot write to %s failed (%s); retrying in %.2f s (attempt %d of %d)",
                        self.describe(), state.outcome.exception(), state.next_action.sleep,
                        state.attempt_number + 1, self.retry.attempts)
-
-    def _write_manifest(self, entries: list[ManifestEntry]) -> None:
-        document = {"format": MANIFEST_FORMAT, "snapshots": [asdict(entry) for entry in entries]}
-        self.storage.write_atomically(MANIFEST_NAME, json.dumps(document, indent=1).encode())
 
     def _delete_quietly(self, name: str) -> None:
         try:
