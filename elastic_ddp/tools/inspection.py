@@ -26,7 +26,7 @@ from typing import Any
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.files.backends import TEMPORARY_PATTERN, is_url
 from elastic_ddp.snapshot.files.errors import SnapshotStoreError
-from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, SNAPSHOT_PATTERN
+from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, SNAPSHOT_PATTERN, ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.tools.text import format_bytes, format_duration
 
@@ -40,15 +40,17 @@ class InspectionError(Exception):
 
 @dataclass
 class SnapshotStatus:
-    file: str
-    global_step: int
-    epoch: int
-    samples_consumed: int
-    size_bytes: int
-    created_unix: float
-    valid: bool
+    """One indexed snapshot and what checking it found."""
+
+    entry: ManifestEntry
+    valid: bool = False
     problem: str | None = None
     world_size: int | None = None  # of the run that wrote it (known once loaded)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry's fields but its checksum, then the verdict (one snapshot in `--json`)."""
+        listed = {name: value for name, value in asdict(self.entry).items() if name != "checksum"}
+        return {**listed, "valid": self.valid, "problem": self.problem, "world_size": self.world_size}
 
 
 @dataclass
@@ -66,8 +68,9 @@ class CheckpointInspection:
 
     def to_dict(self) -> dict[str, Any]:
         document = asdict(self)
+        document["snapshots"] = [snapshot.to_dict() for snapshot in self.snapshots]
         newest = self.newest_valid
-        document["newest_valid_step"] = newest.global_step if newest else None
+        document["newest_valid_step"] = newest.entry.global_step if newest else None
         return document
 
 
@@ -104,10 +107,8 @@ def _check_location(location: str | os.PathLike) -> None:
         raise InspectionError(f"{path}: not a directory; give the run's --checkpoint_dir")
 
 
-def _check_entry(store: SnapshotStore, entry, load: bool) -> SnapshotStatus:
-    status = SnapshotStatus(file=entry.file, global_step=entry.global_step, epoch=entry.epoch,
-                            samples_consumed=entry.samples_consumed, size_bytes=entry.size_bytes,
-                            created_unix=entry.created_unix, valid=False)
+def _check_entry(store: SnapshotStore, entry: ManifestEntry, load: bool) -> SnapshotStatus:
+    status = SnapshotStatus(entry)
     try:
         data = store.read_verified(entry)
         if load:
@@ -142,13 +143,14 @@ def format_inspection(inspection: CheckpointInspection, now: float | None = None
         lines.append(header)
         newest = inspection.newest_valid
         for snapshot in inspection.snapshots:
+            entry = snapshot.entry
             world = str(snapshot.world_size) if snapshot.world_size is not None else "-"
             status = f"ok ({'loads' if loaded else 'checksum'})" if snapshot.valid else f"BAD: {snapshot.problem}"
             if snapshot is newest:
                 status += "  <- a restart resumes here"
-            age = format_duration(max(0.0, now - snapshot.created_unix)) + " ago"
-            lines.append(f"  {snapshot.global_step:>9}  {snapshot.epoch:>5}  {snapshot.samples_consumed:>9}  "
-                         f"{format_bytes(snapshot.size_bytes):>9}  {age:>13}  {world:>5}  {status}")
+            age = format_duration(max(0.0, now - entry.created_unix)) + " ago"
+            lines.append(f"  {entry.global_step:>9}  {entry.epoch:>5}  {entry.samples_consumed:>9}  "
+                         f"{format_bytes(entry.size_bytes):>9}  {age:>13}  {world:>5}  {status}")
     for name in inspection.unlisted_snapshot_files:
         lines.append(f"  {name}: not in the index (a write that did not complete, or a format-1 file without "
                      "its manifest entry); not restored")
@@ -157,8 +159,8 @@ def format_inspection(inspection: CheckpointInspection, now: float | None = None
     newest = inspection.newest_valid
     if newest is not None:
         valid = sum(1 for s in inspection.snapshots if s.valid)
-        lines.append(f"{valid} of {len(inspection.snapshots)} snapshots valid; newest valid: step {newest.global_step} "
-                     f"({newest.file})")
+        lines.append(f"{valid} of {len(inspection.snapshots)} snapshots valid; newest valid: step "
+                     f"{newest.entry.global_step} ({newest.entry.file})")
     else:
         lines.append("No valid snapshot: a run started on this directory would start from scratch.")
     return "\n".join(lines)
