@@ -19,14 +19,13 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from elastic_ddp.config_file import ConfigFileError, load_config_file
+from elastic_ddp.locations import check_usable_url, local_path
 from elastic_ddp.workload.sampler import steps_per_epoch
-from elastic_ddp.snapshot.files.backends import is_url, open_storage
 from elastic_ddp.workload.user_code import has_import_path_form
 
 MODELS = ("mini_resnet", "mlp")
@@ -260,13 +259,13 @@ def _check_choice_or_import_path(name: str, value: str, choices: tuple[str, ...]
 
 
 def _check_checkpoint_dir(location: str) -> None:
-    """A URL whose storage can be used here, or a local path that is (or can become) a directory."""
+    """A URL whose storage can be used here, or a local path (or file:// URL) that is or can become a directory."""
     if not location:
         raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
-    if is_url(location):
-        open_storage(location)  # ValueError naming the flag if the URL cannot be used here
+    path = local_path(location)
+    if path is None:
+        check_usable_url(location, "--checkpoint_dir")
         return
-    path = Path(location)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ValueError(f"--checkpoint_dir: got {location!r}, but {str(blocker)!r} is a file; expected a "

@@ -27,18 +27,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+# is_url is re-exported: elastic_ddp/tools/inspection.py imports it from here (until it imports elastic_ddp.locations).
+from elastic_ddp.locations import (
+    is_url,  # noqa: F401
+    local_path,
+    url_filesystem,
+)
 from elastic_ddp.snapshot.files.writeback import WritebackTracker
 
 logger = logging.getLogger(__name__)
 
 # A temporary file of LocalDirectoryStorage: ".<final name>.tmp-<pid>".
 TEMPORARY_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
-OBJECT_STORE_HINT = "pip install 'elastic_ddp[object-store]' and the protocol's package (s3fs, gcsfs, adlfs)"
-
-
-def is_url(location: str | os.PathLike) -> bool:
-    """Whether `location` names a storage by URL (`scheme://...`) rather than a local path."""
-    return "://" in str(location)
 
 
 def open_storage(location: str | os.PathLike) -> StorageBackend:
@@ -46,13 +46,11 @@ def open_storage(location: str | os.PathLike) -> StorageBackend:
 
     Raises ValueError when the URL's protocol cannot be used here (fsspec or its driver missing).
     """
-    text = str(location)
-    if not is_url(text):
-        return LocalDirectoryStorage(Path(text))
-    if text.startswith("file://"):
-        # fsspec's local pipe_file writes in place; rename is the local filesystem's atomic primitive.
-        return LocalDirectoryStorage(Path(text[len("file://"):]))
-    return FsspecStorage(text)
+    # A file:// URL too: fsspec's local pipe_file writes in place; rename is the local atomic primitive.
+    directory = local_path(location)
+    if directory is not None:
+        return LocalDirectoryStorage(directory)
+    return FsspecStorage(str(location))
 
 
 class StorageBackend(ABC):
@@ -214,16 +212,7 @@ class FsspecStorage(StorageBackend):
     """Files under an fsspec URL; each write is one `pipe_file` (a single PUT on object stores)."""
 
     def __init__(self, url: str):
-        try:
-            import fsspec
-        except ImportError as exc:
-            raise ValueError(f"--checkpoint_dir: got {url!r}; expected a local path, or fsspec installed for "
-                             f"URLs ({OBJECT_STORE_HINT})") from exc
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as exc:
-            raise ValueError(f"--checkpoint_dir: got {url!r}; expected a local path or a URL whose fsspec driver "
-                             f"is installed ({exc}; {OBJECT_STORE_HINT})") from exc
+        self.fs, root = url_filesystem(url, "--checkpoint_dir")
         self.url = url.rstrip("/")
         self.root = root.rstrip("/")
 
