@@ -147,8 +147,12 @@ class RunLog:
         --log_interval steps, so every rank calls it after every step)."""
         self._set_step(global_step)
         self.window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
-        self._report(self.window.take_report())  # the window closed a step or more ago, once reduced
-        if global_step % self.config.log_interval == 0:
+        closing = global_step % self.config.log_interval == 0
+        # The window closed a step or more ago, once reduced (in practice it is: this step's
+        # gradient all-reduce came after it). Before closing the next one, wait for it rather than
+        # drop it: every closed window is reported.
+        self._report(self.window.take_report(wait=closing))
+        if closing:
             self.window.close(global_step, plan.epoch, lr, self.context.in_process_group)
         if self.audit is not None:
             self.audit.record_step(plan.epoch, global_step, plan.rank_samples)
