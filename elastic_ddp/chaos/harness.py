@@ -6,9 +6,10 @@
 
 Each node is a real torchrun agent on 127.0.0.1 (`elastic_ddp.testbed.local_cluster.LocalNode`) with real
 gloo workers; faults are real signals. The harness follows the plan (elastic_ddp/chaos/plan.py),
-reading triggers from the run's event log, never guessing with sleeps; then it waits for the job to
-finish within a deadline, and `chaos.verdict` checks what elastic_ddp promises
-(docs/failure-semantics.md) and measures each fault's recovery.
+reading triggers from the run's event log, never guessing with sleeps (when each fault fires and
+which node it hits: elastic_ddp/chaos/targets.py); then it waits for the job to finish within a
+deadline, and `chaos.verdict` checks what elastic_ddp promises (docs/failure-semantics.md) and
+measures each fault's recovery.
 
 Where the rendezvous store lives matters. With `store="standalone"` (the default) the c10d store
 runs in a process of its own (elastic_ddp/chaos/store.py) and every node can be killed, rank 0's
@@ -36,11 +37,12 @@ from typing import Any
 
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
+from elastic_ddp.chaos.targets import FaultTargeting, Firing
 from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import EventFollower
-from elastic_ddp.runtime.procfs import process_is_alive, process_tree
+from elastic_ddp.runtime.procfs import process_tree
 from elastic_ddp.testbed.local_cluster import (
     C10D_BACKENDS,
     LAUNCHER,
@@ -103,6 +105,8 @@ class ChaosHarness:
         self.events = EventFollower(self.job.event_log)
         self.rng = random.Random(plan.seed)
         self.state: dict[str, str] = {}  # node name -> live, killed, terminated, frozen
+        self.targeting = FaultTargeting(self.job, self.events, self.state, store_host=self.store_host, rng=self.rng,
+                                        max_nodes=plan.max_nodes)
         self.ended: dict[str, float] = {}
         self.started_at = 0.0
         self._deadline = 0.0
@@ -188,12 +192,12 @@ class ChaosHarness:
         since, joiner = self.started_at, None
         for fault, record in zip(self.plan.faults, records):
             try:
-                fire = self._wait_for_trigger(fault, since, joiner)
+                firing = self._wait_for_trigger(fault, since, joiner)
             except JobEnded:
                 for later in records[record.index:]:
                     later.not_fired_because = "the job had ended"
                 return
-            fire(record)
+            self._fire(record, firing)
             since = record.fired_at
             joiner = self.job.nodes[-1].pid if fault.action == "add_node" else None
             logger.info("fault %d fired: %s on %s at step %s", record.index, record.description, record.node,
@@ -205,107 +209,26 @@ class ChaosHarness:
         if not any(node.is_running() for node in self.job.nodes if self.state[node.name] in ("live", "terminated")):
             raise JobEnded("every agent has exited: no later fault can fire")
 
-    def _wait_for_trigger(self, fault: Fault, since: float, joiner: int | None) -> Callable[[FaultRecord], None]:
-        """Poll the event log until `fault` may fire and its target is known; return the firing."""
+    def _wait_for_trigger(self, fault: Fault, since: float, joiner: int | None) -> Firing:
+        """Poll the event log until `fault` may fire and its target is known (chaos/targets.py)."""
         seen_event = len(self.events.events)
         while True:
             self._check_time_and_liveness()
             self.events.poll()
-            triggered, event = self._triggered(fault, since, joiner, seen_event)
+            triggered, event = self.targeting.triggered(fault, since=since, joiner=joiner, seen_event=seen_event,
+                                                        seconds_into_run=time.time() - self.started_at)
             if triggered:
-                fire = self._resolve(fault, event)
-                if fire is not None:
-                    return fire
+                firing = self.targeting.resolve(fault, event)
+                if firing is not None:
+                    return firing
             time.sleep(POLL_SECONDS)
-
-    def _triggered(self, fault: Fault, since: float, joiner: int | None,
-                   seen_event: int) -> tuple[bool, dict[str, Any] | None]:
-        groups = self.events.groups.values()
-        if fault.settle:
-            groups = [g for g in self.events.groups_since(since) if joiner is None or joiner in g.agent_pids]
-            if not any(g.first_step is not None for g in groups):
-                return False, None
-        if fault.at_seconds is not None and time.time() - self.started_at < fault.at_seconds:
-            return False, None
-        incarnations = {g.incarnation for g in groups}
-        if fault.at_step is not None and fault.on_event is None:
-            if not any(g.newest_step and g.newest_step["global_step"] >= fault.at_step for g in groups):
-                return False, None
-        if fault.on_event is not None:
-            for event in self.events.events[seen_event:]:
-                if (event.get("event") == fault.on_event and event.get("incarnation") in incarnations
-                        and event.get("global_step", 0) >= (fault.at_step or 0)):
-                    return True, event
-            return False, None
-        return True, None
-
-    # ---------------------------------------------------------------------------- targeting
-
-    def _candidates(self) -> list[LocalNode]:
-        """Live nodes a symbolic target may pick: never the store host; in the group if possible."""
-        live = [n for n in self.job.nodes if self.state[n.name] == "live" and n.is_running()
-                and n.name != self.store_host]
-        group = self.events.newest_group()
-        in_group = [n for n in live if group is not None and n.pid in group.agent_pids]
-        return in_group or live
-
-    def _live_workers(self, node: LocalNode) -> list[dict[str, Any]]:
-        """The newest group's ranks that run on `node` and are alive (from the `start` event:
-        workers forked by elastic_ddp.agent.launcher carry no RANK in /proc/PID/environ)."""
-        group = self.events.newest_group()
-        if group is None or not node.is_running():
-            return []
-        return [rank for rank in group.start.get("ranks") or []
-                if rank["agent_pid"] == node.pid and process_is_alive(rank["pid"])]
-
-    def _holds_rank0(self, node: LocalNode) -> bool:
-        return any(rank["rank"] == 0 for rank in self._live_workers(node))
-
-    def _target(self, fault: Fault) -> LocalNode | None:
-        if fault.target == "rank0":
-            for node in self.job.nodes:
-                if self.state[node.name] == "live" and self._holds_rank0(node):
-                    if node.name == self.store_host:
-                        raise PlanError(f"{fault.describe()}: rank 0 runs on {node.name}, which hosts the c10d "
-                                        "store; use store=standalone (or etcd-v3) to kill rank 0's node")
-                    return node
-            return None  # between groups: no rank 0 right now
-        candidates = self._candidates()
-        if fault.target == "random":
-            return self.rng.choice(candidates) if candidates else None
-        if fault.target in ("newest", "oldest"):
-            if not candidates:
-                return None
-            return candidates[-1] if fault.target == "newest" else candidates[0]
-        named = next((n for n in self.job.nodes if n.name == fault.target), None)
-        if named is None:
-            raise PlanError(f"{fault.describe()}: no node is named {fault.target!r} (nodes: "
-                            f"{', '.join(n.name for n in self.job.nodes)})")
-        return named
-
-    def _resolve(self, fault: Fault, event: dict[str, Any] | None) -> Callable[[FaultRecord], None] | None:
-        if fault.action == "add_node":
-            if sum(self.state[n.name] == "live" for n in self.job.nodes) >= self.plan.max_nodes:
-                raise PlanError(f"{fault.describe()}: the job already has max_nodes={self.plan.max_nodes} nodes")
-            return lambda record: self._fire(record, fault, None, event)
-        node = self._target(fault)
-        if node is None:
-            return None
-        if fault.action == "kill_worker":
-            if not self._live_workers(node):
-                return None  # its workers are being restarted: wait for them
-        elif fault.action == "thaw_node":
-            if self.state[node.name] != "frozen":
-                raise PlanError(f"{fault.describe()}: {node.name} is not frozen")
-        elif self.state[node.name] != "live":
-            raise PlanError(f"{fault.describe()}: {node.name} is {self.state[node.name]}")
-        return lambda record: self._fire(record, fault, node, event)
 
     # ------------------------------------------------------------------------------- firing
 
-    def _fire(self, record: FaultRecord, fault: Fault, node: LocalNode | None, event: dict[str, Any] | None) -> None:
+    def _fire(self, record: FaultRecord, firing: Firing) -> None:
+        fault, node, event = firing.fault, firing.node, firing.event
         if node is not None:
-            record.held_rank0 = self._holds_rank0(node)
+            record.held_rank0 = self.targeting.holds_rank0(node)
         if event is not None and event["event"] == schema.SNAPSHOT_CAPTURED.name:
             record.snapshot_step = event["global_step"]
             self.events.poll()
@@ -321,7 +244,7 @@ class ChaosHarness:
             node.kill()
             self.state[node.name] = "killed"
         elif fault.action == "kill_worker":
-            workers = self._live_workers(node)
+            workers = self.targeting.live_workers(node)
             local_rank = fault.worker if fault.worker is not None else self.rng.choice(workers)["local_rank"]
             worker = next((w for w in workers if w["local_rank"] == local_rank), None)
             if worker is None:
