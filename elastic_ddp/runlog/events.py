@@ -3,7 +3,7 @@
 Only rank 0 writes. Every line has `time` (Unix seconds), `event` and `incarnation`, plus the
 fields its kind declares in `runlog.schema` (docs/operations.md, "Event log", lists them).
 Lines are appended with one write each, so incarnations that follow each other share one file per
-checkpoint directory; `runlog.history` reads them back.
+checkpoint directory; `runlog.reader` reads them back.
 """
 
 from __future__ import annotations
@@ -15,9 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.runlog.schema import EVENT_KINDS, EventKind
+from elastic_ddp.locations import local_path
+from elastic_ddp.runlog.schema import EVENT_KINDS, EVENT_LOG_NAME, EventKind
 
 logger = logging.getLogger(__name__)
+
+
+def default_event_log(checkpoint_dir: str) -> Path:
+    """CHECKPOINT_DIR/events.jsonl; ./events.jsonl when snapshots go to an object store."""
+    directory = local_path(checkpoint_dir)
+    return (directory if directory is not None else Path.cwd()) / EVENT_LOG_NAME
 
 
 class EventLog:

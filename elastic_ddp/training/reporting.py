@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
-from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.runlog.events import EventLog, default_event_log
 from elastic_ddp.runlog.progress import ProgressReporter, source_text
 from elastic_ddp.runlog.reader import next_round, work_lost
 from elastic_ddp.runlog.startup import StartupTimeline
@@ -32,18 +31,11 @@ from elastic_ddp.runlog.tensorboard import TensorBoardScalars, open_scalars
 from elastic_ddp.runlog.worker_logging import RankPrefix
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot
-from elastic_ddp.snapshot.files.backends import open_storage
 from elastic_ddp.training.evaluation import EvalResult
 from elastic_ddp.training.loss_window import LossWindow, WindowReport
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-def default_event_log(checkpoint_dir: str) -> Path:
-    """CHECKPOINT_DIR/events.jsonl; ./events.jsonl when snapshots go to an object store."""
-    directory = open_storage(checkpoint_dir).local_directory
-    return (directory if directory is not None else Path.cwd()) / schema.EVENT_LOG_NAME
 
 
 class RunLog:
