@@ -9,7 +9,7 @@ that is not an event); on top of it:
 - `next_round`, `work_lost`, `previous_incarnation`: what a restarting trainer needs to say
   about the incarnation before it.
 
-`runlog.timeline` builds the whole run out of it (the model behind `elastic-ddp report`).
+`runlog.run_history` builds the whole run out of it (the model behind `elastic-ddp report`).
 
 What the log can and cannot tell:
 - A failure is dated by the last event of the incarnation that died (its last step or snapshot),

@@ -1,9 +1,9 @@
 """The whole run as incarnations and the transitions between them: the model of `elastic-ddp report`.
 
-`load_history(path)` reads the event log through the one reader (`runlog.history`) in one pass and
+`load_history(path)` reads the event log through the one reader (`runlog.reader`) in one pass and
 groups it by incarnation (one start of the worker group); each is paired with the next one as a
 `Transition`: a node lost, drained or joined, a restart in the same world, or a relaunch after the
-run had finished. What the log can and cannot tell: see `runlog.history`.
+run had finished. What the log can and cannot tell: see `runlog.reader`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every line of the event log is a JSON object with `time` (Unix seconds), `event` (a kind below) and
 `incarnation` (the worker-group start that wrote it), plus the fields of its kind. `EventLog.emit`
 refuses a kind that is not declared here or fields that differ from the declaration, and every
-reader (`runlog.history`: the report, progress, the chaos harness, the benchmarks) reads through
+reader (`runlog.reader`: the report, progress, the chaos harness, the benchmarks) reads through
 one parser, so a new kind is added here and nowhere else; `tests/unit/test_runlog.py` fails when
 the report does not handle a declared kind. docs/operations.md ("Event log") lists them for people.
 """

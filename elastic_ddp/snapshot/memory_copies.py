@@ -4,7 +4,7 @@ When a worker group breaks (a peer died and a collective failed, torchrun stoppe
 with SIGTERM to re-form the group, the watchdog found a peer silent) every surviving DDP rank still
 holds the whole model and optimizer state of the last step it committed. Before the worker
 exits, `MemoryTier.keep` writes it to a directory in node-local memory (`--memory_dir`, by default
-/dev/shm): a self-describing snapshot file (`snapshot.container`: header, payload, checksum),
+/dev/shm): a self-describing snapshot file (`snapshot.files.file_layout`: header, payload, checksum),
 written to a temporary name and renamed, so a copy is whole or absent. The next worker
 group on that node offers it in the restore agreement next to the snapshot files; the newest state
 wins, a memory copy wins a tie, and its holder serves it to the ranks that lack it. So a failure
@@ -57,11 +57,11 @@ from typing import Any
 import torch
 
 from elastic_ddp.runtime.procfs import process_is_alive
-from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, format_of, verify
+from elastic_ddp.snapshot.files.backends import StorageBackend
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, format_of, verify
 from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, write_snapshot
 from elastic_ddp.snapshot.training_state import Snapshot
-from elastic_ddp.snapshot.files.backends import StorageBackend
 
 logger = logging.getLogger(__name__)
 

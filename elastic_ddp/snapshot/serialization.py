@@ -1,6 +1,6 @@
 """A snapshot as bytes: written to disk, read back safely, in either format.
 
-Format 2 (written since 0.2) is a self-describing file (`snapshot.container`): a JSON header
+Format 2 (written since 0.2) is a self-describing file (`files.file_layout`): a JSON header
 (step, epoch, samples, world size, fingerprint, component names), the payload, and a trailer with
 the checksum of everything before it. The payload is `torch.save` of
 `{"states": {component: state}, "rng_per_rank": [...]}`.
@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
 from elastic_ddp.snapshot.files.file_layout import (
     FORMAT_VERSION,
     TRAILER_BYTES,
@@ -32,7 +33,6 @@ from elastic_ddp.snapshot.files.file_layout import (
     verify,
     write_framed,
 )
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
 from elastic_ddp.snapshot.training_state import Snapshot
 
 # Format 1: the components stored under their own name at the top level of the dict.

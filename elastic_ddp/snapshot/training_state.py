@@ -4,7 +4,7 @@
 `state_dict` / `load_state_dict` protocol): the model, the optimizer, the LR schedule, the grad
 scaler, the sampler's world-size-free position and the step counter. Capturing and restoring go
 over its fields, so a new piece of state is one new field there and nothing else: the snapshot,
-the restore and the on-disk format (`snapshot.format`) follow.
+the restore and the on-disk format (`snapshot.serialization`) follow.
 
 Next to the components a `Snapshot` carries the RNG state of every rank, the run's fingerprint
 (which model and data set-up wrote it) and where it came from (world size, incarnation, time).
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from elastic_ddp.workload.sampler import ElasticSampler, derive_seed
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError
+from elastic_ddp.workload.sampler import ElasticSampler, derive_seed
 
 
 class Stateful(Protocol):

@@ -3,12 +3,12 @@
     elastic-ddp report runs/job1                # text summary + runs/job1/report.png
     elastic-ddp report runs/job1 --json         # the same numbers as JSON
 
-`runlog.timeline.load_history(path)` reads the event log (docs/operations.md, "Event log") into
+`runlog.run_history.load_history(path)` reads the event log (docs/operations.md, "Event log") into
 incarnations (starts of the worker group), each paired with the next one: a membership change (a
 node lost or joined), a restart in the same world, or a relaunch after the run had finished.
 `summarise(history)` turns that into the numbers of the report; `format_summary` into text. The
 plot lives in `elastic_ddp.tools.plot` (it needs matplotlib). What the log can and cannot tell
-(downtimes are upper bounds; the log is rank 0's): see `runlog.history`.
+(downtimes are upper bounds; the log is rank 0's): see `runlog.reader`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Moving one snapshot from rank 0 to its replica targets, and storing it there.
 
 `SnapshotReplicator` is rank 0's sender thread, `ReplicaReceiver` a target's; both go through the
-snapshot transport (`snapshot.transport`) over the side process group `replication` forms. Per
+snapshot transport (`exchange.transport`) over the side process group `replication` forms. Per
 snapshot: one frame (a `ReplicaOffer` header and the file's bytes) broadcast to every target at
 once, then one all-gather of the targets' verdicts. A frame whose header says `close` ends the
 targets' threads. What is checked, what is bounded and what is not guaranteed: `replication`.

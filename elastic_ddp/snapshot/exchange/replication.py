@@ -4,7 +4,7 @@ After rank 0 has made a snapshot durable in its own `--checkpoint_dir`, a backgr
 rank 0 sends the file to the local rank 0 of `--snapshot_replicas` other nodes, each of which
 verifies it (size, checksum) and writes it into its own `--checkpoint_dir` through a
 `SnapshotStore` (same atomic write, manifest and pruning). If rank 0's node is then lost, the
-restore agreement (`recovery`) finds the replica on a surviving node and serves it to the others.
+restore agreement (`restore_agreement`) finds the replica on a surviving node and serves it to the others.
 
 Who holds replicas is decided at every worker-group start from the current membership: all ranks
 exchange (GROUP_RANK, LOCAL_RANK, whether they can hold one, and which checkpoint directories are
@@ -15,7 +15,7 @@ the same place is tested, not assumed: each rank writes a probe file with a fres
 its own directory, and two ranks share a directory exactly when each sees the other's probe. (A
 directory copied from another, identity files and all, is still another place.)
 
-The bytes ride the snapshot transport (`snapshot.transport`) over a process group of their own,
+The bytes ride the snapshot transport (`exchange.transport`) over a process group of their own,
 rank 0 and its targets (`dist.new_group`, gloo, created at every start): its collectives never
 interleave with DDP's on the training group, and no port of ours is opened. Rank 0 broadcasts one
 frame per snapshot to every target at once, each target checks and writes it, then all report

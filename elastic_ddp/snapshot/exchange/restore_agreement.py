@@ -3,12 +3,12 @@
 Each rank looks at two sources: its own `--checkpoint_dir` (the same directory on a shared
 filesystem, each node's local disk, or an object-store URL) for its newest snapshot that verifies
 (size and checksum), loads with weights_only=True and was written by a compatible run; and its
-node's memory copies (`snapshot.memory`: the state a worker of this node kept as its group
+node's memory copies (`snapshot.memory_copies`: the state a worker of this node kept as its group
 stopped). Newer ones that fail are skipped with a warning naming the file and the reason. Each rank
 offers the better of the two; the ranks exchange (step, source, checksum, size); the highest step
 wins and a memory copy wins a tie (it is the state the survivors committed, nothing older). If some
 ranks lack it, the lowest rank that holds it sends the bytes to them through the snapshot
-transport (`snapshot.transport`: a broadcast, no pickle, sizes checked before anything is
+transport (`exchange.transport`: a broadcast, no pickle, sizes checked before anything is
 allocated), and every receiver checks the checksum before loading. So all ranks restore the same
 state, and a node that never saw it (a new node, a node with a disk of its own) still resumes
 from it.

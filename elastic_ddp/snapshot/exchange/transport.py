@@ -11,9 +11,9 @@ sends one from a source rank to every other rank of a process group:
        too little room never stops the others, and never allocates more than a chunk.
 
 Two users, one implementation:
-- restore (`snapshot.recovery`): over the job's default group, the rank that holds the newest
+- restore (`exchange.restore_agreement`): over the job's default group, the rank that holds the newest
   state serves it to every rank that lacks it;
-- replication (`snapshot.replication`): over a side group of rank 0 and its replica targets (its
+- replication (`exchange.replication`): over a side group of rank 0 and its replica targets (its
   own gloo connections, so its transfers never interleave with DDP's collectives).
 
 Security: there is no port of ours. The bytes ride torch.distributed's own connections between the

@@ -5,7 +5,7 @@
           12   header                 UTF-8 JSON: {"format": 2, "global_step", "epoch",
                                       "samples_consumed", "world_size", "incarnation", "wall_time",
                                       "fingerprint", "components"}
-           .   payload                (snapshot.format: torch.save of the component states)
+           .   payload                (snapshot.serialization: torch.save of the states)
     end - 64   trailer                payload length (8 bytes, big-endian), checksum algorithm (16
                                       bytes, ASCII, NUL-padded), digest (32 bytes), TRAILER_MAGIC (8)
 
