@@ -17,23 +17,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from elastic_ddp.config_checks import (
+    IMPORT_PATH_FORM,
+    check_checkpoint_dir,
+    check_choice_or_import_path,
+    check_finite,
+    check_local_location,
+    check_non_negative,
+    check_positive,
+    check_seed,
+)
 from elastic_ddp.config_file import ConfigFileError, load_config_file
-from elastic_ddp.locations import check_usable_url, local_path
 from elastic_ddp.workload.sampler import steps_per_epoch
-from elastic_ddp.workload.user_code import has_import_path_form
 
 MODELS = ("mini_resnet", "mlp")
 SYNTHETIC = "synthetic"  # the built-in dataset (elastic_ddp/workload/data.py)
 SYNTHETIC_SIZE = 4096  # its default length
 OPTIMIZERS = ("sgd", "adamw")
 LOSSES = ("cross_entropy", "mse")
-IMPORT_PATH_FORM = "package.module:callable"
 # timedelta's limit is far above this; a collective that may block for more than a week is a mistake.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # The peer watchdog's bound (elastic_ddp/runtime/watchdog.py) and the least it may be. Heartbeats every
@@ -142,9 +149,9 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         self._check_workload()
-        _check_finite(self)
-        _check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
-        _check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
+        check_finite(self)
+        check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
+        check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
                             "snapshot_replicas", "min_step_time_s", "eval_every_steps")
         if not self.lr > 0:
             raise ValueError(f"--lr: got {self.lr}; expected a positive number")
@@ -182,18 +189,22 @@ class TrainingConfig:
             raise ValueError(f"--watchdog_timeout_s: got {self.watchdog_timeout_s}; expected 0 (off) or at least "
                              f"{MIN_WATCHDOG_TIMEOUT_S:g} s and below --collective_timeout_s "
                              f"({self.collective_timeout_s:g} s)")
-        _check_checkpoint_dir(self.checkpoint_dir)
+        check_seed(self.seed)
+        check_checkpoint_dir(self.checkpoint_dir)
+        check_local_location("--event_log", self.event_log, directory=False)
+        for name in ("audit_log", "tensorboard_dir"):
+            check_local_location(f"--{name}", getattr(self, name), directory=True)
         if self.memory_copies and not self.memory_dir:
             raise ValueError("--memory_dir: got an empty path; expected a directory (or --no-memory_copies)")
 
     def _check_workload(self) -> None:
         """The form of the workload flags; fills in the built-in dataset's defaults."""
         self.betas = tuple(self.betas)  # a list from a config file or the library
-        _check_choice_or_import_path("model", self.model, MODELS)
-        _check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC,))
-        _check_choice_or_import_path("loss", self.loss, LOSSES)
+        check_choice_or_import_path("model", self.model, MODELS)
+        check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC,))
+        check_choice_or_import_path("loss", self.loss, LOSSES)
         if self.eval_dataset is not None:
-            _check_choice_or_import_path("eval_dataset", self.eval_dataset, (SYNTHETIC,))
+            check_choice_or_import_path("eval_dataset", self.eval_dataset, (SYNTHETIC,))
             if self.eval_dataset == SYNTHETIC != self.dataset:
                 raise ValueError(f"--eval_dataset: got {SYNTHETIC} with --dataset {self.dataset}; the built-in "
                                  "held-out set goes with the built-in data: expected an import path")
@@ -242,48 +253,6 @@ class TrainingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check_finite(config: TrainingConfig) -> None:
-    """Every float setting is a finite number (argparse takes 'nan' and 'inf' for a float)."""
-    for config_field in dataclasses.fields(config):
-        value = getattr(config, config_field.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"--{config_field.name}: got {value}; expected a finite number")
-
-
-def _check_choice_or_import_path(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices and not has_import_path_form(value):
-        raise ValueError(f"--{name}: got {value!r}; expected {' or '.join(choices)}, or an import path "
-                         f"{IMPORT_PATH_FORM}")
-
-
-def _check_checkpoint_dir(location: str) -> None:
-    """A URL whose storage can be used here, or a local path (or file:// URL) that is or can become a directory."""
-    if not location:
-        raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
-    path = local_path(location)
-    if path is None:
-        check_usable_url(location, "--checkpoint_dir")
-        return
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(f"--checkpoint_dir: got {location!r}, but {str(blocker)!r} is a file; expected a "
-                         "directory, or a path where one can be created")
-
-
-def _check_positive(config: TrainingConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and not value > 0:
-            raise ValueError(f"--{name}: got {value}; expected a positive integer")
-
-
-def _check_non_negative(config: TrainingConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value < 0:
-            raise ValueError(f"--{name}: got {value}; expected 0 or more")
 
 
 CONFIG_FILE_FLAG = "--config"

@@ -8,9 +8,10 @@
     session.finish()                      # the last snapshot durable and replicated
     session.close()                       # always, also when training raised
 
-Behind it: the store (`store`, on `storage`), rank 0's background writer (`writer`), the node's
-memory copies (`memory`), the restore agreement (`recovery`) and replication (`replication`),
-which move bytes through `transport`. The session emits the snapshot events (`snapshot_captured`,
+Behind it: the store (`files.snapshot_store`, on `files.backends`), rank 0's background writer
+(`background_writer`), the node's memory copies (`memory_copies`), the restore agreement
+(`exchange.restore_agreement`) and replication (`exchange.replication`), which move bytes through
+`exchange.transport`. It owns the cadence: the trainer calls `save` after every step. The session emits the snapshot events (`snapshot_captured`,
 `snapshot`, `snapshot_failed`, `memory_copy`) to the event log it is given; nothing calls back
 into the trainer.
 """
@@ -30,7 +31,8 @@ from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
 from elastic_ddp.snapshot.files.errors import SnapshotError
-from elastic_ddp.snapshot.files.snapshot_store import ManifestEntry, SnapshotStore
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
 from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step

@@ -47,6 +47,9 @@ def test_cli_parses_values_and_boolean_pairs():
     ({"snapshot_timeout_s": 0.0}, "--snapshot_timeout_s: got 0.0; expected a positive number of seconds"),
     ({"min_step_time_s": -1.0}, "--min_step_time_s: got -1.0; expected 0 or more"),
     ({"checkpoint_dir": ""}, "--checkpoint_dir: got an empty path; expected a directory"),
+    ({"seed": 2**64}, "--seed: got 18446744073709551616; expected an integer from 0 to 18446744073709551615"),
+    ({"seed": -1}, "--seed: got -1; expected an integer from 0 to"),
+    ({"event_log": ""}, "--event_log: got an empty path; expected a file path"),
 ])
 def test_validation_names_flag_value_and_what_is_accepted(overrides, message):
     with pytest.raises(ValueError) as excinfo:
@@ -63,6 +66,30 @@ def test_a_checkpoint_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
                                              "expected a directory, or a path where one can be created"):
             TrainingConfig(checkpoint_dir=str(location))
     assert TrainingConfig(checkpoint_dir=str(tmp_path / "new" / "ck")).checkpoint_dir.endswith("ck")
+
+
+def test_the_largest_seed_torch_takes_is_accepted():
+    assert TrainingConfig(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("flag", ["event_log", "audit_log", "tensorboard_dir"])
+def test_a_log_location_under_a_file_is_refused_before_training(tmp_path, flag):
+    """Before, these passed validation and crashed every worker at start: a restart loop."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    location = a_file / "logs"
+    with pytest.raises(ValueError, match=rf"^--{flag}: got '{location}', but '{a_file}' is a file; expected a "):
+        TrainingConfig(**{flag: str(location)})
+    assert getattr(TrainingConfig(**{flag: str(tmp_path / "new" / "logs")}), flag).endswith("logs")
+
+
+def test_an_event_log_that_is_a_directory_or_a_log_dir_that_is_a_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=rf"^--event_log: got '{tmp_path}', which is a directory; expected a file"):
+        TrainingConfig(event_log=str(tmp_path))
+    a_file = tmp_path / "audit"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=rf"^--audit_log: got '{a_file}', but '{a_file}' is a file"):
+        TrainingConfig(audit_log=str(a_file))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

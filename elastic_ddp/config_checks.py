@@ -1,0 +1,81 @@
+"""The checks behind `TrainingConfig.__post_init__`: each raises ValueError with one line naming
+the flag, the value and what is accepted. Kept apart so that config.py stays the list of settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from elastic_ddp.locations import check_usable_url, local_path
+from elastic_ddp.workload.user_code import has_import_path_form
+
+IMPORT_PATH_FORM = "package.module:callable"
+# torch.manual_seed's range, the first place a seed goes (the model's initialisation).
+MAX_SEED = 2**64 - 1
+
+
+def check_finite(config: Any) -> None:
+    """Every float setting is a finite number (argparse takes 'nan' and 'inf' for a float)."""
+    for config_field in dataclasses.fields(config):
+        value = getattr(config, config_field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{config_field.name}: got {value}; expected a finite number")
+
+
+def check_choice_or_import_path(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices and not has_import_path_form(value):
+        raise ValueError(f"--{name}: got {value!r}; expected {' or '.join(choices)}, or an import path "
+                         f"{IMPORT_PATH_FORM}")
+
+
+def check_checkpoint_dir(location: str) -> None:
+    """A URL whose storage can be used here, or a local path (or file:// URL) that is or can become a directory."""
+    if not location:
+        raise ValueError("--checkpoint_dir: got an empty path; expected a directory")
+    path = local_path(location)
+    if path is None:
+        check_usable_url(location, "--checkpoint_dir")
+        return
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"--checkpoint_dir: got {location!r}, but {str(blocker)!r} is a file; expected a "
+                         "directory, or a path where one can be created")
+
+
+def check_positive(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name}: got {value}; expected a positive integer")
+
+
+def check_non_negative(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 0:
+            raise ValueError(f"--{name}: got {value}; expected 0 or more")
+
+
+def check_seed(seed: int) -> None:
+    """A seed torch can take: an integer in [0, 2**64 - 1]."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed: got {seed}; expected an integer from 0 to {MAX_SEED} (2**64 - 1)")
+
+
+def check_local_location(flag: str, location: str | None, directory: bool) -> None:
+    """A local path where a file (or, with `directory`, a directory) is or can be created: no part
+    of it is a file that is in the way, and a file's path is not a directory. None: not asked for."""
+    if location is None:
+        return
+    if not location:
+        raise ValueError(f"{flag}: got an empty path; expected a {'directory' if directory else 'file'} path")
+    path = Path(location)
+    candidates = (path, *path.parents) if directory else path.parents
+    blocker = next((p for p in candidates if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{flag}: got {location!r}, but {str(blocker)!r} is a file; expected a "
+                         f"{'directory' if directory else 'file'} path under directories only")
+    if not directory and path.is_dir():
+        raise ValueError(f"{flag}: got {location!r}, which is a directory; expected a file path")
