@@ -13,6 +13,7 @@ Training itself is `torchrun ... -m elastic_ddp.train` (see README.md), not a su
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -149,15 +150,26 @@ def run_report(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from elastic_ddp.tools.inspection import InspectionError, format_inspection, inspect_checkpoints
 
+    load = not args.checksum_only
+    if load and not torch_importable():
+        # A machine without torch (an operator's laptop, a storage host) still verifies every byte.
+        print(f"{PROG} inspect: torch is not installed here: checksums verified, snapshots not loaded "
+              "(as --checksum-only)", file=sys.stderr)
+        load = False
     try:
-        inspection = inspect_checkpoints(args.checkpoint_dir, load=not args.checksum_only)
+        inspection = inspect_checkpoints(args.checkpoint_dir, load=load)
     except InspectionError as exc:
         raise CliError(str(exc)) from exc
     if args.json:
         print(json.dumps(inspection.to_dict(), indent=1))
     else:
-        print(format_inspection(inspection, loaded=not args.checksum_only))
+        print(format_inspection(inspection, loaded=load))
     return EXIT_OK if inspection.newest_valid is not None else EXIT_NOTHING_USABLE
+
+
+def torch_importable() -> bool:
+    """Whether `import torch` can work here (found, and not blocked), without importing it."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def run_chaos(argv: list[str]) -> int:
