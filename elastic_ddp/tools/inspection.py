@@ -89,7 +89,7 @@ def inspect_checkpoints(location: str | os.PathLike, load: bool = True) -> Check
     listed = {entry.file for entry in entries}
     inspection.unlisted_snapshot_files = sorted(n for n in names if SNAPSHOT_PATTERN.match(n) and n not in listed)
     inspection.temporary_files = sorted(n for n in names if TEMPORARY_PATTERN.match(n))
-    ours = MANIFEST_NAME in names or inspection.unlisted_snapshot_files or inspection.temporary_files
+    ours = MANIFEST_NAME in names or entries or inspection.unlisted_snapshot_files or inspection.temporary_files
     if names and not ours and not names & RUN_FILES:
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         raise InspectionError(f"{inspection.location}: not an elastic_ddp checkpoint directory (no {MANIFEST_NAME} "

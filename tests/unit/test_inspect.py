@@ -103,6 +103,14 @@ def test_an_unreadable_manifest_is_rebuilt_from_the_files(good_dir, capsys):
     assert "3 of 3 snapshots valid; newest valid: step 30" in out
 
 
+def test_a_missing_manifest_is_rebuilt_from_the_files(good_dir, capsys):
+    """Before, a directory of snapshot files without manifest.json was "not a checkpoint directory"."""
+    (good_dir / "manifest.json").unlink()
+    code, out, err = run_cli(capsys, "inspect", str(good_dir))
+    assert code == 0, err
+    assert "3 of 3 snapshots valid; newest valid: step 30" in out
+
+
 def test_leftovers_of_interrupted_writes_are_shown(good_dir, capsys):
     (good_dir / ".snapshot-000000040-00c0ffee.pt.tmp-1234").write_bytes(b"partial")
     (good_dir / "snapshot-000000050-0badf00d.pt").write_bytes(snapshot_bytes(50))  # manifest never updated
