@@ -94,6 +94,7 @@ class RunHistory:
     replications: list[dict[str, Any]] = field(default_factory=list)
     replication_failures: list[dict[str, Any]] = field(default_factory=list)
     memory_copies: list[dict[str, Any]] = field(default_factory=list)
+    memory_copy_failures: list[dict[str, Any]] = field(default_factory=list)
     epochs_completed: int = 0
     other_events: dict[str, int] = field(default_factory=dict)
 
@@ -173,6 +174,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.SNAPSHOT_REPLICATED.name: _appending_to("replications"),
     schema.REPLICATION_FAILED.name: _appending_to("replication_failures"),
     schema.MEMORY_COPY.name: _appending_to("memory_copies"),
+    schema.MEMORY_COPY_FAILED.name: _appending_to("memory_copy_failures"),
     schema.DRAIN.name: _marking("drained"),
     schema.FINISHED.name: _marking("finished"),
 }

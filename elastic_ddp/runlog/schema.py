@@ -38,9 +38,10 @@ START = EventKind(
     "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs")
 RESTORE = EventKind(
     "restore", ("global_step", "epoch", "samples_consumed", "checksum", "verified", "source", "source_rank",
-                "source_host", "file", "previous_world_size", "world_size", "lost_steps", "lost_seconds"),
+                "source_host", "file", "previous_world_size", "world_size", "lost_steps", "lost_seconds", "refused"),
     "the group resumed from a snapshot file or a memory copy (`source`: file or memory, kept by `source_rank` "
-    "on `source_host`), and what that cost")
+    "on `source_host`), and what that cost; `refused`: the newer copies some rank refused (`source`, "
+    "`global_step`, `host`, `reason`, such as `non-finite: model.w`), newest first")
 STARTUP = EventKind(
     "startup", ("global_step", "process_started", "seconds"),
     "seconds from rank 0's process start to each stage of its start-up, after the first step")
@@ -75,6 +76,10 @@ MEMORY_COPY = EventKind(
     "memory_copy", ("global_step", "reason", "size_bytes", "seconds", "written"),
     "training stopped early (`reason`); rank 0 kept the state of its last committed step in its node's memory "
     "(`written` false: a sibling rank of the node had already kept it)")
+MEMORY_COPY_FAILED = EventKind(
+    "memory_copy_failed", ("global_step", "reason", "error"),
+    "training stopped early (`reason`) and rank 0 kept no memory copy of its last committed step (`error`: its "
+    "state held a NaN or an infinity, the training thread was stuck inside a commit, no room, ...)")
 DRAIN = EventKind(
     "drain", ("global_step", "snapshot_durable", "seconds_since_signal"),
     "the group stopped on a SIGTERM after its final snapshot (a drain, or torchrun re-forming the group)")
@@ -82,4 +87,4 @@ FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is tra
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
-    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, DRAIN, FINISHED)}
+    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, MEMORY_COPY_FAILED, DRAIN, FINISHED)}

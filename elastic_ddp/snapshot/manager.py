@@ -131,20 +131,34 @@ class SnapshotSession:
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
 
-    def keep_in_memory(self, state: TrainingState, reason: str) -> KeptCopy | None:
+    def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> KeptCopy | None:
         """Keep the last committed step of `state` in this node's memory, as training stops early
-        (not a collective: the group may be broken). Nothing when the state is half updated."""
+        (not a collective: the group may be broken). Nothing when the state is half updated or
+        holds a NaN or an infinity, nor when the state is not free within `wait_s` seconds (None:
+        wait as long as it takes; another thread than the training thread must bound it, as the
+        training thread may be stuck inside a commit). A refusal is logged and emitted."""
         if self.memory is None or self._kept_in_memory == state.global_step:
             return None
-        with state.lock:  # no step is applied meanwhile, from whatever thread this is called
+        # No step is applied while the state is copied, from whatever thread this is called.
+        if not state.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            self._not_kept(state.global_step, reason, (
+                f"the training thread has been applying step {state.global_step + 1} for over {wait_s:g} s (under "
+                "NCCL an optimizer step may wait for ever on a collective that a silent peer never joins): the state "
+                "cannot be copied without waiting"))
+            return None
+        try:
             if not state.consistent:
-                logger.error("stopped in the middle of applying step %d: that state is not kept",
-                             state.global_step + 1)
+                self._not_kept(state.global_step, reason,
+                               f"stopped in the middle of applying step {state.global_step + 1}: that state is not kept")
                 return None
             snapshot = Snapshot(states=state.state_dicts(), rng_per_rank=[], fingerprint=self.fingerprint,
                                 world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time())
             kept = self.memory.keep(snapshot)
+        finally:
+            state.lock.release()
         if kept is None:
+            self.events.emit(schema.MEMORY_COPY_FAILED, global_step=state.global_step, reason=reason,
+                             error=self.memory.refusal or "see this rank's log")
             return None
         self._kept_in_memory = state.global_step
         logger.info("%s: kept the state of step %d in memory (%s, %.1f MB, %.2f s)", reason, state.global_step,
@@ -152,6 +166,10 @@ class SnapshotSession:
         self.events.emit(schema.MEMORY_COPY, global_step=state.global_step, reason=reason,
                          size_bytes=kept.size_bytes, seconds=round(kept.seconds, 4), written=kept.written)
         return kept
+
+    def _not_kept(self, global_step: int, reason: str, error: str) -> None:
+        logger.error("%s: the state of step %d is not kept in memory: %s", reason, global_step, error)
+        self.events.emit(schema.MEMORY_COPY_FAILED, global_step=global_step, reason=reason, error=error)
 
     def finish(self) -> bool | None:
         """Wait until the last snapshot is durable (at most --snapshot_timeout_s) and replicated (at

@@ -8,7 +8,10 @@ exits, `MemoryTier.keep` writes it to a directory in node-local memory (`--memor
 written to a temporary name and renamed, so a copy is whole or absent. The next worker
 group on that node offers it in the restore agreement next to the snapshot files; the newest state
 wins, a memory copy wins a tie, and its holder serves it to the ranks that lack it. So a failure
-costs the survivors no committed step, whatever the snapshot cadence.
+costs the survivors no committed step, whatever the snapshot cadence. The state of a diverged run
+(a NaN or an infinity in any floating-point tensor) is never kept, and a copy that holds one (kept
+by a version that did not check) is refused like a damaged one: the restart takes the last finite
+state instead (a pass over the state at each keep and each restore, none while training).
 
 Scope: the copies of one run live in `<memory_dir>/elastic_ddp-<hash>`, the hash of the user, the
 run id and the checkpoint directory; each carries the run's fingerprint and the checkpoint
@@ -49,7 +52,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,10 +61,10 @@ import torch
 
 from elastic_ddp.runtime.procfs import process_is_alive
 from elastic_ddp.snapshot.files.backends import StorageBackend
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
 from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, format_of, verify
 from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, write_snapshot
-from elastic_ddp.snapshot.training_state import Snapshot
+from elastic_ddp.snapshot.training_state import Snapshot, check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -134,16 +137,28 @@ class MemoryTier:
         self.root = Path(root)
         self.directory = self.root / f"elastic_ddp-{scope}"
         self.fingerprint = {**fingerprint, SCOPE_KEY: token}
+        self.refusal: str | None = None  # why the last `keep` kept nothing
+        self._refused_step: int | None = None  # the last step refused as non-finite (logged once)
 
     # ---------------------------------------------------------------------------------- keeping
 
     def keep(self, snapshot: Snapshot) -> KeptCopy | None:
         """Make `snapshot` (its fingerprint replaced by this tier's) this node's newest copy.
 
-        Returns what was done, or None when nothing was kept (no room, an unsafe directory, an
-        I/O error: logged). Never raises an OSError or SnapshotError.
+        Returns what was done, or None when nothing was kept (a state with a NaN or an infinity, no
+        room, an unsafe directory, an I/O error: logged, and said in `refusal`). Never raises an
+        OSError or SnapshotError.
         """
         started = time.monotonic()
+        self.refusal = None
+        try:
+            check_finite(snapshot.states, f"the state of step {snapshot.global_step}")
+        except NonFiniteStateError as exc:
+            self.refusal = str(exc)
+            if self._refused_step != snapshot.global_step:  # once, not once per rank or per attempt
+                self._refused_step = snapshot.global_step
+                logger.error("%s: not kept in memory (a restart resumes from the last finite state)", exc)
+            return None
         try:
             self._make_private_directories()
             with self._node_lock():
@@ -154,6 +169,7 @@ class MemoryTier:
                 needed = state_bytes(snapshot.states) * HEADROOM
                 free = shutil.disk_usage(self.directory).free
                 if needed > free:
+                    self.refusal = f"it needs {needed / 1e9:.2f} GB, {self.directory} has {free / 1e9:.2f} GB free"
                     logger.warning("the state of step %d (%.2f GB) does not fit in %s (%.2f GB free): not kept in "
                                    "memory; a restart falls back to the snapshot files", snapshot.global_step,
                                    needed / 1e9, self.directory, free / 1e9)
@@ -162,6 +178,7 @@ class MemoryTier:
                 self._prune()
             return KeptCopy(path, path.stat().st_size, time.monotonic() - started, written=True)
         except (OSError, SnapshotError) as exc:
+            self.refusal = str(exc)
             logger.error("the state of step %d was not kept in memory (%s)", snapshot.global_step, exc)
             return None
 
@@ -229,9 +246,9 @@ class MemoryTier:
 
     # ---------------------------------------------------------------------------------- reading
 
-    def newest(self) -> MemoryCopy | None:
-        """This node's newest copy that is whole, verifies and belongs to this run; every newer one
-        that does not is reported and skipped."""
+    def newest(self, on_refused: Callable[[int, SnapshotError], None] | None = None) -> MemoryCopy | None:
+        """This node's newest copy that is whole, verifies, belongs to this run and is finite; every
+        newer one that is not is reported, passed to `on_refused(step, error)` and skipped."""
         if not self.directory.is_dir():
             return None
         try:
@@ -253,8 +270,11 @@ class MemoryTier:
                 snapshot = snapshot_from_bytes(data, str(path))
                 check_compatible(snapshot, {key: value for key, value in self.fingerprint.items()
                                             if key != SCOPE_KEY}, str(path))
+                check_finite(snapshot.states, str(path))  # a copy kept by a version that did not check
             except (OSError, SnapshotError) as exc:
                 logger.warning("memory copy refused: %s", exc)
+                if on_refused is not None:
+                    on_refused(step, exc if isinstance(exc, SnapshotError) else SnapshotError(f"{path}: {exc}"))
                 continue
             return MemoryCopy(path, step, seal.checksum, data, snapshot)
         return None

@@ -99,6 +99,7 @@ def _transition_dict(transition: Transition, started: float) -> dict[str, Any]:
         "last_step_before": transition.before.final_step,
         "resumed_from_step": transition.after.resumed_from_step,
         "resumed_from": _restore_source(transition.after.restore),
+        "refused": (transition.after.restore or {}).get("refused") or [],
         "lost_steps": transition.lost_steps,
         "lost_seconds": transition.lost_seconds,
         "downtime_seconds": round(transition.downtime, 3),
@@ -212,6 +213,9 @@ def describe_transition(transition: dict[str, Any]) -> str:
             f"resumed from step {transition['resumed_from_step']}")
     if transition.get("resumed_from"):
         line += f" from {transition['resumed_from']}"
+    if transition.get("refused"):
+        line += " (refused newer: " + "; ".join(f"{item['source']} of step {item['global_step']}, {item['reason']}"
+                                               for item in transition["refused"]) + ")"
     if transition["kind"] == "relaunch after finish":
         return line + " (no work to redo)"
     return (line + f", lost {plural(transition['lost_steps'], 'step')} ({transition['lost_seconds']:.1f} s), "

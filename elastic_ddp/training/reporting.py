@@ -90,7 +90,7 @@ class RunLog:
             source=restored.source, source_rank=restored.source_rank, source_host=restored.source_host,
             file=restored.entry.file if restored.entry else None,
             previous_world_size=snapshot.world_size, world_size=self.context.world_size,
-            lost_steps=lost_steps, lost_seconds=lost_seconds)
+            lost_steps=lost_steps, lost_seconds=lost_seconds, refused=restored.refused)
         self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
                                        snapshot.world_size, self.context.world_size, lost_steps, lost_seconds,
                                        source=source_text(restored.source, restored.source_rank, restored.source_host))

@@ -96,7 +96,8 @@ def synthetic_log(path: Path, evaluations: bool = False, accuracy: bool = True) 
     emit(40.5, 2, "snapshot_failed", global_step=30, error="disk full")
     emit(50.0, 3, "start", world_size=3, nodes=2)
     emit(50.1, 3, "restore", global_step=25, epoch=0, lost_steps=5, lost_seconds=5.0, source="file", source_rank=0,
-         source_host="node-a")
+         source_host="node-a", refused=[{"source": "memory", "global_step": 30, "host": "node-b",
+                                         "reason": "non-finite: model.w"}])
     emit(51.0, 3, "step", global_step=26, epoch=1)
     emit(51.5, 3, "epoch_end", epoch=0, global_step=26)
     emit(52.0, 3, "mystery", detail="from a newer version")
@@ -118,6 +119,7 @@ def test_drains_restarts_relaunches_and_failed_writes_are_told_apart(tmp_path, c
     assert [t["kind"] for t in summary["transitions"]] == ["node drained", "restart", "relaunch after finish"]
     assert [t["resumed_from"] for t in summary["transitions"]] == [
         "memory of rank 1 on node-b", "a snapshot file", None]  # None: a restore event without `source` (older logs)
+    assert [[r["global_step"] for r in t["refused"]] for t in summary["transitions"]] == [[], [30], []]
     assert (summary["failures"], summary["drains"], summary["joins"], summary["restores"]) == (1, 1, 0, 3)
     assert summary["lost_steps_total"] == 5
     # Without training: 20.5 -> 31 (drain), 40.5 -> 51 (crash); a relaunch after finishing is not downtime.
@@ -136,7 +138,8 @@ def test_drains_restarts_relaunches_and_failed_writes_are_told_apart(tmp_path, c
     assert "Incidents    1 failure, 1 drain, 0 joins, 3 restores over 4 incarnations" in text
     assert ("node drained: world 4 -> 3, resumed from step 20 from memory of rank 1 on node-b, lost 0 steps (0.0 s), "
             "10.5 s without training") in text
-    assert "restart: world 3 -> 3, resumed from step 25 from a snapshot file, lost 5 steps" in text
+    assert ("restart: world 3 -> 3, resumed from step 25 from a snapshot file (refused newer: memory of step 30, "
+            "non-finite: model.w), lost 5 steps") in text
     assert "Work lost    5 steps redone (5.0 s of training);" in text
     assert "relaunch after finish: world 3 -> 3, resumed from step 26 (no work to redo)" in text
     assert "1 snapshot write FAILED" in text

@@ -2,9 +2,12 @@
 
 Each rank looks at two sources: its own `--checkpoint_dir` (the same directory on a shared
 filesystem, each node's local disk, or an object-store URL) for its newest snapshot that verifies
-(size and checksum), loads with weights_only=True and was written by a compatible run; and its
-node's memory copies (`snapshot.memory_copies`: the state a worker of this node kept as its group
-stopped). Newer ones that fail are skipped with a warning naming the file and the reason. Each rank
+(size and checksum), loads with weights_only=True, was written by a compatible run and is finite;
+and its node's memory copies (`snapshot.memory_copies`: the state a worker of this node kept as
+its group stopped; the same checks). Newer ones that fail are skipped with a warning naming the
+file and the reason, and the restore says which and why (`RestoredSnapshot.refused`, the `refused`
+of the `restore` event): a state with a NaN or an infinity (a diverged run, kept by a version that
+did not check) never wins, whatever its step. Each rank
 offers the better of the two; the ranks exchange (step, source, checksum, size); the highest step
 wins and a memory copy wins a tie (it is the state the survivors committed, nothing older). If some
 ranks lack it, the lowest rank that holds it sends the bytes to them through the snapshot
@@ -29,26 +32,29 @@ state of the same run, only not the most recent work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
 from elastic_ddp.snapshot.files.file_layout import file_matches
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import MemoryTier
 from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
-from elastic_ddp.snapshot.training_state import Snapshot
+from elastic_ddp.snapshot.training_state import Snapshot, check_finite
 
 logger = logging.getLogger(__name__)
 
 FILE, MEMORY = "file", "memory"
+REASON_CHARS = 300  # of a refusal's reason in the `restore` event
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class RestoredSnapshot:
     source_host: str
     description: str  # the file it was read from, or where it came from, for messages
     data: bytes
+    refused: list[dict[str, Any]] = field(default_factory=list)  # newer copies any rank refused, and why
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Offer:
     size_bytes: int
     host: str = ""
     refusal: str = ""  # why this rank found only incompatible snapshots
+    refused: tuple[tuple[str, int, str], ...] = ()  # (source, step, reason) of the copies it skipped
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -96,8 +104,11 @@ class _Local:
 
 
 def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | None = None,
+                           on_skipped: Callable[[ManifestEntry, Exception], object] | None = None,
                            ) -> tuple[ManifestEntry, bytes, Snapshot] | None:
-    """This rank's newest snapshot file that verifies, loads safely and matches `fingerprint`.
+    """This rank's newest snapshot file that verifies, loads safely, matches `fingerprint` and is
+    finite (a file of a version that did not check may hold a diverged state); every newer one is
+    passed to `on_skipped(entry, error)`.
 
     Raises IncompatibleSnapshotError (the newest refusal) when every snapshot that verified came
     from an incompatible run. Returns None when there is nothing usable otherwise.
@@ -113,9 +124,10 @@ def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | N
             except IncompatibleSnapshotError as exc:
                 refusals.append(exc)
                 raise
+        check_finite(snapshot.states, path)
         loaded[path] = snapshot
 
-    found = store.latest_valid(accept=accept)
+    found = store.latest_valid(accept=accept, on_skipped=on_skipped)
     if found is None:
         if refusals:
             raise refusals[0]
@@ -125,38 +137,68 @@ def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | N
 
 
 def _local_candidates(store: SnapshotStore, memory: MemoryTier | None,
-                      fingerprint: dict[str, Any] | None) -> tuple[list[_Local], str]:
-    """What this rank itself can restore from, and why it found only incompatible snapshots."""
+                      fingerprint: dict[str, Any] | None,
+                      ) -> tuple[list[_Local], str, tuple[tuple[str, int, str], ...]]:
+    """What this rank itself can restore from, why it found only incompatible snapshots, and the
+    newer copies it refused (source, step, reason)."""
     host = socket.gethostname()
-    candidates, refusal = [], ""
+    candidates, refusal, refused = [], "", []
     try:
-        found = newest_usable_snapshot(store, fingerprint)
+        found = newest_usable_snapshot(
+            store, fingerprint, lambda entry, exc: refused.append((FILE, entry.global_step, refusal_reason(exc))))
     except IncompatibleSnapshotError as exc:
         found, refusal = None, str(exc)
     if found is not None:
         entry, data, snapshot = found
         candidates.append(_Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host), data,
                                  snapshot, entry, store.describe(entry.file)))
-    copy = memory.newest() if memory is not None else None
+    copy = None
+    if memory is not None:
+        copy = memory.newest(on_refused=lambda step, exc: refused.append((MEMORY, step, refusal_reason(exc))))
     if copy is not None:
         candidates.append(_Local(Offer(copy.global_step, MEMORY, copy.checksum, len(copy.data), host), copy.data,
                                  copy.snapshot, None, f"memory copy {copy.path}"))
-    return candidates, refusal
+    return candidates, refusal, tuple(refused)
+
+
+def refusal_reason(exc: Exception) -> str:
+    """Why a copy was refused, short enough for the `restore` event."""
+    if isinstance(exc, NonFiniteStateError):
+        return exc.reason
+    return str(exc)[:REASON_CHARS]
+
+
+def _refused_newer(offers: list[Offer], restored_step: int) -> list[dict[str, Any]]:
+    """The copies newer than the restored one that some rank refused, newest first: each (source,
+    step, reason) once, with the host of the lowest rank that refused it."""
+    seen, refused = set(), []
+    for offer in offers:
+        for source, step, reason in offer.refused:
+            if step > restored_step and (source, step, reason) not in seen:
+                seen.add((source, step, reason))
+                refused.append({"source": source, "global_step": step, "host": offer.host, "reason": reason})
+    return sorted(refused, key=lambda item: item["global_step"], reverse=True)
 
 
 def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
                              fingerprint: dict[str, Any] | None = None,
                              memory: MemoryTier | None = None) -> RestoredSnapshot | None:
     """The state every rank restores, or None when no rank has one. Collective over the group."""
-    candidates, refusal = _local_candidates(store, memory, fingerprint)
+    candidates, refusal, refused = _local_candidates(store, memory, fingerprint)
     local = max(candidates, key=lambda candidate: candidate.offer.rank, default=None)
-    mine = local.offer if local is not None else Offer(-1, "", "", 0, refusal=refusal)
+    mine = local.offer if local is not None else Offer(-1, "", "", 0, host=socket.gethostname(), refusal=refusal)
+    mine = dataclasses.replace(mine, refused=refused)
     offers = _exchange(mine, context)
     best = max(offers, key=lambda offer: offer.rank)
     if best.step < 0:
         refusals = [offer.refusal for offer in offers if offer.refusal]
         if refusals:  # every rank raises the same error, so none starts from scratch alone
             raise IncompatibleSnapshotError(refusals[0])
+        refused = _refused_newer(offers, -1)
+        if refused:
+            logger.warning("every state the group holds was refused (%s): starting from scratch",
+                           "; ".join(f"{item['source']} of step {item['global_step']}: {item['reason']}"
+                                     for item in refused))
         return None
     source_rank = next(rank for rank, offer in enumerate(offers) if offer.rank == best.rank)
     best = offers[source_rank]
@@ -172,7 +214,7 @@ def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
         snapshot = snapshot_from_bytes(data, description)
     return RestoredSnapshot(snapshot=snapshot, entry=entry, checksum=mine.checksum if holds_it else best.checksum,
                             source=best.source, source_rank=source_rank, source_host=best.host,
-                            description=description, data=data)
+                            description=description, data=data, refused=_refused_newer(offers, best.step))
 
 
 def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:

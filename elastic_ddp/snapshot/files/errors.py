@@ -11,6 +11,19 @@ class IncompatibleSnapshotError(SnapshotError):
     """A valid snapshot written by a run with another model or data set-up."""
 
 
+class NonFiniteStateError(SnapshotError):
+    """A state that holds a NaN or an infinity (a diverged run): never kept, restored or made durable."""
+
+    def __init__(self, message: str, tensors: list[str]):
+        super().__init__(message)
+        self.tensors = tensors  # where, as dotted paths (model.net.1.weight), the first ones only
+
+    @property
+    def reason(self) -> str:
+        """The short form, for events: `non-finite: model.net.1.weight, ...`."""
+        return f"non-finite: {', '.join(self.tensors)}"
+
+
 class SnapshotStoreError(Exception):
     """The store could not do what was asked."""
 

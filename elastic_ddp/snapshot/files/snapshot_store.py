@@ -171,16 +171,18 @@ class SnapshotStore:
         return data
 
     def latest_valid(self, accept: Callable[[bytes, str], object] | None = None,
+                     on_skipped: Callable[[ManifestEntry, Exception], object] | None = None,
                      ) -> tuple[ManifestEntry, bytes] | None:
         """The newest snapshot whose file verifies, with its bytes; None if there is none.
 
         `accept(data, path)` may check the content further and raise to reject it (for instance a
         file that does not load with weights_only=True). Every newer entry that fails is skipped
-        with a warning naming the file and the reason. When nothing the manifest lists verifies
-        (or there is no usable manifest), the self-describing files are tried.
+        with a warning naming the file and the reason, and passed to `on_skipped(entry, error)`.
+        When nothing the manifest lists verifies (or there is no usable manifest), the
+        self-describing files are tried.
         """
         listed = read_manifest(self.storage)
-        found = self._newest_verified(listed.entries, accept)
+        found = self._newest_verified(listed.entries, accept, on_skipped)
         if found is not None:
             return found
         tried = {(entry.file, entry.checksum, entry.size_bytes) for entry in listed.entries}
@@ -191,9 +193,10 @@ class SnapshotStore:
                "there is no manifest" if listed.manifest_readable else "the manifest is unusable")
         logger.warning("%s: %s; trying the %d self-describing snapshot file(s) found instead", self.describe(),
                        why, len(unlisted))
-        return self._newest_verified(unlisted, accept)
+        return self._newest_verified(unlisted, accept, on_skipped)
 
     def _newest_verified(self, entries: list[ManifestEntry], accept: Callable[[bytes, str], object] | None,
+                         on_skipped: Callable[[ManifestEntry, Exception], object] | None,
                          ) -> tuple[ManifestEntry, bytes] | None:
         for entry in reversed(entries):
             try:
@@ -203,6 +206,8 @@ class SnapshotStore:
                 return entry, data
             except Exception as exc:  # noqa: BLE001 - any reason to reject means: try the previous one
                 logger.warning("skipping snapshot: %s; trying the previous one", exc)
+                if on_skipped is not None:
+                    on_skipped(entry, exc)
         return None
 
     # ----------------------------------------------------------------------------------- writing
