@@ -18,6 +18,7 @@ into the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -34,7 +35,7 @@ from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
-from elastic_ddp.snapshot.staging import StagingBuffers
+from elastic_ddp.snapshot.staging import StagingBuffers, settled_device_work
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class SnapshotSession:
         (not a collective: the group may be broken). Nothing when the state is half updated or
         holds a NaN or an infinity, nor when the state is not free within `wait_s` seconds (None:
         wait as long as it takes; another thread than the training thread must bound it, as the
-        training thread may be stuck inside a commit). A refusal is logged and emitted."""
+        training thread may be stuck inside a commit), nor, with a bound, when the device's work of
+        that step does not end within it either. A refusal is logged and emitted."""
         if self.memory is None or self._kept_in_memory == state.global_step:
             return None
         # No step is applied while the state is copied, from whatever thread this is called.
@@ -151,9 +153,17 @@ class SnapshotSession:
                 self._not_kept(state.global_step, reason,
                                f"stopped in the middle of applying step {state.global_step + 1}: that state is not kept")
                 return None
-            snapshot = Snapshot(states=state.state_dicts(), rng_per_rank=[], fingerprint=self.fingerprint,
-                                world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time())
-            kept = self.memory.keep(snapshot)
+            states = state.state_dicts()
+            with contextlib.nullcontext(True) if wait_s is None else settled_device_work(states, wait_s) as settled:
+                if not settled:
+                    self._not_kept(state.global_step, reason, (
+                        f"the device has not finished the work of step {state.global_step} within {wait_s:g} s (a "
+                        "collective that never ends blocks its stream): the state cannot be copied without waiting"))
+                    return None
+                snapshot = Snapshot(states=states, rng_per_rank=[], fingerprint=self.fingerprint,
+                                    world_size=self.context.world_size, incarnation=self.incarnation,
+                                    wall_time=time.time())
+                kept = self.memory.keep(snapshot)
         finally:
             state.lock.release()
         if kept is None:

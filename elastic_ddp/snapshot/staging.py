@@ -1,4 +1,5 @@
-"""CPU copies of the training state in buffers reused from one snapshot to the next.
+"""CPU copies of the training state in buffers reused from one snapshot to the next, and reading
+the state from another thread without waiting on the training thread's stream (`settled_device_work`).
 
 A snapshot is written on a background thread while training goes on mutating its parameters, so
 the writer needs a copy. `StagingBuffers` makes that copy into CPU buffers kept between snapshots
@@ -8,6 +9,9 @@ capture costs a memory copy, not page faults, and on CUDA the training thread do
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,3 +76,42 @@ class StagingBuffers:
             event.synchronize()
         self._pending_copies.clear()
 
+
+
+@contextlib.contextmanager
+def settled_device_work(value: Any, wait_s: float) -> Iterator[bool]:
+    """Whether the device work queued so far on the default stream of each CUDA device that holds a
+    tensor of `value` ends within `wait_s` seconds; inside the block, this thread reads those
+    devices through streams of its own that wait for that work only.
+
+    For a thread that copies the training state while the training thread may be stuck: under NCCL
+    the default stream can wait for ever behind a collective that a silent peer never joins, and
+    what the training thread queues after this call must not delay the copy. True at once when
+    `value` holds no CUDA tensor.
+    """
+    devices = {tensor.device for tensor in _tensors(value) if tensor.device.type == "cuda"}
+    deadline = time.monotonic() + wait_s
+    with contextlib.ExitStack() as streams:
+        for device in devices:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.default_stream(device))
+            while not done.query():
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.005)
+            own = torch.cuda.Stream(device)
+            own.wait_event(done)
+            streams.enter_context(torch.cuda.stream(own))
+        yield True
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

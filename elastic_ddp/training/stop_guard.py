@@ -7,6 +7,13 @@ state of the last step this rank committed: in node memory (`SnapshotSession.kee
 in the audit log, the shares of every rank of that step (`RunLog.stopped_early`: a rank that died
 right after the all-reduce never wrote its own). docs/failure-semantics.md, "What a failure costs".
 
+The watchdog's way out is bounded whatever the training thread is blocked in: it copies the state
+only if the training thread leaves its commit within COMMIT_WAIT_S and the device finishes that
+step's work within as long again (under NCCL either can wait for ever on the all-reduce of a silent
+peer), reading it through a CUDA stream of its own; else it keeps nothing, says so
+(`memory_copy_failed`), and ends the worker, and the restart takes the other ranks' copies or the
+snapshot files. A copy the training thread is writing itself is let finish, up to KEEPING_WAIT_S.
+
 `StopGuard` is what the trainer uses for that:
 
     guard = StopGuard(state, run_log, snapshots, context, drain, epochs, watchdog_timeout_s)
@@ -20,6 +27,7 @@ right after the all-reduce never wrote its own). docs/failure-semantics.md, "Wha
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -30,6 +38,15 @@ from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.workload.sampler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+# How long the watchdog waits for the training thread before it ends the worker: to leave a commit
+# (a CPU commit takes milliseconds; under NCCL one can wait for ever on an all-reduce that a silent
+# peer never finishes), and to finish a memory copy it is writing itself (at 1-2 GB/s; letting it
+# finish is what keeps the step).
+COMMIT_WAIT_S = 1.0
+KEEPING_WAIT_S = 60.0
 
 
 class StopGuard:
@@ -50,14 +67,25 @@ class StopGuard:
         """Step `plan` is committed (call it inside the commit, see `TrainingState.updating`)."""
         self.last_plan = plan
 
-    def keep(self, reason: str) -> None:
-        """Keep the last committed step now (audit shares, memory copy); once per step."""
-        with self._lock:
+    def keep(self, reason: str, commit_wait_s: float | None = None) -> None:
+        """Keep the last committed step now (audit shares, memory copy); once per step.
+
+        `commit_wait_s` bounds the wait for the training thread to leave a commit (None: no bound,
+        for the training thread itself, which is never inside one when it calls this). A call with a
+        bound also waits at most KEEPING_WAIT_S for a copy another thread is keeping.
+        """
+        if not self._lock.acquire(timeout=-1 if commit_wait_s is None else KEEPING_WAIT_S):
+            logger.error("%s: another thread has been keeping step %d for over %.0f s; not waiting longer",
+                         reason, self.state.global_step, KEEPING_WAIT_S)
+            return
+        try:
             if self._kept_step == self.state.global_step:
                 return
             self.run_log.stopped_early(self.state.global_step, self.last_plan, reason)
-            self.snapshots.keep_in_memory(self.state, reason)
+            self.snapshots.keep_in_memory(self.state, reason, wait_s=commit_wait_s)
             self._kept_step = self.state.global_step
+        finally:
+            self._lock.release()
 
     def drain_if_agreed(self) -> None:
         """At a step boundary, on every rank: if any rank got SIGTERM (see runtime/drain.py), stop
@@ -101,7 +129,8 @@ class StopGuard:
         watchdog.leave()
 
     def _stop_for_silent_peer(self, reason: str) -> None:
-        """From the watchdog's thread: keep the last committed step, then end the process (the main
-        thread may be blocked in a collective that never returns)."""
-        self.keep(f"peer watchdog: {reason}")
+        """From the watchdog's thread: keep the last committed step if it can be had without waiting
+        on the training thread, then end the process (that thread may be blocked in a collective
+        that never returns, inside a commit: then nothing is kept, and that is logged and emitted)."""
+        self.keep(f"peer watchdog: {reason}", commit_wait_s=COMMIT_WAIT_S)
         end_worker_now(SILENT_PEER_EXIT_CODE)
