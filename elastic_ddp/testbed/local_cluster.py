@@ -8,6 +8,11 @@ Killing a node is harder than it looks: torchrun starts every worker in a new se
 `os.killpg(agent_pid, SIGKILL)` leaves the workers training on. `LocalNode.kill` therefore walks
 /proc for every descendant of the agent (`elastic_ddp.runtime.procfs`) and signals each of their process
 groups (Linux only).
+
+A node can also stand for a container (`LocalJob.add_node(local_addr=..., pid_namespace=True)`): its
+agent is PID 1 of a PID namespace of its own, with an address of its own, so that a node started
+again comes back with the same torch node identity (address, pid, counter), as a container
+restarted in place does; killing that PID 1 ends every process in the namespace.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
-from elastic_ddp.runtime.procfs import process_tree
+from elastic_ddp.runtime.procfs import children_by_parent, process_tree
 
 # The backends whose store lives in the first node's agent (torch's, and ours built on it).
 C10D_BACKENDS = ("c10d", "elastic-c10d")
@@ -32,6 +37,9 @@ C10D_BACKENDS = ("c10d", "elastic-c10d")
 # (elastic_ddp/agent/launcher.py); STOCK_LAUNCHER is plain torchrun.
 LAUNCHER = "elastic_ddp.agent.launcher"
 STOCK_LAUNCHER = "torch.distributed.run"
+# What runs a node's command as PID 1 of a PID namespace of its own (util-linux, root only); the
+# namespace ends with that PID 1, and with this process.
+PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,22 +145,27 @@ class LocalNode:
 
     The agent runs in its own session so that signals meant for the test or the harness do not
     reach it, and so that `kill` can take down exactly this node. Output goes to `log_path`.
+    With `pid_namespace` it runs as PID 1 of a PID namespace of its own (`PID_NAMESPACE`), as
+    torchrun does in a container.
     """
 
     def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None, agent_env: dict[str, str] = AGENT_ENV):
+                 cwd: Path | None = None, agent_env: dict[str, str] = AGENT_ENV, pid_namespace: bool = False):
         self.name = name
         self.command = list(command)
         self.log_path = Path(log_path)
         self.env = {**os.environ, **agent_env, **(env or {})}
         self.cwd = cwd
+        self.pid_namespace = pid_namespace
         self.process: subprocess.Popen | None = None
 
     def start(self) -> LocalNode:
+        """Start the agent; again after it exited, the same command (a machine or container restarted)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [*PID_NAMESPACE, *self.command] if self.pid_namespace else self.command
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
                 start_new_session=True,
             )
         return self
@@ -170,10 +183,21 @@ class LocalNode:
         return process_tree(self.pid)[1:] if self.is_running() else []
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the agent and every process under it: a lost machine when `sig` is SIGKILL."""
-        signal_tree(self.pid, sig)
+        """Signal the agent and every process under it: a lost machine when `sig` is SIGKILL. In a
+        PID namespace of its own, SIGKILL goes to the namespace's PID 1 alone and the kernel ends
+        every other process in it, as when a container's main process dies."""
+        namespace_init = self._namespace_init() if self.pid_namespace and sig == signal.SIGKILL else None
+        if namespace_init is not None:
+            os.kill(namespace_init, sig)
+        else:
+            signal_tree(self.pid, sig)
         if sig == signal.SIGKILL:
             self.process.wait(timeout=30)
+
+    def _namespace_init(self) -> int | None:
+        """The host pid of the PID namespace's PID 1 (the one child of `unshare`), None if gone."""
+        children = children_by_parent().get(self.pid, []) if self.is_running() else []
+        return children[0] if children else None
 
     def freeze(self) -> None:
         """SIGSTOP the whole node: its sockets stay open, like a machine that lost its network."""
@@ -226,6 +250,7 @@ class LocalJob:
         self.audit_dir = self.run_dir / "audit"
         self.event_log = (self.run_dir if per_node_checkpoint_dirs else self.checkpoint_dir) / EVENT_LOG_NAME
         self.rdzv_backend = rdzv_backend
+        self.run_id = run_id
         self.rdzv_endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
         self.env = env
         self.agent_env = agent_env
@@ -239,16 +264,24 @@ class LocalJob:
         )
         self.nodes: list[LocalNode] = []
 
-    def add_node(self, name: str | None = None, start_timeout: float = 60, hosts_store: bool = True) -> LocalNode:
+    def add_node(self, name: str | None = None, start_timeout: float = 60, hosts_store: bool = True,
+                 local_addr: str | None = None, pid_namespace: bool = False) -> LocalNode:
         """Start one more agent. With c10d the first one hosts the store and this waits until it
-        listens, unless `hosts_store` is False (the store runs elsewhere, see elastic_ddp.chaos.store)."""
+        listens, unless `hosts_store` is False (the store runs elsewhere, see elastic_ddp.chaos.store).
+
+        `local_addr` is the node's address as torch names it (torchrun's `--local_addr`), e.g. a
+        127.0.0.x of its own; with `pid_namespace` the agent is PID 1 of a PID namespace of its own
+        (root only). With both, the node is a container: started again, it has the same identity."""
         name = name or f"node{len(self.nodes)}"
         command = self.command
+        if local_addr is not None:
+            module_at = command.index("-m", 3)  # torchrun's own options end where the training module begins
+            command = [*command[:module_at], f"--local_addr={local_addr}", *command[module_at:]]
         if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
             command = [*command, "--checkpoint_dir", str(self.node_checkpoint_dir(name))]
         command = [*command, "--memory_dir", str(self.node_memory_dir(name))]
         node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
-                         cwd=self.run_dir, agent_env=self.agent_env).start()
+                         cwd=self.run_dir, agent_env=self.agent_env, pid_namespace=pid_namespace).start()
         self.nodes.append(node)
         if self.rdzv_backend in C10D_BACKENDS and len(self.nodes) == 1 and hosts_store:
             host, port = self.rdzv_endpoint.rsplit(":", 1)

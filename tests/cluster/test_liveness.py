@@ -23,11 +23,11 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_ddp.testbed.local_cluster import free_port
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
 from elastic_ddp.agent.rendezvous.handler import elastic_handler
 from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, DeadNodeDetector, beacon_key, probe
+from elastic_ddp.testbed.local_cluster import free_port
 from tests.support.cluster import hold_settings, node_logs
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,7 +105,7 @@ def test_only_the_suspects_given_are_probed_again(store):
     exited.close()
     assert detector.dead(nodes.values(), suspects=[nodes["alive"]]) == []  # the exited one was not probed
     assert detector.dead(nodes.values(), suspects=[nodes["exited"]]) == [nodes["exited"]]
-    assert detector.dead(nodes.values(), suspects=[]) == [nodes["exited"]]  # known, without a probe
+    assert detector.dead(nodes.values(), suspects=[]) == [nodes["exited"]]  # known (its beacon looked up: refusing)
     alive.close()
 
 

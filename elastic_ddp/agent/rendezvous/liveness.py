@@ -30,6 +30,19 @@ this agent never reached (killed within about a second of the round forming, a f
 that does not run these probes), and a frozen agent (SIGSTOP), whose kernel still accepts
 connections. So a probe can only make a dead node leave sooner; it cannot evict a live agent.
 
+A verdict is about one agent process, not about its name. torch names a node by its address,
+pid and a counter, and a container restarted in place runs torchrun as PID 1 at the same address
+again: the same name (docs/failure-semantics.md, "A node restarted with the same identity"). So a
+node found exited that is in a state again is looked up and probed again, and stays exited only
+while the beacon published under its name refuses too; one that accepts makes it a live node,
+probed like any other from then on (no beacon, or no answer: left to its heartbeat). A removed
+node is in a state again only once an agent of that name has joined (or in a read that raced its
+removal), so this costs a store read and a probe about once per restart, not per sync. Making the
+name differ per start instead (a random counter) was not chosen: the name is torch's, made by its
+private node generator before our handler exists, so that would take one more private hook, in
+every agent, and an agent without it would still come back under the old name and be kept out;
+the mistake is the verdict's.
+
 While a node trains (a participant of a complete round) nothing waits on a dead peer, so there
 are no death probes then; a peer is probed once, when first seen, to learn that it is reachable.
 At most `OBSERVE_PER_SYNC` new peers are looked up at one sync, their beacon ports in one read
@@ -40,6 +53,11 @@ heartbeats to expire (docs/benchmarks.md, "Rendezvous at scale").
 The probes run in our state holder (`rendezvous.state_holder`), which our backends build
 (`rendezvous.handler`). Limits: relies on torch's private state holder and handler attributes, all
 named in `rendezvous.torch_internals` (torch 2.4-2.13); tests pin them and the behaviour.
+
+Not guaranteed: an agent restarted with the name of an exited one but without probes
+(`probe_dead_nodes=0`, torch's own `c10d` in the same rendezvous) publishes no beacon, so its
+predecessor's port is still found, still refuses, and the restarted agent is removed whenever a
+probing agent waits, until its own write completes a round first.
 """
 
 from __future__ import annotations
@@ -137,7 +155,9 @@ class DeadNodeDetector:
     probes the reached ones again and returns those that now refuse. Nodes without a published
     beacon, or whose first probe was not accepted, are never reported; nor is a node once a probe
     of it timed out (it is left to its heartbeat, and later syncs do not wait for it again).
-    A node found dead stays dead: a node is one agent process (its pid is part of its name).
+    A node found dead stays dead while the beacon published under its name refuses: `dead` looks
+    it up and probes it again whenever it is among `nodes` (an agent restarted with the same name,
+    see the module docstring), and forgets the verdict unless that probe is refused too.
     """
 
     def __init__(self, store: Store, timeout: float = PROBE_TIMEOUT_S) -> None:
@@ -154,7 +174,7 @@ class DeadNodeDetector:
             return
         try:
             ports = self._published_ports(new)
-        except Exception as exc:  # a store hiccup must not fail the rendezvous sync: ask again later
+        except Exception as exc:  # noqa: BLE001 - a store hiccup must not fail the rendezvous sync: ask again later
             logger.debug("could not read the beacons of nodes %s: %s", new, exc)
             return
         for node, port in zip(new, ports, strict=True):
@@ -165,10 +185,15 @@ class DeadNodeDetector:
 
     def dead(self, nodes, suspects=None) -> list[NodeDesc]:
         """The nodes of `nodes` known to have exited, once those of `suspects` (default: all of
-        `nodes`) that were reached before are probed again."""
+        `nodes`) that were reached before are probed again, and those of `nodes` found exited
+        before have been looked up again."""
+        nodes = list(nodes)
+        looked_up = [node for node in dict.fromkeys(nodes) if node in self._exited]
+        for node in looked_up:
+            self._look_up_exited(node)
         for node in nodes if suspects is None else suspects:
             address = self._reached.get(node)
-            if address is None:
+            if address is None or node in looked_up:
                 continue
             answer = probe(address, self._timeout)
             if answer is not Answer.ACCEPTED:
@@ -176,6 +201,32 @@ class DeadNodeDetector:
             if answer is Answer.REFUSED:
                 self._exited.add(node)
         return [node for node in nodes if node in self._exited]
+
+    def has_exited(self, node: NodeDesc) -> bool:
+        """Whether `node` is known to have exited (as of the last `dead` that named it)."""
+        return node in self._exited
+
+    def _look_up_exited(self, node: NodeDesc) -> None:
+        """Keep `node` exited only if the beacon published under its name now refuses too. If it
+        accepts, the name has a live agent again (restarted with the same identity): reached, as
+        if observed now. No beacon, or no answer: left to its heartbeat, as a node never reached."""
+        try:
+            port = self._published_port(node)
+        except Exception as exc:  # noqa: BLE001 - a store hiccup says nothing about the node: ask at a later sync
+            logger.debug("could not read the beacon of exited node %s: %s", node, exc)
+            return
+        answers = self._answers(node, port) if port is not None else {}
+        if answers and set(answers.values()) == {Answer.REFUSED}:
+            return
+        self._exited.discard(node)
+        address = _accepting(answers)
+        if address is not None:
+            self._reached[node] = address
+            logger.info("node %s, found exited before, answers again (an agent restarted with the same identity): "
+                        "a live node", node)
+        else:
+            logger.info("node %s, found exited before, no longer refuses (no beacon, or no answer): only its "
+                        "heartbeat can remove it", node)
 
     def _published_ports(self, nodes: list[NodeDesc]) -> list[int | None]:
         """Each node's published beacon port, None where it publishes none or not a valid port.
@@ -195,16 +246,29 @@ class DeadNodeDetector:
         return _port(node, self._store.get(key))
 
     def _reached_address(self, node: NodeDesc, port: int) -> tuple | None:
+        address = _accepting(self._answers(node, port))
+        if address is None:
+            logger.info("node %s's beacon (%s port %d) did not accept a connection: only its heartbeat can remove it",
+                        node, node.addr, port)
+        return address
+
+    def _answers(self, node: NodeDesc, port: int) -> dict[tuple, Answer]:
+        """How each socket address of `node` answers at `port`, until one accepts ({}: none resolved)."""
         try:
             candidates = socket.getaddrinfo(node.addr, port, type=socket.SOCK_STREAM)
         except OSError:
             candidates = []
+        answers: dict[tuple, Answer] = {}
         for family, _, _, _, address in candidates:
-            if family in (socket.AF_INET, socket.AF_INET6) and probe(address, self._timeout) is Answer.ACCEPTED:
-                return address
-        logger.info("node %s's beacon (%s port %d) did not accept a connection: only its heartbeat can remove it",
-                    node, node.addr, port)
-        return None
+            if family in (socket.AF_INET, socket.AF_INET6):
+                answers[address] = probe(address, self._timeout)
+                if answers[address] is Answer.ACCEPTED:
+                    break
+        return answers
+
+
+def _accepting(answers: dict[tuple, Answer]) -> tuple | None:
+    return next((address for address, answer in answers.items() if answer is Answer.ACCEPTED), None)
 
 
 def _port(node: NodeDesc, value: bytes) -> int | None:

@@ -40,7 +40,8 @@ second): 64 agents reading a 4 KB state through etcd ten times a second each kep
 machine of the benchmark saturated.
 
 Limits: the dead-node probes' (see `liveness`). A node that comes back within its heartbeat expiry
-after having left (a restarted agent is a new node: its pid is part of its name) is not expected.
+after having left is not expected, nor is one found exited, until its name answers again (an agent
+restarted with the same identity, as a container restarted in place is: see `liveness`).
 A node that joins a moment after a prompt completion makes one more round (as after a last call).
 """
 
@@ -107,7 +108,6 @@ class ElasticStateHolder(BackendStateHolder):
         self._extend_last_call = extend_last_call
         self._previous_round: tuple[int, frozenset[NodeDesc]] | None = None  # the newest complete round seen
         self._heartbeats: dict[NodeDesc, datetime] = {}  # the newest heartbeat seen of each node
-        self._exited: set[NodeDesc] = set()
         self._channel = heartbeats
         self._nodes_per_poll = nodes_per_poll
         self._read_structure: tuple | None = None  # `_structure` of the state as last read
@@ -235,7 +235,6 @@ class ElasticStateHolder(BackendStateHolder):
             # round went on before the dead node's heartbeat expired.
             logger.warning("node %s has exited (its beacon refuses connections): removed from rendezvous '%s' "
                            "without waiting for its heartbeat to expire", node, self._settings.run_id)
-            self._exited.add(node)
             state.last_heartbeats.pop(node, None)
             participant_removed |= state.participants.pop(node, None) is not None
             state.wait_list.discard(node)
@@ -270,8 +269,9 @@ class ElasticStateHolder(BackendStateHolder):
                         "without the last call", self._settings.run_id, state.round - 1, state.round)
 
     def _may_come_back(self, node: NodeDesc) -> bool:
-        """Whether `node` of the previous round may still join: not exited, heartbeat not expired."""
-        if node in self._exited:
+        """Whether `node` of the previous round may still join: not exited (as the probes know it
+        now: a node restarted with the same identity is not), heartbeat not expired."""
+        if self._detector is not None and self._detector.has_exited(node):
             return False
         beat = self._heartbeats.get(node)
         expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
