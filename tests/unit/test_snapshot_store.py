@@ -257,3 +257,31 @@ def test_format_1_files_still_load_with_their_manifest_and_are_skipped_without_i
     assert store.latest_valid() is None
     assert "not a self-describing (format 2) snapshot" in caplog.text
     assert (tmp_path / "snapshot-000000004.pt").exists()
+
+
+@pytest.mark.parametrize("manifest", ["torn", "missing"])
+def test_a_format_1_file_that_no_index_lists_is_never_pruned(tmp_path, manifest):
+    old = tmp_path / "snapshot-000000004.pt"
+    old.write_bytes(v1_snapshot_bytes(4))
+    store = SnapshotStore(tmp_path, keep_last=2)
+    write(store, 5)
+    if manifest == "torn":
+        (tmp_path / MANIFEST_NAME).write_text('{"format": 2, "snapshots": [{"fi')
+    else:
+        (tmp_path / MANIFEST_NAME).unlink()
+    for step in (6, 7, 8):  # past a rebuilt index, then readable manifests that never listed it
+        write(store, step)
+    assert old.exists()
+    assert [e.global_step for e in store.manifest_entries()] == [7, 8]
+
+
+def test_a_format_1_file_that_keep_last_drops_from_a_readable_manifest_is_pruned(tmp_path):
+    data = v1_snapshot_bytes(4)
+    (tmp_path / "snapshot-000000004.pt").write_bytes(data)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "snapshots": [
+        {"file": "snapshot-000000004.pt", "global_step": 4, "epoch": 0, "samples_consumed": 4,
+         "sha256": checksum_of(data, "sha256").split(":")[1], "size_bytes": len(data), "created_unix": 0.0}]}))
+    store = SnapshotStore(tmp_path, keep_last=2)
+    write(store, 5)
+    write(store, 6)
+    assert not (tmp_path / "snapshot-000000004.pt").exists()

@@ -324,7 +324,12 @@ class SnapshotStore:
 
     def _prune(self, written: ManifestEntry, dropped: set[str]) -> None:
         """After `written` is listed in a durable manifest: delete the files the manifest dropped at
-        or below its step, and unlisted snapshot files below its step (left by failed writes)."""
+        or below its step, and unlisted format-2 files below its step (left by failed writes).
+
+        An unlisted format-1 file (a name without a suffix: this version never writes one) is
+        never deleted: it was written before 0.2, and a lost manifest entry is the only way it can
+        be unlisted, so deleting it would destroy a snapshot that the user may still recover.
+        """
         listed = {e.file for e in self.manifest_entries()}
         try:
             names = self.storage.list_names()
@@ -336,5 +341,7 @@ class SnapshotStore:
             if not match or name in listed or name == written.file:
                 continue
             step = int(match.group(1))
+            if match.group(2) is None and name not in dropped:
+                continue
             if step < written.global_step or (name in dropped and step == written.global_step):
                 self._delete_quietly(name)
