@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import EtcdV3Options
-
-if TYPE_CHECKING:
-    pass
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,6 +104,29 @@ def test_plain_http_credentials_need_a_loopback_endpoint_or_an_explicit_choice(f
     assert caplog.text.count("goes over plain http (protocol=https keeps it private)") == 2
     with pytest.raises(ValueError, match="plaintext_credentials='maybe' is invalid: expected 1 or 0"):
         EtcdV3Options.from_params(params("etcd2", plaintext_credentials="maybe", **credentials))
+
+
+def test_a_remote_plain_http_etcd_without_a_user_is_warned_about_once(files, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        EtcdV3Options.from_params(params("127.0.0.1:2379,etcd-open-1:2379,[2001:db8::7]:2379"))
+        EtcdV3Options.from_params(params("127.0.0.1:2379,etcd-open-1:2379,[2001:db8::7]:2379"))
+    [warning] = [r.getMessage() for r in caplog.records if "without a user" in r.getMessage()]
+    assert "\n" not in warning
+    assert "etcd-open-1:2379, [2001:db8::7]:2379" in warning and "127.0.0.1" not in warning
+    assert "protocol=https" in warning and "user=" in warning and "docs/etcd.md" in warning
+
+
+@pytest.mark.parametrize("endpoint, conf", [
+    ("localhost:2379,127.0.0.5:2379,[::1]:2379", {}),
+    ("etcd-open-2", {"protocol": "https", "ca_cert": "ca.pem"}),
+    ("etcd-open-3", {"user": "trainer", "password_file": "password", "plaintext_credentials": "1"}),
+])
+def test_loopback_tls_or_a_user_is_not_warned_about_as_open(files, caplog, endpoint, conf) -> None:
+    conf = {key: files.get(value, value) for key, value in conf.items()}
+    with caplog.at_level(logging.WARNING):
+        EtcdV3Options.from_params(params(endpoint, **conf))
+    assert "without a user" not in caplog.text
+    assert "hunter2" not in caplog.text
 
 
 def test_bad_endpoint_is_named() -> None:

@@ -105,6 +105,7 @@ class EtcdV3Options:
         _check_pairs(protocol, ca_cert, cert, key, user, password)
         endpoints = _endpoints(params.endpoint)
         _check_credentials_in_clear(protocol, user, endpoints, _flag(config, "plaintext_credentials"))
+        _warn_if_open(protocol, user, endpoints)
         return cls(
             endpoints=endpoints,
             protocol=protocol,
@@ -214,8 +215,31 @@ def _check_credentials_in_clear(protocol: str, user: str | None, endpoints: tupl
     logger.warning("etcd-v3: the password of user %r goes over plain http (protocol=https keeps it private)", user)
 
 
+# The open endpoint sets warned about in this process: one agent builds its options once, but
+# tools and tests build them again and again.
+_warned_open: set[tuple[str, ...]] = set()
+
+
+def _warn_if_open(protocol: str, user: str | None, endpoints: tuple[tuple[str, int], ...]) -> None:
+    """Warn, once per endpoint set, when etcd on another host is reached over plain http without a
+    user. Then anyone who can reach etcd can write the rendezvous state, and torch's dynamic
+    rendezvous unpickles that state in every agent: code of theirs runs in the job."""
+    if protocol != "http" or user is not None:
+        return
+    remote = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                   for host, port in endpoints if not _is_loopback(host))
+    if not remote or remote in _warned_open:
+        return
+    _warned_open.add(remote)
+    logger.warning("etcd-v3: etcd at %s is reached over plain http without a user: anyone who can reach it "
+                   "can rewrite the rendezvous state, which every agent unpickles (runs their code); use "
+                   "protocol=https with ca_cert (and cert/key if etcd checks client certificates) and/or "
+                   "user=...,password_file=... with etcd auth enabled (docs/etcd.md, \"TLS\" and \"Auth\")",
+                   ", ".join(remote))
+
+
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
