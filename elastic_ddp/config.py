@@ -115,8 +115,9 @@ class TrainingConfig:
         "Node-local directory for those copies; it should be in memory (tmpfs). A copy takes as much room as "
         "the state.", default="/dev/shm")
     snapshot_timeout_s: float = _help(
-        "Seconds a snapshot write may take before the run stops waiting for it (hung storage): the next "
-        "snapshot point is skipped and reported, and the end of training waits no longer.", default=600.0)
+        "Seconds a snapshot write may run before the run stops waiting for it (hung storage): the end of "
+        "training and a drain's final snapshot wait no longer. A snapshot point waits at most 30 s (or 4x the last "
+        "write's time) and skips its snapshot, reported, while a write hangs (docs/snapshots.md).", default=600.0)
     use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
     num_workers: int = _help("DataLoader worker processes per rank (0: load in the training process).",
                              default=0)

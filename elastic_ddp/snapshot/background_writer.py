@@ -8,11 +8,11 @@ On a local disk the serialised bytes go straight into the file: no second copy o
 held in memory, and the GIL is released while each chunk is hashed and written.
 
 When the next snapshot point arrives while a write is still in flight, `submit` WAITS for that
-write to finish before copying (it never skips): the bound on lost work (one snapshot interval)
-holds, the staging buffers are free again, and the time waited is part of what `submit` returns
-as blocked. A run whose writes take longer than its snapshot interval therefore slows down to the
-disk's pace instead of silently losing snapshots; the `blocked_seconds` of the `snapshot_captured`
-events show it.
+write to finish before copying: the bound on lost work (one snapshot interval) holds, the staging
+buffers are free again, and the time waited is part of what `submit` returns as blocked. A run
+whose writes take longer than its snapshot interval therefore slows down to the disk's pace
+instead of silently losing snapshots; the `blocked_seconds` of the `snapshot_captured` events show
+it. That wait is bounded (next paragraph but one).
 
 A write that still fails after the store's retries is logged as an error (`SNAPSHOT NOT SAVED`),
 counted in `failed_writes` and passed to `on_failed`; training goes on, the previous snapshots stay
@@ -20,10 +20,16 @@ as they were, and the next snapshot point tries again. So does a snapshot whose 
 or an infinity (a diverged run): it is refused, checked on the writer thread, never written as the
 newest "valid" one.
 
-Hung storage (a hard NFS mount, an object store without timeouts) cannot block training forever:
-`submit` waits at most `write_timeout_s` for the write in flight, then skips this snapshot (it
-reports why) and training goes on; `wait` and `close` take a timeout too. The hung write's thread
-is a daemon: it does not keep the process alive.
+Hung storage (a hard NFS mount, an object store without timeouts) cannot stall training for
+minutes: a snapshot point waits for the write in flight at most POINT_WAIT_S (30 s), or
+POINT_WAIT_FACTOR times as long as the last write that completed took if that is longer (a disk
+known to be slow keeps setting the pace), and never once the write has run `write_timeout_s`.
+A write that outlasts the wait is taken as hung: this snapshot point is skipped (reported, as a
+failed write is), and so is every later one at once, without waiting, until that write ends. So
+hung storage costs training one wait of at most 30 s, not `write_timeout_s` at every snapshot
+point. The final snapshot (a drain) waits longer: until the write in flight has run
+`write_timeout_s`. `wait` and `close` take a timeout too. The hung write's thread is a daemon: it
+does not keep the process alive.
 """
 
 from __future__ import annotations
@@ -45,8 +51,12 @@ logger = logging.getLogger(__name__)
 WrittenCallback = Callable[[ManifestEntry, float], None]  # entry, seconds the background write took
 FailedCallback = Callable[[int, str], None]  # global step, reason
 Capture = Callable[[StagingBuffers], Snapshot]
-# The longest a write may take before the next snapshot point gives up waiting for it.
+# The longest a write may take before it is hung whoever waits for it (--snapshot_timeout_s).
 DEFAULT_WRITE_TIMEOUT_S = 600.0
+# How long a snapshot point waits for the write in flight: this, or this factor times the last
+# write that completed when that is longer (see the module docstring).
+POINT_WAIT_S = 30.0
+POINT_WAIT_FACTOR = 4.0
 
 
 class SnapshotWriter:
@@ -67,17 +77,20 @@ class SnapshotWriter:
         self.staging = StagingBuffers()
         self.failed_writes = 0
         self.last_written: ManifestEntry | None = None
-        self._in_flight: tuple[int, threading.Event] | None = None  # (global step, done)
+        self._in_flight: tuple[int, threading.Event, float] | None = None  # (global step, done, started)
+        self._hung_step: int | None = None  # the write in flight that a snapshot point gave up on
+        self._last_write_seconds = 0.0  # how long the last write that completed took
 
-    def submit(self, capture: Capture) -> float:
+    def submit(self, capture: Capture, *, final: bool = False, global_step: int | None = None) -> float:
         """Wait for the write in flight, copy the state with `capture(staging)`, queue its write.
 
         Returns the seconds the caller was blocked: the wait plus the copy (plus the whole write
-        when not asynchronous). If the write in flight does not end within `write_timeout_s`, this
-        snapshot is skipped and reported (its staging buffers are still the hung write's).
+        when not asynchronous). If the write in flight does not end within the bound (the module
+        docstring; `final`: until it has run `write_timeout_s`), this snapshot (of `global_step`,
+        for the report) is skipped and reported: its staging buffers are still the hung write's.
         """
         started = time.monotonic()
-        if not self._wait_for_room():
+        if not self._wait_for_room(final, global_step):
             return time.monotonic() - started
         snapshot = capture(self.staging)
         self._start(snapshot.global_step, self._write_snapshot, snapshot)
@@ -86,7 +99,7 @@ class SnapshotWriter:
     def submit_serialized(self, global_step: int, epoch: int, samples_consumed: int, data: bytes) -> float:
         """Queue the write of an already serialised snapshot (one restored from a peer)."""
         started = time.monotonic()
-        if self._wait_for_room():
+        if self._wait_for_room(False, global_step):
             self._start(global_step, self._write_bytes, global_step, epoch, samples_consumed, data, started)
         return time.monotonic() - started
 
@@ -105,12 +118,25 @@ class SnapshotWriter:
                          "leaving it behind", self._in_flight[0], self.write_timeout_s if timeout is None else timeout)
         return finished
 
-    def _wait_for_room(self) -> bool:
-        if self.wait(self.write_timeout_s):
+    def _wait_for_room(self, final: bool, skipped_step: int | None) -> bool:
+        """Whether the write in flight ended within the bound (the module docstring); else report."""
+        if self._in_flight is None:
             return True
-        step = self._in_flight[0]
-        self._report_failure(step, f"the write of step {step} is still running after {self.write_timeout_s:.0f} s "
-                                   "(storage hung?); this snapshot point is skipped")
+        step, done, write_started = self._in_flight
+        left = max(0.0, self.write_timeout_s - (time.monotonic() - write_started))
+        if final:
+            bound = left
+        elif self._hung_step == step:
+            bound = 0.0
+        else:
+            bound = min(left, max(POINT_WAIT_S, POINT_WAIT_FACTOR * self._last_write_seconds))
+        if done.wait(bound):
+            return True
+        self._hung_step = step
+        this = f"the snapshot of step {skipped_step}" if skipped_step is not None else "this snapshot point"
+        self._report_failure(skipped_step if skipped_step is not None else step,
+                             f"the write of step {step} is still running after "
+                             f"{time.monotonic() - write_started:.1f} s (storage hung?); {this} is skipped")
         return False
 
     def _start(self, global_step: int, function, *args) -> None:
@@ -122,7 +148,7 @@ class SnapshotWriter:
             finally:
                 done.set()
 
-        self._in_flight = (global_step, done)
+        self._in_flight = (global_step, done, time.monotonic())
         threading.Thread(target=run, name="snapshot-writer", daemon=True).start()
         if not self.asynchronous:
             self.wait()
@@ -154,6 +180,7 @@ class SnapshotWriter:
             self._report_failure(global_step, f"unexpected error: {exc!r}", exc_info=True)
             return
         self.last_written = entry
+        self._last_write_seconds = time.monotonic() - started
         if self.on_written is not None:
             _call_safely(self.on_written, entry, time.monotonic() - started)
 

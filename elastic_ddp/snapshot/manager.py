@@ -111,10 +111,10 @@ class SnapshotSession:
         else:
             due = epoch_ended or bool(every and step % every == 0)
         if due:
-            self._save_now(state)
+            self._save_now(state, final)
         return due
 
-    def _save_now(self, state: TrainingState) -> None:
+    def _save_now(self, state: TrainingState, final: bool) -> None:
         self.last_saved_step = state.global_step
         if self.context.in_process_group:
             rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
@@ -128,7 +128,8 @@ class SnapshotSession:
                             fingerprint=self.fingerprint, world_size=self.context.world_size,
                             incarnation=self.incarnation, wall_time=time.time())
 
-        blocked_seconds = self.writer.submit(capture)
+        # A final snapshot (a drain) waits for a slow write in flight; any other skips a hung one.
+        blocked_seconds = self.writer.submit(capture, final=final, global_step=state.global_step)
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
 

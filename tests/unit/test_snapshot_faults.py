@@ -14,6 +14,7 @@ import torch
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.snapshot import background_writer
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
 from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
@@ -87,11 +88,75 @@ def test_hung_storage_skips_a_snapshot_point_instead_of_blocking_training_and_cl
     assert storage.writing.wait(timeout=30)
     captured: list[int] = []
     blocked = writer.submit(lambda staging: captured.append(2) or tiny_snapshot(2, staging))
-    assert 0.5 <= blocked < 10 and captured == []
-    assert failures == [(1, "the write of step 1 is still running after 0 s (storage hung?); this snapshot "
-                            "point is skipped")]
+    assert 0.3 <= blocked < 10 and captured == []  # until the write has run 0.5 s
+    [(step, why)] = failures
+    assert step == 1 and why.startswith("the write of step 1 is still running after ")
+    assert why.endswith(" s (storage hung?); this snapshot point is skipped")
     assert writer.close(timeout=0.2) is False and "still running after 0 s (storage hung?)" in caplog.text
     storage.gate.set()  # (lets the daemon thread end)
+
+
+def test_with_hung_storage_a_snapshot_point_waits_a_short_bound_once_then_not_at_all(tmp_path, monkeypatch):
+    """--snapshot_timeout_s at its default (600 s): a snapshot point gives up on a hung write after
+    POINT_WAIT_S, and the next ones skip at once while that write hangs: training never stalls for
+    minutes. Before, every snapshot point waited the full 600 s."""
+    monkeypatch.setattr(background_writer, "POINT_WAIT_S", 0.3, raising=False)
+    storage = GatedStorage(tmp_path)  # the gate never opens while the test looks
+    failures: list[tuple[int, str]] = []
+    writer = SnapshotWriter(SnapshotStore(storage), on_failed=lambda step, why: failures.append((step, why)))
+    writer.submit(lambda staging: tiny_snapshot(1, staging))
+    assert storage.writing.wait(timeout=30)
+    blocked: list[float] = []
+    second = threading.Thread(target=lambda: blocked.append(writer.submit(lambda staging: tiny_snapshot(2, staging))),
+                              daemon=True)
+    second.start()
+    second.join(timeout=10)
+    assert not second.is_alive(), "a snapshot point waited for a hung write for longer than 10 s"
+    assert 0.3 <= blocked[0] < 5
+    assert writer.submit(lambda staging: tiny_snapshot(3, staging)) < 0.1, "and the next one waits no more"
+    assert [step for step, _ in failures] == [1, 1] and writer.failed_writes == 2
+    assert all("(storage hung?)" in why and "this snapshot point is skipped" in why for _, why in failures)
+    storage.gate.set()
+    assert writer.close(timeout=30)
+    assert writer.submit(lambda staging: tiny_snapshot(4, staging)) < 5 and writer.close(timeout=30)
+    assert [e.global_step for e in writer.store.manifest_entries()] == [1, 4]
+
+
+def test_the_final_snapshot_still_waits_for_a_slow_write_up_to_the_write_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(background_writer, "POINT_WAIT_S", 0.2, raising=False)
+    storage = GatedStorage(tmp_path)
+    writer = SnapshotWriter(SnapshotStore(storage), write_timeout_s=30)
+    writer.submit(lambda staging: tiny_snapshot(1, staging))
+    assert storage.writing.wait(timeout=30)
+    writer.submit(lambda staging: tiny_snapshot(2, staging))  # skipped after 0.2 s
+    threading.Timer(1.0, storage.gate.set).start()  # the disk was only slow
+    blocked = writer.submit(lambda staging: tiny_snapshot(3, staging), final=True)
+    assert 0.5 < blocked < 20 and writer.close(timeout=30)
+    assert [e.global_step for e in writer.store.manifest_entries()] == [1, 3]
+
+
+def test_training_on_hung_storage_goes_on_at_full_speed_and_says_which_snapshots_it_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(background_writer, "POINT_WAIT_S", 0.3)
+    config = small_config(tmp_path, epochs=1, snapshot_every_steps=1, snapshot_timeout_s=2)  # 6 steps
+    hung = threading.Event()
+    original = LocalDirectoryStorage.write_stream_atomically
+
+    def write_stream_atomically(self, name, produce):
+        match = SNAPSHOT_PATTERN.match(name)
+        if match and int(match.group(1)) >= 2:
+            hung.wait(timeout=60)  # the mount stopped answering
+        original(self, name, produce)
+
+    monkeypatch.setattr(LocalDirectoryStorage, "write_stream_atomically", write_stream_atomically)
+    try:
+        make_trainer(config).fit()
+    finally:
+        hung.set()
+    blocked = [e["blocked_seconds"] for e in snapshot_events(config, "snapshot_captured")]
+    assert len(blocked) == 6 and sum(blocked) < 2, blocked  # one wait of 0.3 s in all (step 3's)
+    failed = snapshot_events(config, "snapshot_failed")
+    assert [e["global_step"] for e in failed] == [3, 4, 5, 6]
+    assert all("the write of step 2 is still running" in e["error"] for e in failed)
 
 
 def test_a_diverged_state_is_never_saved_and_the_last_finite_snapshot_stays(tmp_path, caplog):
