@@ -92,4 +92,3 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
 def _are_class_indices(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
     return (not targets.is_floating_point() and targets.dim() == 1 and outputs.dim() == 2
             and len(outputs) == len(targets))
-
