@@ -18,14 +18,15 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runtime.distributed import DistributedContext, exit_worker, process_group
-from elastic_ddp.runtime.drain import DRAIN_EXIT_CODE, DrainRequested
-from elastic_ddp.runtime.prefetch import start_prefetching_dynamo
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid, exit_worker, process_group
+from elastic_ddp.runtime.drain import DRAIN_EXIT_CODE, DrainRequested
+from elastic_ddp.runtime.launch_costs import warn_about_launch_costs
+from elastic_ddp.runtime.prefetch import start_prefetching_dynamo
 from elastic_ddp.training.trainer import Trainer
-from elastic_ddp.workload.user_code import UserCodeError
 from elastic_ddp.training.workload_builder import build_workload
+from elastic_ddp.workload.user_code import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
     config = config_class.from_args(argv)
     context = DistributedContext.from_env(config.device)
     log_prefix = configure_worker_logging(context.rank, context.world_size)
+    if context.is_main and context.is_distributed:
+        warn_about_launch_costs(agent_pid())  # once per start: what a failure will cost with this command
     try:
         workload = build_workload(config)
     except UserCodeError as exc:
