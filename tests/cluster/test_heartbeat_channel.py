@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.agent.rendezvous import EtcdConnection, EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_backend import EtcdV3Heartbeats
 from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.heartbeats import MAX_BEAT_BYTES, encode_beat, node_key
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import rendezvous_together
 
 if TYPE_CHECKING:
@@ -51,14 +51,73 @@ def test_published_beats_are_read_back_newest_first_and_garbage_is_skipped(share
     beats.publish(first, now - timedelta(seconds=3))
     beats.publish(first, now)
     beats.publish(second, now - timedelta(seconds=1))
-    for name, value in [("garbage", b"\xff not json"), ("list", b"[1, 2]"), ("nan", b'{"addr": "x", "pid": 1, '
-                        b'"local_id": 0, "beat": NaN}'), ("huge", b" " * (MAX_BEAT_BYTES + 1) + b"{}"),
+    for name, value in [("garbage", b"\xff not json"), ("list", b"[1, 2]"), ("nan", (b'{"addr": "x", "pid": 1, '
+                        b'"local_id": 0, "beat": NaN}')), ("huge", b" " * (MAX_BEAT_BYTES + 1) + b"{}"),
                         ("bool-pid", b'{"addr": "x", "pid": true, "local_id": 0, "beat": 1.0}'),
                         ("far", b'{"addr": "x", "pid": 1, "local_id": 0, "beat": 1e300}')]:
         shared_etcd_server.etcdctl("put", beats.prefix + name, value.decode("latin-1"))
     assert beats.read() == {first: now, second: now - timedelta(seconds=1)}
     stored = shared_etcd_server.etcdctl("get", "--print-value-only", beats.prefix + node_key(first)).stdout.strip()
     assert stored.encode() == encode_beat(first, now)
+
+
+class PageRecordingConnection(EtcdConnection):
+    """Records (limit asked, keys answered, more) of every range request its operations send."""
+
+    def __init__(self, options: EtcdV3Options) -> None:
+        super().__init__(options)
+        self.pages: list[tuple[int, int, bool]] = []
+
+    def call(self, what, operation):
+        def recorded(client):
+            real_range = client.kvstub.Range
+
+            def recording_range(request, *args, **kwargs):
+                answer = real_range(request, *args, **kwargs)
+                self.pages.append((request.limit, len(answer.kvs), answer.more))
+                return answer
+
+            client.kvstub.Range = recording_range
+            try:
+                return operation(client)
+            finally:
+                client.kvstub.Range = real_range
+
+        return super().call(what, recorded)
+
+
+def test_every_heartbeat_key_is_read_in_pages_of_page_keys(shared_etcd_server, run_id):
+    """25 beats and 5 foreign values in pages of 10: every beat is read, no answer holds more
+    than 10 keys (etcd3 0.12's get_prefix sends no limit: one answer held all 30)."""
+    params = RendezvousParameters("etcd-v3", shared_etcd_server.endpoint, run_id, 1, 1)
+    connection = PageRecordingConnection(EtcdV3Options.from_params(params))
+    beats = EtcdV3Heartbeats(connection, run_id, page_keys=10)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    nodes = [NodeDesc(f"10.0.0.{index}", 100 + index, 0) for index in range(25)]
+    for index, node in enumerate(nodes):
+        beats.publish(node, now - timedelta(seconds=index))
+        if index % 5 == 0:
+            shared_etcd_server.etcdctl("put", beats.prefix + node_key(node) + "-garbage", "not json")
+    connection.pages.clear()
+    assert beats.read() == {node: now - timedelta(seconds=index) for index, node in enumerate(nodes)}
+    assert connection.pages == [(10, 10, True), (10, 10, True), (10, 10, False)]
+
+
+def test_more_heartbeat_keys_than_one_grpc_message_holds_are_all_read(etcd_server, run_id):
+    """7500 nodes with 250-character host names hold 4.8 MB of heartbeats, more than gRPC
+    receives in one message (4 MiB): read in one answer, the read failed for the whole
+    retry_timeout and raised "no etcd endpoint answered", which ends a torchrun agent."""
+    params = RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 1, retry_timeout="3")
+    connection = EtcdConnection(EtcdV3Options.from_params(params))
+    beats = EtcdV3Heartbeats(connection, run_id)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    nodes = [NodeDesc(f"node-{index:05d}." + "x" * 240, 1000 + index, 0) for index in range(7500)]
+    for first in range(0, len(nodes), 100):
+        batch = nodes[first:first + 100]
+        connection.call("write heartbeats", lambda client, batch=batch: client.transaction(
+            compare=[], failure=[], success=[client.transactions.put(beats.prefix + node_key(node),
+                                                                     encode_beat(node, now)) for node in batch]))
+    assert beats.read() == dict.fromkeys(nodes, now)
 
 
 def test_heartbeats_of_a_formed_round_leave_the_state_alone_and_keep_every_live_node(shared_etcd_server, run_id):

@@ -9,8 +9,9 @@ key is attached to the writing process's lease (see `EtcdConnection`), so the st
 every agent abandoned disappears `ttl` seconds later.
 
 Each node's heartbeat is a key of its own, `<key_prefix>/R/heartbeats/<node>`, written with a plain
-put and read back with one range read (`EtcdV3Heartbeats`, see `heartbeats`); it is attached to
-the writer's lease too, so the keys of exited agents go away with it.
+put and read back with range reads of at most `HEARTBEAT_PAGE_KEYS` keys each, every key of the
+prefix (`EtcdV3Heartbeats`, see `heartbeats`); it is attached to the writer's lease too, so the
+keys of exited agents go away with it.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import binascii
 from base64 import b64decode, b64encode
 from datetime import datetime
 
-from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client
+from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
 from elastic_ddp.agent.rendezvous.heartbeats import decode_beat, encode_beat, node_key
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
-# The most heartbeat keys one read returns. The keys of exited agents stay until their lease
-# expires (`ttl`), so a long run with many restarts holds more keys than nodes; this bounds what a
-# read costs and how much memory a flood of keys can take (about 150 bytes a key).
-MAX_HEARTBEAT_KEYS = 8192
+# The most heartbeat keys one range request asks for. The keys of exited agents stay until their
+# lease expires (`ttl`), so a long run with many restarts holds more keys than nodes, and one
+# answer for all of them can pass gRPC's 4 MiB limit on a received message (7500 keys of nodes
+# with 250-character host names did: the read failed as "no etcd endpoint answered"). A page of
+# ours is at most about 1.4 MB (a value is at most MAX_BEAT_BYTES, a key about 300 bytes).
+HEARTBEAT_PAGE_KEYS = 1024
 
 
 def run_key(key_prefix: str, run_id: str) -> str:
@@ -113,13 +116,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 class EtcdV3Heartbeats:
     """The `HeartbeatChannel` of run `run_id` in etcd (see the module docstring).
 
-    `read` returns at most `MAX_HEARTBEAT_KEYS` keys, and skips values that do not decode.
-    Both raise what `EtcdConnection.call` raises when etcd cannot be reached.
+    `read` reads every key under the prefix, `page_keys` keys per request, and skips values that
+    do not decode. Both raise what `EtcdConnection.call` raises when etcd cannot be reached.
+
+    Not guaranteed: one revision for all pages. Keys are read in key order, so a key that exists
+    throughout the read is read once; one written or deleted meanwhile may be read or not, as with
+    a read a moment earlier or later. A page of values much larger than ours (someone else's keys
+    under the prefix) can still pass gRPC's message limit.
     """
 
-    def __init__(self, connection: EtcdConnection, run_id: str) -> None:
+    def __init__(self, connection: EtcdConnection, run_id: str, page_keys: int = HEARTBEAT_PAGE_KEYS) -> None:
+        if page_keys < 1:
+            raise ValueError(f"page_keys: got {page_keys}; expected at least 1")
         self._connection = connection
         self._prefix = run_key(connection.options.key_prefix, run_id) + "/heartbeats/"
+        self._page_keys = page_keys
 
     @property
     def prefix(self) -> str:
@@ -134,12 +145,33 @@ class EtcdV3Heartbeats:
 
     def read(self) -> dict[NodeDesc, datetime]:
         """See `heartbeats.HeartbeatChannel`."""
-        answers = self._connection.call(
-            "read the heartbeats", lambda client: list(client.get_prefix(self._prefix, limit=MAX_HEARTBEAT_KEYS)))
+        values = self._connection.call("read the heartbeats", self._read_values)
         beats: dict[NodeDesc, datetime] = {}
-        for value, _metadata in answers:
+        for value in values:
             decoded = decode_beat(value)
             if decoded is not None:
                 node, beat = decoded
                 beats[node] = max(beat, beats.get(node, beat))
         return beats
+
+    def _read_values(self, client: Etcd3Client) -> list[bytes]:
+        # etcd3 0.12's get_prefix drops its `limit` (the request goes out without one), so the
+        # pages are requested here. etcd answers a range in key order and says whether there is
+        # `more`; the next page starts just past the last key of this one.
+        start, end = self._prefix.encode(), _prefix_end(self._prefix.encode())
+        values: list[bytes] = []
+        while True:
+            request = etcdrpc.RangeRequest(key=start, range_end=end, limit=self._page_keys)
+            answer = client.kvstub.Range(request, client.timeout, credentials=client.call_credentials,
+                                         metadata=client.metadata)
+            values.extend(kv.value for kv in answer.kvs)
+            if not answer.more:
+                return values
+            if not answer.kvs:
+                raise RendezvousConnectionError(f"etcd answered a read of {self._prefix} with 'more' and no keys")
+            start = answer.kvs[-1].key + b"\0"
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with `prefix` (etcd's range_end for a prefix)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])  # our prefixes end with "/", never with 0xff
