@@ -48,6 +48,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # 4 workers and 12 busy loops (docs/failure-semantics.md, "The watchdog"): 3 s is 4x that.
 WATCHDOG_TIMEOUT_S = 3.0
 MIN_WATCHDOG_TIMEOUT_S = 1.0
+MAX_SNAPSHOT_BUDGET = 0.5  # beyond half the time, snapshots would be the job
 PROGRESS_MODES = ("auto", "bar", "log", "off")  # see elastic_ddp/runlog/progress.py
 
 
@@ -105,7 +106,15 @@ class TrainingConfig:
     snapshot_async: bool = _help(
         "Write snapshots on a background thread; training waits only for a memory copy (off: training "
         "waits for every durable write).", default=True)
-    snapshot_every_steps: int = _help("Snapshot every N optimizer steps; 0: only at epoch ends.", default=50)
+    snapshot_every_steps: int | None = _help(
+        "Snapshot every N optimizer steps and at every epoch end (0: only at epoch ends). Unset: on the overhead "
+        "budget below (docs/snapshots.md, \"When snapshots are taken\").", default=None)
+    snapshot_budget: float = _help(
+        "Without --snapshot_every_steps: the share of training time durable snapshots may cost the training "
+        "thread; they are spaced to stay under it (measured at every snapshot).", default=0.01)
+    snapshot_max_interval_s: float = _help(
+        "Without --snapshot_every_steps: the longest time between two durable snapshots, whatever the budget.",
+        default=600.0)
     keep_last: int = _help("Snapshots kept on disk (at least 2, so a good one survives a torn write).", default=3)
     memory_copies: bool = _help(
         "When a worker group stops (a peer failed, torchrun re-forms the group), every rank keeps the state of its "
@@ -174,7 +183,10 @@ class TrainingConfig:
         if self.drop_last and self.dataset_size is not None and self.global_batch_size > self.dataset_size:
             raise ValueError(f"--global_batch_size: got {self.global_batch_size} with --drop_last; expected at "
                              f"most --dataset_size ({self.dataset_size}), or no step would run")
-        for name in ("collective_timeout_s", "snapshot_timeout_s"):
+        if not 0 < self.snapshot_budget <= MAX_SNAPSHOT_BUDGET:
+            raise ValueError(f"--snapshot_budget: got {self.snapshot_budget}; expected a share of training time "
+                             f"above 0 and at most {MAX_SNAPSHOT_BUDGET} (0.01: 1 %)")
+        for name in ("collective_timeout_s", "snapshot_timeout_s", "snapshot_max_interval_s"):
             value = getattr(self, name)
             if not 0 < value <= MAX_TIMEOUT_S:
                 raise ValueError(f"--{name}: got {value}; expected a positive number of seconds, at most "

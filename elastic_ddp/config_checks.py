@@ -54,7 +54,7 @@ def check_positive(config: Any, *names: str) -> None:
 def check_non_negative(config: Any, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if value < 0:
+        if value is not None and value < 0:
             raise ValueError(f"--{name}: got {value}; expected 0 or more")
 
 

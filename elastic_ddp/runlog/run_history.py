@@ -90,6 +90,7 @@ class RunHistory:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     snapshot_failures: list[dict[str, Any]] = field(default_factory=list)
     blocked_seconds: list[float] = field(default_factory=list)
+    snapshot_cadences: list[dict[str, Any]] = field(default_factory=list)  # on the budget
     replication_plans: list[dict[str, Any]] = field(default_factory=list)
     replications: list[dict[str, Any]] = field(default_factory=list)
     replication_failures: list[dict[str, Any]] = field(default_factory=list)
@@ -168,6 +169,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.EVAL.name: _appending_to("evaluations"),
     schema.SNAPSHOT_CAPTURED.name: lambda history, incarnation, event: history.blocked_seconds.append(
         float(event.get("blocked_seconds", 0.0))),
+    schema.SNAPSHOT_CADENCE.name: _appending_to("snapshot_cadences"),
     schema.SNAPSHOT.name: _appending_to("snapshots"),
     schema.SNAPSHOT_FAILED.name: _appending_to("snapshot_failures"),
     schema.REPLICATION.name: _appending_to("replication_plans"),

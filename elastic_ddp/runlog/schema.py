@@ -57,6 +57,10 @@ EVAL = EventKind(
 SNAPSHOT_CAPTURED = EventKind(
     "snapshot_captured", ("global_step", "blocked_seconds"),
     "rank 0 copied the state for a snapshot; training was blocked this long")
+SNAPSHOT_CADENCE = EventKind(
+    "snapshot_cadence", ("global_step", "every_steps", "interval_s", "blocked_seconds", "budget"),
+    "rank 0 spaced the durable snapshots on the overhead budget (--snapshot_budget): the next one in `every_steps` "
+    "steps (about `interval_s` seconds), as the snapshot of `global_step` blocked training `blocked_seconds`")
 SNAPSHOT = EventKind(
     "snapshot", ("global_step", "epoch", "file", "checksum", "size_bytes", "write_seconds"),
     "a snapshot is durable and listed (the only kind a restore may name)")
@@ -86,5 +90,5 @@ DRAIN = EventKind(
 FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is trained and the last snapshot is durable")
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
-    START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT, SNAPSHOT_FAILED,
+    START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT_CADENCE, SNAPSHOT, SNAPSHOT_FAILED,
     REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, MEMORY_COPY_FAILED, DRAIN, FINISHED)}

@@ -23,11 +23,15 @@ import logging
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
+from elastic_ddp.snapshot.cadence import SnapshotCadence
 from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
@@ -59,6 +63,8 @@ class SnapshotSession:
         self.replication = Replication()  # the real one is agreed on in start()
         self.memory = self._memory_tier() if config.memory_copies else None
         self.last_saved_step: int | None = None
+        self.cadence = SnapshotCadence(config.snapshot_every_steps, config.snapshot_budget,
+                                       config.snapshot_max_interval_s)
         self._kept_in_memory: int | None = None  # the step this worker kept in memory
 
     def _memory_tier(self) -> MemoryTier | None:
@@ -100,29 +106,34 @@ class SnapshotSession:
             self.replication.offer(restored.entry)
 
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
-        """Snapshot `state` if the cadence asks for one: every --snapshot_every_steps steps, at
-        each epoch end, and on `final` (a drain) unless this step is saved already. Call it after
-        every committed step on every rank: when it saves it is a collective (every rank's RNG),
-        and rank 0 queues the write. Returns whether it saved."""
+        """Snapshot `state` if its cadence (snapshot/cadence.py: the overhead budget, or
+        --snapshot_every_steps) says so, always at the end of training, and on `final` (a drain)
+        unless this step is saved already. Call it after every committed step on every rank: when
+        it saves it is a collective (every rank's RNG), and rank 0 queues the write. Returns whether
+        it saved."""
         step = state.global_step
-        every = self.config.snapshot_every_steps
         if final:
             due = self.last_saved_step != step
         else:
-            due = epoch_ended or bool(every and step % every == 0)
+            due = self.cadence.due(step, epoch_ended, training_done=state.sampler.epoch >= self.config.epochs)
         if due:
             self._save_now(state, final)
         return due
 
     def _save_now(self, state: TrainingState, final: bool) -> None:
+        started = time.monotonic()
         self.last_saved_step = state.global_step
         if self.context.in_process_group:
             rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
         else:
             rng_per_rank = [capture_rng_state()]
-        if self.writer is None:
-            return
+        if self.writer is not None:
+            self._submit(state, rng_per_rank, final)
+        if self.cadence.on_budget:
+            self._agree_on_the_next_snapshot(state.global_step, time.monotonic() - started)
 
+    def _submit(self, state: TrainingState, rng_per_rank: list[dict[str, Any]], final: bool) -> None:
+        """Rank 0: copy `state` into staging and queue its write."""
         def capture(staging: StagingBuffers) -> Snapshot:
             return Snapshot(states=staging.copy(state.state_dicts(), "states"), rng_per_rank=rng_per_rank,
                             fingerprint=self.fingerprint, world_size=self.context.world_size,
@@ -132,6 +143,21 @@ class SnapshotSession:
         blocked_seconds = self.writer.submit(capture, final=final, global_step=state.global_step)
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
+
+    def _agree_on_the_next_snapshot(self, global_step: int, blocked_seconds: float) -> None:
+        """On the budget: rank 0 chooses when the next snapshot is due (from what this one cost
+        it), and every rank learns that step (one small broadcast per snapshot)."""
+        next_due = self.cadence.next_due(global_step, blocked_seconds) if self.context.is_main else 0
+        if self.context.in_process_group:
+            agreed = torch.tensor([next_due], dtype=torch.int64, device=self.context.device)
+            dist.broadcast(agreed, src=0)
+            next_due = int(agreed.item())
+        self.cadence.agree(next_due)
+        interval = self.cadence.interval
+        if self.context.is_main and interval is not None:
+            self.events.emit(schema.SNAPSHOT_CADENCE, global_step=global_step, every_steps=interval.every_steps,
+                             interval_s=round(interval.seconds, 3), blocked_seconds=round(blocked_seconds, 4),
+                             budget=self.cadence.budget)
 
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> KeptCopy | None:
         """Keep the last committed step of `state` in this node's memory, as training stops early

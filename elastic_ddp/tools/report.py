@@ -131,6 +131,9 @@ def _snapshot_numbers(history: RunHistory) -> dict[str, Any]:
         "blocked_seconds_mean": blocked_stats["mean"], "blocked_seconds_max": blocked_stats["max"],
         "last_step": history.snapshots[-1]["global_step"] if history.snapshots else None,
         "failed": len(history.snapshot_failures),
+        # The last spacing chosen on the overhead budget (None: --snapshot_every_steps, or an older log).
+        "cadence": ({key: history.snapshot_cadences[-1][key] for key in ("every_steps", "interval_s", "budget")}
+                    if history.snapshot_cadences else None),
     }
 
 
@@ -270,6 +273,10 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
                      f"{1000 * (snapshots['blocked_seconds_max'] or 0):.1f} ms max")
     else:
         lines.append("Snapshots    none written")
+    if snapshots["cadence"]:
+        cadence = snapshots["cadence"]
+        lines.append(f"             on a {100 * cadence['budget']:g} % overhead budget: the last interval chosen was "
+                     f"{plural(cadence['every_steps'], 'step')} ({format_duration(cadence['interval_s'])})")
     if snapshots["failed"]:
         lines.append(f"             {plural(snapshots['failed'], 'snapshot write')} FAILED "
                      "(the previous ones were kept; "

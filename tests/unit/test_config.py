@@ -50,6 +50,9 @@ def test_cli_parses_values_and_boolean_pairs():
     ({"seed": 2**64}, "--seed: got 18446744073709551616; expected an integer from 0 to 18446744073709551615"),
     ({"seed": -1}, "--seed: got -1; expected an integer from 0 to"),
     ({"event_log": ""}, "--event_log: got an empty path; expected a file path"),
+    ({"snapshot_budget": 0.0}, "--snapshot_budget: got 0.0; expected a share of training time above 0 and at most 0.5"),
+    ({"snapshot_budget": math.nan}, "--snapshot_budget: got nan; expected a finite number"),
+    ({"snapshot_max_interval_s": 0.0}, "--snapshot_max_interval_s: got 0.0; expected a positive number of seconds"),
 ])
 def test_validation_names_flag_value_and_what_is_accepted(overrides, message):
     with pytest.raises(ValueError) as excinfo:

@@ -1,0 +1,97 @@
+"""When a durable snapshot is due: a fixed cadence, or an overhead budget (the default).
+
+Memory copies cover the loss of nodes (a failure costs no committed step); the durable snapshot
+only guards against losing the whole job. So by default its cadence follows a budget, as
+CheckFreq does: measure what a snapshot costs the training thread (the RNG gather, waiting for the
+previous write, the copy into staging: the `blocked_seconds` of `snapshot_captured`) and space
+snapshots so that this cost stays under `--snapshot_budget` of training time (1 %), but never
+further apart than `--snapshot_max_interval_s` (10 minutes):
+
+    interval = min(blocked seconds / budget, max interval)      every = interval / seconds per step
+
+The first snapshot of each worker group comes `PROBE_STEPS` steps after it starts (to measure the
+cost); after each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
+small collective per snapshot), so every rank decides the same at every step. Epoch ends follow the
+budget too. The end of training is always saved, and so is a drain (its `final` snapshot).
+
+`--snapshot_every_steps N` overrides the budget: every N steps and at every epoch end (0: only at
+epoch ends), as asked.
+
+Not guaranteed: the budget is kept on average over an interval, measured on rank 0's training
+thread; a step far slower or faster than the ones measured shifts it until the next snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PROBE_STEPS = 10  # the first snapshot of a worker group, to measure what one costs
+CHANGE_WORTH_A_LOG_LINE = 2.0  # log the interval again when it moves by this factor
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A chosen spacing of budgeted snapshots."""
+
+    every_steps: int
+    seconds: float  # the steps' expected duration
+    blocked_seconds: float  # what the snapshot that set it cost the training thread
+
+
+class SnapshotCadence:
+    """Decides, after every committed step, whether a snapshot is due (see the module docstring)."""
+
+    def __init__(self, every_steps: int | None, budget: float, max_interval_s: float):
+        self.every_steps = every_steps
+        self.budget = budget
+        self.max_interval_s = max_interval_s
+        self.next_due_step: int | None = None  # on the budget: agreed by every rank
+        self.interval: Interval | None = None
+        self._clock: tuple[int, float] | None = None  # (step, time.monotonic()) when this group started
+        self._blocked_total = 0.0  # seconds snapshots blocked training since then (rank 0)
+
+    @property
+    def on_budget(self) -> bool:
+        return self.every_steps is None
+
+    def due(self, global_step: int, epoch_ended: bool, training_done: bool) -> bool:
+        """Whether the step just committed is to be saved (the same answer on every rank)."""
+        if self._clock is None:  # this worker group's first step
+            self._clock = (global_step, time.monotonic())
+            self.next_due_step = global_step + PROBE_STEPS - 1
+        if training_done:
+            return True
+        if not self.on_budget:
+            return epoch_ended or bool(self.every_steps and global_step % self.every_steps == 0)
+        return global_step >= self.next_due_step
+
+    def next_due(self, global_step: int, blocked_seconds: float) -> int:
+        """Rank 0, after saving `global_step` at a cost of `blocked_seconds`: the step the next
+        budgeted snapshot is due at (to be agreed: see `agree`)."""
+        self._blocked_total += blocked_seconds
+        start_step, start_time = self._clock
+        steps = max(1, global_step - start_step)
+        step_seconds = max(1e-6, (time.monotonic() - start_time - self._blocked_total) / steps)
+        interval_s = min(blocked_seconds / self.budget, self.max_interval_s)
+        every = max(1, math.floor(interval_s / step_seconds))
+        self._log_if_changed(Interval(every, every * step_seconds, blocked_seconds))
+        return global_step + every
+
+    def agree(self, next_due_step: int) -> None:
+        """Every rank: the next budgeted snapshot is due at `next_due_step` (rank 0's choice)."""
+        self.next_due_step = next_due_step
+
+    def _log_if_changed(self, interval: Interval) -> None:
+        previous, self.interval = self.interval, interval
+        if previous is not None and 1 / CHANGE_WORTH_A_LOG_LINE < interval.every_steps / previous.every_steps \
+                < CHANGE_WORTH_A_LOG_LINE:
+            return
+        logger.info("durable snapshots every %d steps (%.0f s): one blocks training %.3f s, %.2f%% of the time "
+                    "(--snapshot_budget %g, at most every %g s)", interval.every_steps, interval.seconds,
+                    interval.blocked_seconds, 100 * interval.blocked_seconds / max(interval.seconds, 1e-9),
+                    self.budget, self.max_interval_s)

@@ -1,0 +1,89 @@
+"""When durable snapshots are due (elastic_ddp/snapshot/cadence.py): a fixed cadence as asked, or
+the overhead budget, decided the same way on every rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.snapshot import cadence as cadence_module
+from elastic_ddp.snapshot.cadence import PROBE_STEPS, SnapshotCadence
+from tests.support.training import make_trainer, small_config
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(cadence_module.time, "monotonic", fake)
+    return fake
+
+
+def test_a_fixed_cadence_saves_every_n_steps_and_at_epoch_ends():
+    cadence = SnapshotCadence(every_steps=4, budget=0.01, max_interval_s=600)
+    due = [step for step in range(1, 13) if cadence.due(step, epoch_ended=step == 6, training_done=False)]
+    assert due == [4, 6, 8, 12] and not cadence.on_budget
+    only_epochs = SnapshotCadence(every_steps=0, budget=0.01, max_interval_s=600)
+    assert [s for s in range(1, 13) if only_epochs.due(s, epoch_ended=s % 6 == 0, training_done=False)] == [6, 12]
+
+
+def test_on_the_budget_the_first_snapshot_measures_and_the_next_keeps_the_cost_under_it(clock):
+    cadence = SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600)
+    first = 21  # a worker group restored at step 20
+    due = []
+    for step in range(first, first + PROBE_STEPS):
+        clock.now += 0.125  # the step trains for 0.125 s, then the trainer asks
+        due += [step] if cadence.due(step, epoch_ended=step == 25, training_done=False) else []
+    probe = first + PROBE_STEPS - 1
+    assert due == [probe], "epoch ends follow the budget; the probe comes after PROBE_STEPS"
+    clock.now += 0.5  # the snapshot blocked training 0.5 s
+    next_due = cadence.next_due(probe, blocked_seconds=0.5)
+    # 0.5 s at 1 %: one snapshot per 50 s of training; 0.125 s per step: 400 steps.
+    assert next_due == probe + 400
+    assert (cadence.interval.every_steps, cadence.interval.seconds, cadence.interval.blocked_seconds) == (400, 50, 0.5)
+    cadence.agree(next_due)
+    assert not cadence.due(next_due - 1, epoch_ended=True, training_done=False)
+    assert cadence.due(next_due, epoch_ended=False, training_done=False)
+
+
+def test_the_interval_never_exceeds_its_ceiling_and_the_end_of_training_is_always_saved(clock):
+    cadence = SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=30)
+    for step in range(1, PROBE_STEPS + 1):
+        clock.now += 1.0
+        assert cadence.due(step, epoch_ended=False, training_done=False) == (step == PROBE_STEPS)
+    clock.now += 10.0
+    # 10 s at 1 % would be one snapshot per 1000 s; 30 s at most, at 1 s per step: 30 steps.
+    assert cadence.next_due(PROBE_STEPS, blocked_seconds=10.0) == PROBE_STEPS + 30
+    assert cadence.due(PROBE_STEPS + 1, epoch_ended=False, training_done=True)
+
+
+def snapshot_events(config, kind: str) -> list[dict]:
+    return [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == kind]
+
+
+def test_a_run_on_the_budget_saves_when_rank_0_chose_and_at_the_end(tmp_path):
+    config = small_config(tmp_path, snapshot_every_steps=None, dataset_size=480)  # 2 epochs of 30 steps
+    make_trainer(config).fit()
+    saved = [e["global_step"] for e in snapshot_events(config, "snapshot")]
+    cadences = snapshot_events(config, "snapshot_cadence")
+    assert saved[0] == PROBE_STEPS and saved[-1] == 60, saved
+    # Every snapshot but the last (the end of training) is the one the cadence before it chose.
+    chosen = {e["global_step"]: e["global_step"] + e["every_steps"] for e in cadences}
+    assert [chosen[step] for step in saved[:-2]] == saved[1:-1], (saved, cadences)
+    assert all(e["budget"] == 0.01 and e["every_steps"] >= 1 for e in cadences)
+
+
+def test_a_ceiling_below_one_step_saves_every_step_after_the_probe(tmp_path):
+    config = small_config(tmp_path, snapshot_every_steps=None, snapshot_max_interval_s=1e-6)
+    make_trainer(config).fit()
+    saved = [e["global_step"] for e in snapshot_events(config, "snapshot")]
+    assert saved == list(range(PROBE_STEPS, config.epochs * config.steps_per_epoch + 1)), saved
