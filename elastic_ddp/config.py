@@ -29,6 +29,7 @@ from elastic_ddp.config_checks import (
     check_choice_or_import_path,
     check_finite,
     check_local_location,
+    check_metrics_endpoint,
     check_non_negative,
     check_positive,
     check_seed,
@@ -146,6 +147,14 @@ class TrainingConfig:
     event_log: str | None = _help(
         "JSON-lines event log of the run (restores, snapshots, membership); default: "
         "CHECKPOINT_DIR/events.jsonl.", default=None)
+    metrics_port: int | None = _help(
+        "Serve the run's live Prometheus metrics at http://METRICS_ADDR:PORT/metrics on every node, through "
+        "worker-group restarts (0: a free port, logged; docs/operations.md, \"Live metrics\"); needs "
+        "pip install 'elastic_ddp[metrics]'. Off by default.", default=None)
+    metrics_addr: str = _help(
+        "The address the metrics endpoint listens on. The default serves this machine only; 0.0.0.0 or another "
+        "address of the machine exposes it to the network, and is your explicit choice (read-only: GET "
+        "/metrics, no secrets).", default="127.0.0.1")
     collective_timeout_s: float = _help(
         "Seconds a collective may block before the rank gives up: the last resort when the watchdog "
         "is off (it bounds a step, a snapshot broadcast or a restore, so keep it well above the slowest).",
@@ -203,6 +212,7 @@ class TrainingConfig:
                              f"{MIN_WATCHDOG_TIMEOUT_S:g} s and below --collective_timeout_s "
                              f"({self.collective_timeout_s:g} s)")
         check_seed(self.seed)
+        check_metrics_endpoint(self.metrics_port, self.metrics_addr, self.memory_dir)
         check_checkpoint_dir(self.checkpoint_dir)
         check_local_location("--event_log", self.event_log, directory=False)
         for name in ("audit_log", "tensorboard_dir"):

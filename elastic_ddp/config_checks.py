@@ -4,6 +4,8 @@ the flag, the value and what is accepted. Kept apart so that config.py stays the
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import ipaddress
 import math
 from pathlib import Path
 from typing import Any
@@ -79,3 +81,23 @@ def check_local_location(flag: str, location: str | None, directory: bool) -> No
                          f"{'directory' if directory else 'file'} path under directories only")
     if not directory and path.is_dir():
         raise ValueError(f"{flag}: got {location!r}, which is a directory; expected a file path")
+
+
+def check_metrics_endpoint(port: int | None, addr: str, memory_dir: str) -> None:
+    """--metrics_addr is an IP address; --metrics_port (None: off) a TCP port or 0, with
+    prometheus_client installed and a --memory_dir for the metrics files."""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        raise ValueError(f"--metrics_addr: got {addr!r}; expected an IP address: 127.0.0.1 (this machine only), "
+                         "0.0.0.0 or :: (every interface), or one of this machine's addresses") from None
+    if port is None:
+        return
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics_port: got {port}; expected a TCP port from 1 to 65535, or 0 for a free one")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ValueError(f"--metrics_port: got {port}, but prometheus_client is not installed; expected "
+                         "pip install 'elastic_ddp[metrics]' first")
+    if not memory_dir:
+        raise ValueError("--memory_dir: got an empty path; expected a directory (the metrics files of "
+                         "--metrics_port live there)")

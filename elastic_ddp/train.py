@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runlog.metrics_node import MetricsEndpointError, serve_node_metrics
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid, exit_worker, process_group
@@ -39,7 +40,9 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
     """Train; 0 when every epoch is done, DRAIN_EXIT_CODE when the node was drained (SIGTERM). An
     error in training ends the process at once with FAILED_EXIT_CODE, after logging it: this is a
     worker's main, not a library call (use `Trainer.fit` for that). A model, dataset or loss that
-    cannot be built ends it with BAD_INPUT_EXIT_CODE and one line, before any process group.
+    cannot be built, or a metrics endpoint that cannot listen as asked (--metrics_port in use,
+    --metrics_addr not of this machine), ends it with BAD_INPUT_EXIT_CODE and one line, before any
+    process group.
 
     `after_step` goes to the Trainer (see its contract): for wrappers that add a hook to this run.
     `config_class`: a subclass of TrainingConfig whose extra fields become flags too.
@@ -53,8 +56,9 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
     if context.is_main and context.is_distributed:
         warn_about_launch_costs(agent_pid())  # once per start: what a failure will cost with this command
     try:
+        serve_node_metrics(config, context)  # the node's /metrics endpoint (--metrics_port), for every group
         workload = build_workload(config)
-    except UserCodeError as exc:
+    except (MetricsEndpointError, UserCodeError) as exc:
         logger.error("%s", exc)
         return BAD_INPUT_EXIT_CODE
     with process_group(context, timedelta(seconds=config.collective_timeout_s)):

@@ -151,14 +151,7 @@ def restore_message(previous: PreviousIncarnation | None, snapshot_world_size: i
     """`node lost: world 4 -> 3, resumed from step 1200 (epoch 2/10) from memory of rank 1 on b,
     lost 0 steps (0.0 s), ...`."""
     before = previous.world_size if previous is not None and previous.world_size else snapshot_world_size
-    if previous is not None and previous.finished:
-        kind = "relaunched"
-    elif world_size < before:
-        kind = "node lost"
-    elif world_size > before:
-        kind = "node joined"
-    else:
-        kind = "restarted"
+    kind = restart_kind(previous, before, world_size)
     epoch_text = f"epoch {min(restored_epoch + 1, epochs)}/{epochs}"
     line = f"{kind}: world {before} -> {world_size}, resumed from step {restored_step} ({epoch_text})"
     if source:
@@ -168,3 +161,15 @@ def restore_message(previous: PreviousIncarnation | None, snapshot_world_size: i
     if previous is not None and kind != "relaunched":
         line += f", {max(0.0, now - previous.last_event_time):.1f} s without training"
     return line
+
+
+def restart_kind(previous: PreviousIncarnation | None, world_size_before: int, world_size: int) -> str:
+    """What a worker group's start was to the one before it (`previous`, of `world_size_before` ranks):
+    `relaunched` (that one had finished), `node lost`, `node joined` or `restarted` (the same world)."""
+    if previous is not None and previous.finished:
+        return "relaunched"
+    if world_size < world_size_before:
+        return "node lost"
+    if world_size > world_size_before:
+        return "node joined"
+    return "restarted"

@@ -1,8 +1,9 @@
 """What one worker group tells about itself, in one object: the trainer's only way out.
 
 `RunLog` gathers the event log (rank 0), this rank's audit lines (`--audit_log`), progress on
-rank 0 (a bar or log lines), TensorBoard scalars (`--tensorboard_dir`), the `[rank/world step N]`
-log prefix and the start-up timeline. The trainer calls one method per thing that happened
+rank 0 (a bar or log lines), TensorBoard scalars (`--tensorboard_dir`), the live metrics (rank 0,
+`--metrics_port`: fed every event the log writes), the `[rank/world step N]` log prefix and the
+start-up timeline. The trainer calls one method per thing that happened
 (`started`, `restored`, `step_committed`, ...) and never touches the pieces. It also owns the
 progress windows: the loss and throughput of every --log_interval steps, reduced over all ranks
 without making training wait (loss_window.py).
@@ -15,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +25,10 @@ import torch.distributed as dist
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
-from elastic_ddp.runlog.events import EventLog, default_event_log
+from elastic_ddp.runlog.events import EventLog, EventSink, default_event_log
+from elastic_ddp.runlog.metrics_node import metrics_directory
 from elastic_ddp.runlog.progress import ProgressReporter, source_text
-from elastic_ddp.runlog.reader import next_round, work_lost
+from elastic_ddp.runlog.reader import next_round, previous_incarnation, work_lost
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.tensorboard import TensorBoardScalars, open_scalars
 from elastic_ddp.runlog.worker_logging import RankPrefix
@@ -48,8 +51,9 @@ class RunLog:
         self.incarnation = incarnation
         self.startup = startup
         self.log_prefix = log_prefix
-        self.events = EventLog(config.event_log or default_event_log(config.checkpoint_dir), incarnation,
-                               enabled=context.is_main)
+        event_log = config.event_log or default_event_log(config.checkpoint_dir)
+        self.events = EventLog(event_log, incarnation, enabled=context.is_main,
+                               sink=live_metrics(config, context, event_log, incarnation, steps_per_epoch))
         self.audit = (AuditLog(config.audit_log, incarnation, context.rank, context.world_size)
                       if config.audit_log else None)
         self.progress = ProgressReporter(config.progress, config.epochs, steps_per_epoch, enabled=context.is_main)
@@ -198,3 +202,17 @@ class RunLog:
     def _set_step(self, global_step: int) -> None:
         if self.log_prefix is not None:
             self.log_prefix.step = global_step
+
+
+def live_metrics(config: TrainingConfig, context: DistributedContext, event_log: Path, incarnation: int,
+                 steps_per_epoch: int) -> EventSink | None:
+    """On rank 0 with --metrics_port: what feeds its node's metrics endpoint every event (runlog/metrics.py)."""
+    if config.metrics_port is None or not context.is_main:
+        return None
+    from elastic_ddp.runlog.metrics import open_node_metrics  # prometheus_client: only with --metrics_port
+
+    every = config.snapshot_every_steps  # None: on the overhead budget, told by snapshot_cadence events
+    interval = None if every is None else min(every, steps_per_epoch) if every else steps_per_epoch
+    metrics = open_node_metrics(metrics_directory(config.memory_dir, context.run_id, config.checkpoint_dir),
+                                interval, previous_incarnation(event_log, incarnation))
+    return metrics.record

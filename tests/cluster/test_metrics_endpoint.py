@@ -1,0 +1,229 @@
+"""The live metrics endpoint (--metrics_port) over real HTTP: it answers while the worker group is torn
+down and re-formed, its counters go on across incarnations, and it ends with its node's agent.
+
+The first test drives the metrics server process alone (runlog/metrics_node.py starts it); the second
+runs `python -m elastic_ddp.train` with a port in use; the third is a job of real torchrun agents on
+127.0.0.1 that loses a worker, then a node, and gains one, while the test scrapes rank 0's node and
+parses what it gets with prometheus_client's parser.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.metrics import open_node_metrics
+from elastic_ddp.runlog.metrics_node import (
+    ENDPOINT_FILE,
+    Endpoint,
+    MetricsEndpointError,
+    ensure_server,
+    is_running,
+    make_private_directory,
+    read_endpoint,
+)
+from elastic_ddp.testbed.local_cluster import LocalJob, LocalNode, wait_for
+from tests.support.cluster import hold_settings, node_logs, pause_at, release, world_reached
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DATASET, BATCH, EPOCHS = 1536, 64, 100  # 2400 steps: held, longer than the scenario; released, seconds
+TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
+                 "--global_batch_size", str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "20",
+                 "--log_interval", "5", "--metrics_port", "0"]
+P = "elastic_ddp_"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The samples at `url` by name (`name{label="value"}` for a labelled one); raises if it does not answer."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def status_of(url: str, method: str = "GET") -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+# ----------------------------------------------------------------------------- the server alone
+
+def test_the_server_serves_get_metrics_only_is_reused_and_ends_with_the_process_it_watches(tmp_path):
+    directory = tmp_path / "metrics"
+    make_private_directory(directory)
+    metrics = open_node_metrics(directory, 20, None)  # this process stands for rank 0
+    metrics.record(schema.STEP, {"global_step": 7, "epoch": 0}, time.time())
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # stands for the agent
+    try:
+        endpoint, started = ensure_server(directory, "127.0.0.1", 0, watched.pid)
+        assert started and endpoint.port > 0 and endpoint.watched_pid == watched.pid
+        values = scrape(endpoint.url)
+        assert values[f"{P}global_step"] == 7 and values[f"{P}steps_committed_total"] == 1
+        assert status_of(endpoint.url.removesuffix("/metrics") + "/") == 404
+        assert status_of(endpoint.url.removesuffix("metrics") + "anything") == 404
+        assert status_of(endpoint.url, "POST") == 501 and status_of(endpoint.url, "DELETE") == 501
+        assert ensure_server(directory, "127.0.0.1", 0, watched.pid) == (endpoint, False), "the running one"
+
+        other = tmp_path / "other"
+        make_private_directory(other)
+        with pytest.raises(MetricsEndpointError, match=rf"cannot listen on 127\.0\.0\.1:{endpoint.port}: "
+                                                       "Address already in use; expected a free port"):
+            ensure_server(other, "127.0.0.1", endpoint.port, watched.pid)
+        with pytest.raises(MetricsEndpointError, match=r"cannot listen on 192\.0\.2\.1: Cannot assign requested"):
+            ensure_server(other, "192.0.2.1", 0, watched.pid)  # TEST-NET-1: no address of this machine
+    finally:
+        watched.kill()
+        watched.wait()
+    wait_for(lambda: not is_running(endpoint.pid, endpoint.start_ticks), 30, "the server's end after its agent's")
+    assert not (directory / ENDPOINT_FILE).exists()
+    assert "ended: stopped" in (directory / "server.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_in_use_stops_the_worker_in_one_line_before_any_process_group(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "elastic_ddp.train", "--model", "mlp", "--checkpoint_dir",
+                                 str(tmp_path / "ck"), "--memory_dir", str(tmp_path / "memory"),
+                                 "--metrics_port", str(port)], capture_output=True, text=True, timeout=100,
+                                check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"--metrics_port/--metrics_addr: cannot listen on 127.0.0.1:{port}: Address already in use" in last
+    assert "Traceback" not in result.stderr and not (tmp_path / "ck").exists()
+
+
+# ------------------------------------------------------------------------------ a job that fails
+
+def endpoint_of(job: LocalJob, node: LocalNode) -> Endpoint:
+    found: list[Endpoint] = []
+
+    def listening() -> bool:
+        found[:] = [e for d in job.node_memory_dir(node.name).glob("elastic_ddp-metrics-*")
+                    if (e := read_endpoint(d)) is not None]
+        return bool(found)
+
+    wait_for(listening, 60, f"the metrics endpoint of {node.name}", still_possible=job.why_ended)
+    return found[0]
+
+
+class Watch:
+    """Scrapes one endpoint while the test waits; every scrape must answer."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.scrapes: list[tuple[float, dict[str, float]]] = []
+
+    def until(self, condition, timeout: float, what: str, job: LocalJob) -> dict[str, float]:
+        def scraped() -> bool:
+            self.scrapes.append((time.time(), scrape(self.url)))
+            return condition(self.scrapes[-1][1])
+
+        wait_for(scraped, timeout, what, interval=0.05, still_possible=job.why_ended)
+        return self.scrapes[-1][1]
+
+    def series(self, name: str, since: float = 0.0) -> list[float]:
+        return [values[name] for at, values in self.scrapes if at >= since and name in values]
+
+
+def new_group(world_size: int, incarnations: int, downtime_before: float):
+    """A scrape that shows incarnation `incarnations`, of `world_size` ranks, past its first step (which
+    adds its time without training)."""
+    return lambda v: (v.get(f"{P}incarnations_total") == incarnations and v.get(f"{P}world_size") == world_size
+                      and v.get(f"{P}downtime_seconds_total", 0) > downtime_before)
+
+
+def start_time(job: LocalJob, number: int) -> float:
+    return sorted(e["time"] for e in job.events("start"))[number - 1]
+
+
+def world_sizes(watch: Watch, since: float) -> list[int]:
+    """The world sizes the endpoint showed from `since` on, one entry per change."""
+    sizes: list[int] = []
+    for size in watch.series(f"{P}world_size", since):
+        if not sizes or sizes[-1] != size:
+            sizes.append(int(size))
+    return sizes
+
+
+def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs, tmp_path):
+    hold = tmp_path / "hold"
+    job = local_jobs(training_args=TRAINING_ARGS, **hold_settings(hold))
+    host, other = job.add_node("host"), job.add_node("other")
+    first = world_reached(job, 2)  # (the host may have trained alone before: --nnodes=1:4)
+    assert next(r for r in first["ranks"] if r["rank"] == 0)["agent_pid"] == host.pid, (
+        "torch gives rank 0 to the node of the lowest pid: the first one started")
+    watch = Watch(endpoint_of(job, host).url)
+    other_endpoint = endpoint_of(job, other)
+    assert other_endpoint.url != watch.url, "every node serves its own endpoint"
+    assert f"{P}global_step" not in scrape(other_endpoint.url), "rank 0's node alone has the run's gauges"
+    groups = len(job.events("start"))
+    before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 15 and v.get(f"{P}world_size") == 2, 120,
+                         "step 15 in the world of 2 on the endpoint", job)
+    before_at = watch.scrapes[-1][0]
+    assert before[f"{P}incarnations_total"] == groups
+
+    def grew(values: dict[str, float], name: str) -> float:
+        return values.get(name, 0.0) - before.get(name, 0.0)
+
+    # 1. The other node's worker dies: the whole group is torn down and re-formed, rank 0's process too.
+    killed_at = time.time()
+    os.kill(next(r["pid"] for r in first["ranks"] if r["rank"] == 1), signal.SIGKILL)
+    restarted = watch.until(new_group(2, groups + 1, before.get(f"{P}downtime_seconds_total", 0.0)), 120,
+                            "the re-formed group training", job)
+    during = [values for at, values in watch.scrapes if killed_at < at < start_time(job, groups + 1)]
+    assert during, "a scrape while the group re-formed"
+    assert all(values[f"{P}global_step"] >= before[f"{P}global_step"] for values in during), "the last values stay"
+    assert grew(restarted, f'{P}restarts_total{{kind="restarted"}}') == 1
+    assert grew(restarted, f'{P}restores_total{{source="memory"}}') == 1
+    assert grew(restarted, f"{P}lost_steps_total") == 0 and restarted[f"{P}last_recovery_lost_steps"] == 0
+    assert 0 < restarted[f"{P}last_recovery_downtime_seconds"] == grew(restarted, f"{P}downtime_seconds_total")
+
+    # 2. The other node is lost, agent and all: the world goes down; its endpoint ends with its agent.
+    other.kill()
+    wait_for(lambda: not is_running(other_endpoint.pid, other_endpoint.start_ticks), 30,
+             "the lost node's metrics server's end")
+    shrunk = watch.until(new_group(1, groups + 2, restarted[f"{P}downtime_seconds_total"]), 120,
+                         "training in the smaller world", job)
+    assert grew(shrunk, f'{P}restarts_total{{kind="node_lost"}}') == 1
+
+    # 3. A node joins (the job waits for it a few steps on): the world goes back up.
+    pause_at(hold, int(shrunk[f"{P}global_step"]) + 3)
+    joiner = job.add_node("joiner")
+    grown = watch.until(new_group(2, groups + 3, shrunk[f"{P}downtime_seconds_total"]), 120,
+                        "training with the joined node", job)
+    release(hold)
+    assert grew(grown, f'{P}restarts_total{{kind="node_joined"}}') == 1
+    assert grew(grown, f'{P}restores_total{{source="memory"}}') == 3 and grew(grown, f"{P}lost_steps_total") == 0
+
+    for name in (f"{P}steps_committed_total", f"{P}incarnations_total", f"{P}downtime_seconds_total"):
+        series = watch.series(name)
+        assert series == sorted(series), f"{name} went down: {series}"
+    steps = watch.series(f"{P}global_step", since=before_at)
+    assert min(steps) >= before[f"{P}global_step"] and steps[-1] > before[f"{P}global_step"], steps
+    assert world_sizes(watch, since=before_at) == [2, 1, 2]
+    assert host.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
+    metrics_dir = next(job.node_memory_dir("host").glob("elastic_ddp-metrics-*"))
+    wait_for(lambda: not (metrics_dir / ENDPOINT_FILE).exists(), 30, "the host's server's end with its agent")
+    assert "metrics: http://127.0.0.1:" in host.log_text()

@@ -1,0 +1,308 @@
+"""The live metrics: what each event does to them, their names, units and labels, the multi-process
+files that carry them across worker groups, the flags, and the dashboard and alerts that use them.
+
+In one process, through prometheus_client's own registry and collector; the server process, the
+endpoint over HTTP and real restarts are in tests/cluster/test_metrics_endpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.events import EventLog
+from elastic_ddp.runlog.metrics import COUNTERS, GAUGES, PREFIX, RunMetrics, open_node_metrics
+from elastic_ddp.runlog.metrics_node import forget_stale_gauges, metrics_directory, remove_files_of_ended_processes
+from elastic_ddp.runlog.reader import PreviousIncarnation
+
+REPO = Path(__file__).resolve().parents[2]
+DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: never a running process
+UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_steps", "_step", "_total")
+UNITLESS = {"global_step", "epoch", "samples_per_second", "training_loss", "learning_rate", "eval_loss",
+            "world_size", "nodes", "training_finished", "snapshot_replica_nodes"}
+
+
+def feed(metrics: RunMetrics, kind: schema.EventKind, at: float = 1000.0, **fields) -> None:
+    assert fields.keys() == kind.field_set, (kind, sorted(fields))  # as the event log would refuse it
+    metrics.record(kind, fields, at)
+
+
+def start(metrics: RunMetrics, world_size: int, at: float = 1000.0) -> None:
+    feed(metrics, schema.START, at, round=1, world_size=world_size, local_world_size=1, nodes=world_size,
+         ranks=[], restart_count=0, run_id="job")
+
+
+def restore(metrics: RunMetrics, step: int, source: str = "memory", lost_steps: int | None = 0,
+            at: float = 1000.0) -> None:
+    feed(metrics, schema.RESTORE, at, global_step=step, epoch=1, samples_consumed=step * 64, checksum="blake3:x",
+         verified=True, source=source, source_rank=0, source_host="a", file=None, previous_world_size=4,
+         world_size=3, lost_steps=lost_steps, lost_seconds=0.5 if lost_steps else 0.0, refused=[])
+
+
+def exposed_names(registry: CollectorRegistry) -> set[str]:
+    return {sample.name for family in registry.collect() for sample in family.samples
+            if not sample.name.endswith("_created")}
+
+
+def value(registry: CollectorRegistry, name: str, **labels) -> float | None:
+    return registry.get_sample_value(f"{PREFIX}_{name}", labels)
+
+
+# ------------------------------------------------------------------------------ names and labels
+
+def test_every_metric_has_the_prefix_a_unit_or_is_a_count_and_counters_end_in_total():
+    registry = CollectorRegistry()
+    RunMetrics(snapshot_interval_steps=50, registry=registry)
+    families = list(registry.collect())
+    assert {family.name for family in families} == {f"{PREFIX}_{name}" for name in (*GAUGES, *COUNTERS)}
+    for family in families:
+        short = family.name.removeprefix(f"{PREFIX}_")
+        assert family.name.startswith(f"{PREFIX}_") and family.documentation, family.name
+        assert short.endswith(UNIT_SUFFIXES) or short in UNITLESS or family.type == "counter", family.name
+        for sample in family.samples:
+            if family.type == "counter" and not sample.name.endswith("_created"):
+                assert sample.name.endswith("_total"), sample.name
+
+
+def test_labels_take_only_their_fixed_values_whatever_the_events_say():
+    registry = CollectorRegistry()
+    metrics = RunMetrics(snapshot_interval_steps=50, registry=registry)
+    labelled = {family.name: {tuple(sorted(s.labels.items())) for s in family.samples}
+                for family in registry.collect() if any(s.labels for s in family.samples)}
+    assert labelled == {
+        f"{PREFIX}_restarts": {(("kind", kind),) for kind in ("node_lost", "node_joined", "restarted", "relaunched")},
+        f"{PREFIX}_restores": {(("source", source),) for source in ("file", "memory")},
+    }
+    restore(metrics, 10, source="a source of a later version")
+    after = {tuple(sorted(s.labels.items())) for family in registry.collect() for s in family.samples if s.labels}
+    assert after == set().union(*labelled.values()), "no series for an unknown label value"
+
+
+# ---------------------------------------------------------------------------------- the updates
+
+def test_a_first_worker_group_sets_the_training_gauges_and_counts_steps():
+    registry = CollectorRegistry()
+    metrics = RunMetrics(snapshot_interval_steps=24, registry=registry)
+    start(metrics, world_size=4)
+    for step in (1, 2, 3):
+        feed(metrics, schema.STEP, 1000.0 + step, global_step=step, epoch=0)
+    feed(metrics, schema.PROGRESS, global_step=3, epoch=0, loss=0.75, lr=0.01, samples_per_second=1234.5,
+         world_size=4)
+    feed(metrics, schema.EVAL, global_step=3, epoch=0, loss=0.5, accuracy=0.875, samples=100)
+    assert value(registry, "incarnations_total") == 1 and value(registry, "world_size") == 4
+    assert value(registry, "global_step") == 3 and value(registry, "steps_committed_total") == 3
+    assert value(registry, "last_step_timestamp_seconds") == 1003.0
+    assert (value(registry, "training_loss"), value(registry, "learning_rate"), value(registry, "samples_per_second")) \
+        == (0.75, 0.01, 1234.5)
+    assert (value(registry, "eval_loss"), value(registry, "eval_accuracy_ratio")) == (0.5, 0.875)
+    assert value(registry, "snapshot_interval_steps") == 24
+    assert sum(value(registry, "restarts_total", kind=k) for k in ("node_lost", "node_joined", "restarted")) == 0
+    assert value(registry, "downtime_seconds_total") == 0, "a first group recovers from nothing"
+
+
+def test_a_restart_counts_its_kind_its_source_what_it_lost_and_the_time_without_training():
+    registry = CollectorRegistry()
+    previous = PreviousIncarnation(world_size=4, last_event_time=990.0, finished=False)
+    metrics = RunMetrics(snapshot_interval_steps=24, previous=previous, registry=registry)
+    start(metrics, world_size=3, at=995.0)
+    restore(metrics, 30, source="file", lost_steps=7)
+    feed(metrics, schema.STEP, 1002.5, global_step=31, epoch=1)
+    feed(metrics, schema.STEP, 1003.0, global_step=32, epoch=1)
+    assert value(registry, "restarts_total", kind="node_lost") == 1
+    assert value(registry, "restores_total", source="file") == 1 and value(registry, "restores_total", source="memory") == 0
+    assert value(registry, "last_recovery_lost_steps") == 7 and value(registry, "lost_steps_total") == 7
+    assert value(registry, "last_recovery_lost_seconds") == 0.5
+    assert value(registry, "last_recovery_downtime_seconds") == 12.5, "first step minus the last event before"
+    assert value(registry, "downtime_seconds_total") == 12.5, "counted once, at the first step"
+
+
+@pytest.mark.parametrize("before, after, finished, kind", [
+    (2, 4, False, "node_joined"), (4, 4, False, "restarted"), (4, 4, True, "relaunched"), (None, 4, False, "restarted")])
+def test_the_restart_kind_is_the_reports(before, after, finished, kind):
+    registry = CollectorRegistry()
+    metrics = RunMetrics(24, PreviousIncarnation(before, 990.0, finished), registry=registry)
+    start(metrics, world_size=after)
+    assert value(registry, "restarts_total", kind=kind) == 1
+
+
+def test_snapshots_replication_and_memory_copies():
+    registry = CollectorRegistry()
+    metrics = RunMetrics(snapshot_interval_steps=50, registry=registry)
+    feed(metrics, schema.SNAPSHOT_CAPTURED, global_step=50, blocked_seconds=0.02)
+    assert value(registry, "snapshot_interval_steps") == 50 and value(registry, "snapshot_interval_seconds") == 0
+    feed(metrics, schema.SNAPSHOT, 1010.0, global_step=50, epoch=0, file="snapshot-50.pt", checksum="blake3:x",
+         size_bytes=4096, write_seconds=0.3)
+    feed(metrics, schema.SNAPSHOT_FAILED, global_step=100, error="disk full")
+    feed(metrics, schema.REPLICATION, replicas=1, target_nodes=["b"], target_ranks=[2])
+    feed(metrics, schema.SNAPSHOT_REPLICATED, global_step=50, checksum="blake3:x", nodes=["b"], seconds=0.1)
+    feed(metrics, schema.REPLICATION_FAILED, global_step=100, node="b", error="gone")
+    feed(metrics, schema.MEMORY_COPY, global_step=120, reason="drain", size_bytes=4096, seconds=0.01, written=True)
+    feed(metrics, schema.MEMORY_COPY_FAILED, global_step=121, reason="RuntimeError", error="non-finite")
+    feed(metrics, schema.FINISHED, global_step=121, seconds=10.0)
+    assert (value(registry, "last_snapshot_step"), value(registry, "last_snapshot_timestamp_seconds"),
+            value(registry, "last_snapshot_size_bytes"), value(registry, "last_snapshot_write_seconds"),
+            value(registry, "last_snapshot_blocked_seconds")) == (50, 1010.0, 4096, 0.3, 0.02)
+    assert value(registry, "snapshots_total") == 1 and value(registry, "snapshot_failures_total") == 1
+    assert (value(registry, "snapshot_replica_nodes"), value(registry, "last_replicated_step"),
+            value(registry, "last_replication_seconds"), value(registry, "replication_failures_total")) == (1, 50, 0.1, 1)
+    assert value(registry, "memory_copies_total") == 1 and value(registry, "memory_copy_failures_total") == 1
+    assert value(registry, "training_finished") == 1
+
+
+def test_on_the_overhead_budget_the_interval_is_the_cadences():
+    registry = CollectorRegistry()
+    metrics = RunMetrics(snapshot_interval_steps=None, registry=registry)
+    assert value(registry, "snapshot_interval_steps") == 0  # (in files: absent until told)
+    feed(metrics, schema.SNAPSHOT_CADENCE, global_step=10, every_steps=240, interval_s=61.5, blocked_seconds=0.6,
+         budget=0.01)
+    assert value(registry, "snapshot_interval_steps") == 240 and value(registry, "snapshot_interval_seconds") == 61.5
+
+
+def test_the_event_log_tells_its_sink_every_event_and_a_failing_sink_does_not_stop_it(tmp_path, caplog):
+    seen = []
+    log = EventLog(tmp_path / "events.jsonl", incarnation=7, enabled=True,
+                   sink=lambda kind, fields, now: seen.append((kind.name, fields["global_step"])))
+    log.emit(schema.STEP, global_step=1, epoch=0)
+    assert seen == [("step", 1)]
+    assert EventLog(tmp_path / "other.jsonl", 7, enabled=False, sink=seen.append)._sink is None, "rank 0's alone"
+
+    def broken(kind, fields, now):
+        raise ValueError("boom")
+
+    failing = EventLog(tmp_path / "failing.jsonl", incarnation=7, enabled=True, sink=broken)
+    with caplog.at_level(logging.WARNING):
+        failing.emit(schema.STEP, global_step=1, epoch=0)
+        failing.emit(schema.STEP, global_step=2, epoch=0)
+    failing.close()
+    assert len((tmp_path / "failing.jsonl").read_text().splitlines()) == 2
+    assert [r.getMessage() for r in caplog.records if "live metrics" in r.getMessage()] == [
+        "live metrics missed a step event (ValueError: boom); training goes on"]
+
+
+# ------------------------------------------------------------------ files that outlive a process
+
+def collect(directory: Path) -> dict[str, float]:
+    return {(s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name): s.value
+            for family in MultiProcessCollector.merge([str(p) for p in directory.glob("*.db")])
+            for s in family.samples}
+
+
+def test_counters_go_on_and_gauges_keep_the_newest_value_across_worker_group_processes(tmp_path):
+    """Two incarnations' rank 0 as two processes (their own file names): the files of the one that
+    ended still count, and the later one's gauges win."""
+    directory = tmp_path / "metrics"
+    first = open_node_metrics(directory, 24, None, process_identifier=lambda: DEAD_PID)
+    start(first, world_size=4)
+    for step in range(1, 11):
+        feed(first, schema.STEP, 1000.0 + step, global_step=step, epoch=0)
+    during_the_restart = collect(directory)
+    second = open_node_metrics(directory, 24, PreviousIncarnation(4, 1010.0, False),
+                               process_identifier=lambda: os.getpid())
+    start(second, world_size=3)
+    restore(second, 10)
+    feed(second, schema.STEP, 1020.0, global_step=11, epoch=0)
+    after = collect(directory)
+    assert during_the_restart[f"{PREFIX}_global_step"] == 10 and during_the_restart[f"{PREFIX}_world_size"] == 4
+    assert after[f"{PREFIX}_steps_committed_total"] == 11 and after[f"{PREFIX}_incarnations_total"] == 2
+    assert after[f"{PREFIX}_global_step"] == 11 and after[f"{PREFIX}_world_size"] == 3
+    assert after[f'{PREFIX}_restarts_total{{"kind": "node_lost"}}'] == 1
+    assert after[f"{PREFIX}_last_recovery_downtime_seconds"] == 10.0
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+
+    forget_stale_gauges(directory)  # this node no longer holds rank 0: the ended process's gauges go
+    assert {p.name for p in directory.glob("*.db")} == {
+        f"counter_{DEAD_PID}.db", f"counter_{os.getpid()}.db", f"gauge_mostrecent_{os.getpid()}.db"}
+    remove_files_of_ended_processes(directory)  # the node's agent ended
+    assert {p.name for p in directory.glob("*.db")} == {f"counter_{os.getpid()}.db", f"gauge_mostrecent_{os.getpid()}.db"}
+
+
+def test_the_processs_own_prometheus_client_mode_is_left_as_it_was(tmp_path):
+    chosen = values.ValueClass
+    open_node_metrics(tmp_path / "metrics", 24, None, process_identifier=lambda: DEAD_PID + 1)
+    assert values.ValueClass is chosen and "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+def test_the_metrics_directory_is_per_user_run_and_checkpoint_dir_under_the_memory_dir(tmp_path):
+    one = metrics_directory(tmp_path, "job1", "ck")
+    assert one.parent == tmp_path and one.name.startswith("elastic_ddp-metrics-")
+    assert one == metrics_directory(tmp_path, "job1", os.path.abspath("ck"))
+    assert len({one, metrics_directory(tmp_path, "job2", "ck"), metrics_directory(tmp_path, "job1", "s3://b/ck")}) == 3
+
+
+# ------------------------------------------------------------------------------------ the flags
+
+def test_metrics_are_off_by_default_and_listen_on_loopback():
+    config = TrainingConfig.from_args([])
+    assert (config.metrics_port, config.metrics_addr) == (None, "127.0.0.1")
+    assert TrainingConfig.from_args(["--metrics_port", "0", "--metrics_addr", "::"]).metrics_addr == "::"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"metrics_port": 65536}, "--metrics_port: got 65536; expected a TCP port from 1 to 65535, or 0 for a free one"),
+    ({"metrics_port": -1}, "--metrics_port: got -1; expected a TCP port"),
+    ({"metrics_addr": "localhost"}, "--metrics_addr: got 'localhost'; expected an IP address"),
+    ({"metrics_addr": "10.0.0.300"}, "--metrics_addr: got '10.0.0.300'; expected an IP address"),
+    ({"metrics_port": 9400, "memory_copies": False, "memory_dir": ""}, "--memory_dir: got an empty path"),
+])
+def test_a_bad_metrics_flag_is_one_line_naming_it(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingConfig(model="mlp", **overrides)
+
+
+def test_the_help_says_that_binding_beyond_loopback_is_the_users_choice():
+    from elastic_ddp.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--metrics_addr METRICS_ADDR" in text and "explicit choice" in text and "(default: 127.0.0.1)" in text
+
+
+# ---------------------------------------------------------------------- the dashboard and alerts
+
+METRIC_NAME = re.compile(rf"\b{PREFIX}_[a-z0-9_]+")
+
+
+def all_exposed_names() -> set[str]:
+    registry = CollectorRegistry()
+    RunMetrics(snapshot_interval_steps=50, registry=registry)
+    return exposed_names(registry)
+
+
+def test_the_alert_rules_parse_and_name_only_metrics_that_exist():
+    rules = yaml.safe_load((REPO / "docs" / "prometheus-alerts.yaml").read_text())
+    [group] = rules["groups"]
+    alerts = {rule["alert"]: rule["expr"] for rule in group["rules"]}
+    assert {"ElasticDDPTrainingStalled", "ElasticDDPRestartsFrequent", "ElasticDDPSnapshotStale",
+            "ElasticDDPReplicationFailing"} <= alerts.keys()
+    exposed = all_exposed_names()
+    for name, expression in alerts.items():
+        used = set(METRIC_NAME.findall(expression))
+        assert used and used <= exposed, (name, used - exposed)
+        assert expression.count("(") == expression.count(")"), name
+
+
+def test_the_dashboard_parses_and_names_only_metrics_that_exist():
+    dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    expressions.append(dashboard["templating"]["list"][1]["definition"])
+    exposed = all_exposed_names()
+    used = {name for expression in expressions for name in METRIC_NAME.findall(expression)}
+    assert used <= exposed, used - exposed
+    shown = {name.removesuffix("_total") for name in used}
+    missing = {f"{PREFIX}_{name}" for name in (*GAUGES, *COUNTERS)} - shown
+    assert not missing, f"metrics the dashboard does not show: {sorted(missing)}"
+
+
+def test_operations_md_lists_every_metric():
+    text = (REPO / "docs" / "operations.md").read_text()
+    missing = sorted(name for name in all_exposed_names() if f"`{name}`" not in text)
+    assert not missing, f"docs/operations.md, 'Live metrics', lacks {missing}"
