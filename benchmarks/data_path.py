@@ -6,10 +6,10 @@
 (run from the repository root). Everything runs in this one process with one thread, standing in
 for rank 0 of a world of 2 (`OMP_NUM_THREADS=1` per worker, as the launch scripts set it):
 
-- elastic_ddp's pipeline, built from the pieces the trainer's loader uses (`Trainer._loader`): the
-  `ElasticSampler` plan of the epoch, `EpochSampleView` over `SyntheticImageDataset` with the
-  per-sample seeded flip, and a `DataLoader` over the keyed micro-batches (`num_workers=0`, the
-  default). Each epoch includes planning it and building its loader, as in training.
+- elastic_ddp's pipeline, the trainer's loader (`workload.data.plan_loader`): the `ElasticSampler`
+  plan of the epoch, `EpochSampleView` over `SyntheticImageDataset` with the seeded flip (drawn for
+  the whole epoch at once, applied per batch), `num_workers=0` (the default). Each epoch includes
+  planning it and building its loader, as in training.
 - the bare loop's pipeline: `DistributedSampler`, the same dataset with a flip from the global RNG,
   a `DataLoader` with the per-rank batch size.
 - the model step: forward, backward and an SGD step on one per-rank batch, no DDP (the
@@ -36,7 +36,12 @@ if __package__ in (None, ""):  # `python benchmarks/data_path.py`: make the repo
 
 from benchmarks.bare_ddp import RandomHorizontalFlip  # noqa: E402
 from benchmarks.table import Row, render_markdown  # noqa: E402
-from elastic_ddp.workload.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip  # noqa: E402
+from elastic_ddp.workload.data import (
+    EpochSampleView,
+    SyntheticImageDataset,
+    plan_loader,
+    random_horizontal_flip,
+)
 from elastic_ddp.workload.models import build_model  # noqa: E402
 from elastic_ddp.workload.sampler import ElasticSampler  # noqa: E402
 
@@ -71,8 +76,7 @@ def elastic_loader_samples_per_second(setup: DataPathSetup) -> float:
     for epoch in range(setup.epochs):
         sampler.load_state_dict({"epoch": epoch, "samples_consumed": 0})
         plans = sampler.plan_epoch_remainder(0, setup.world_size, setup.rank_batch)
-        keyed = [[(epoch, index) for index in batch] for plan in plans for batch in plan.micro_batches if batch]
-        for inputs, _ in DataLoader(view, batch_sampler=keyed, num_workers=0):
+        for inputs, _ in plan_loader(view, epoch, plans, num_workers=0, pin_memory=False):
             samples += len(inputs)
     return samples / (time.perf_counter() - started)
 

@@ -3,21 +3,43 @@
 `SyntheticImageDataset` makes sample `i` from (seed, i) alone, so every rank and every incarnation
 sees the same data without any file. `EpochSampleView` wraps any map-style dataset: it is indexed by
 (epoch, index) and draws per-sample randomness from (seed, epoch, index), so an augmented sample is
-the same whichever rank, world size or DataLoader worker produces it.
+the same whichever rank, world size or DataLoader worker produces it. A transform that can also work
+on a whole batch (`BatchedSampleTransform`, such as the built-in flip) gets the draws of every
+sample of an epoch's loader computed at once, and returns exactly what the per-sample calls would.
 """
 
 from __future__ import annotations
 
+import itertools
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from elastic_ddp.workload.sampler import StepPlan, derive_seed, mix_seed
+from elastic_ddp.workload.generator_draws import first_uniform_floats
+from elastic_ddp.workload.sampler import StepPlan, derive_seed, mix_seed, mix_seeds
 
 SampleTransform = Callable[[Any, torch.Generator], Any]
+
+
+@runtime_checkable
+class BatchedSampleTransform(Protocol):
+    """A `SampleTransform` that can also transform a collated batch, with the same result.
+
+    Contract: for samples s_i with seeds k_i, `apply_to_batch(default_collate([s_i]), draw([k_i]))`
+    equals `default_collate([self(s_i, torch.Generator().manual_seed(k_i))])` exactly.
+    """
+
+    def __call__(self, sample: Any, generator: torch.Generator) -> Any: ...
+
+    def draw(self, seeds: np.ndarray) -> np.ndarray:
+        """What the per-sample call would draw from a generator seeded with each seed (one row each)."""
+
+    def apply_to_batch(self, batch: Any, draws: np.ndarray) -> Any:
+        """The collated batch transformed by `draw`'s rows, sample by sample."""
 
 IMAGE_SHAPE = (3, 16, 16)
 NUM_CLASSES = 10
@@ -55,6 +77,15 @@ class SyntheticImageDataset(Dataset):
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, label = self._sample(index)
+        return image.clone(), label  # a copy: the caller may change it in place
+
+    def collated(self, indices: list[int]) -> list[torch.Tensor]:
+        """`default_collate([self[index] for index in indices])`, without copying each sample first."""
+        return default_collate([self._sample(index) for index in indices])
+
+    def _sample(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample `index`, the cached tensor itself: not to be changed."""
         if not 0 <= index < self.size:
             raise IndexError(f"sample {index} is outside a dataset of {self.size}")
         made = self._made.get(index) if self._made is not None else None
@@ -65,21 +96,42 @@ class SyntheticImageDataset(Dataset):
             made = (self.class_patterns[label] + noise, label)
             if self._made is not None:
                 self._made[index] = made
-        image, label = made
-        return image.clone(), label  # a copy: the caller may change it in place
+        return made
 
 
-def random_horizontal_flip(sample: tuple[torch.Tensor, int], generator: torch.Generator) -> tuple[torch.Tensor, int]:
-    """Flip the image left-right with probability 1/2, drawn from `generator`."""
-    image, label = sample
-    # .item(): a Python comparison costs a third of a tensor one, and this runs for every sample.
-    if torch.rand((), generator=generator).item() < 0.5:
-        image = image.flip(-1)
-    return image, label
+class RandomHorizontalFlip:
+    """Flip the image left-right with probability 1/2: when `torch.rand` of the sample's generator
+    is under 1/2. `draw` computes that draw for many seeds at once (workload/generator_draws.py), so
+    a batch flips exactly the samples that one call per sample would."""
+
+    def __call__(self, sample: tuple[torch.Tensor, int], generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        image, label = sample
+        # .item(): a Python comparison costs a third of a tensor one (on the per-sample path).
+        if torch.rand((), generator=generator).item() < 0.5:
+            image = image.flip(-1)
+        return image, label
+
+    def draw(self, seeds: np.ndarray) -> np.ndarray:
+        """Whether each seed's sample is flipped."""
+        return first_uniform_floats(seeds) < 0.5
+
+    def apply_to_batch(self, batch: list[torch.Tensor], draws: np.ndarray) -> list[torch.Tensor]:
+        images, labels = batch
+        rows = torch.from_numpy(np.flatnonzero(draws))
+        # `images` is the collated copy, ours to change; index_copy_ is the cheapest of the ways tried.
+        images.index_copy_(0, rows, images.index_select(0, rows).flip(-1))
+        return [images, labels]
+
+
+random_horizontal_flip = RandomHorizontalFlip()
 
 
 class EpochSampleView(Dataset):
     """`dataset` indexed by (epoch, index), with `transform` seeded from (seed, epoch, index).
+
+    `batch` makes a collated batch at once, through the dataset's `collated(indices)` when it has
+    one (the default_collate of those samples), and the transform's `apply_to_batch` when it is a
+    `BatchedSampleTransform` given its draws.
 
     The transform gets one generator per view, reseeded for every sample (creating a generator per
     sample cost a few microseconds each, on the training thread): use it within the call only.
@@ -109,13 +161,56 @@ class EpochSampleView(Dataset):
             base = self._epoch_bases[epoch] = derive_seed("augment", self.seed, epoch)
         return mix_seed(base + index)
 
+    def sample_seeds(self, epoch: int, indices: np.ndarray) -> np.ndarray:
+        """`sample_seed(epoch, index)` for every index of a 1-d array at once (uint64)."""
+        self.sample_seed(epoch, 0)  # the epoch's base, derived once
+        return mix_seeds(np.uint64(self._epoch_bases[epoch]) + np.asarray(indices).astype(np.uint64))
+
+    def batch(self, epoch: int, indices: list[int], draws: np.ndarray | None = None) -> Any:
+        """The samples `indices` of `epoch`, transformed and collated. `draws`: the transform's
+        draws for them (a `BatchedSampleTransform` only); without, one transform call per sample."""
+        if self.transform is not None and draws is None:
+            return default_collate([self[(epoch, index)] for index in indices])
+        collated = getattr(self.dataset, "collated", None)  # a dataset's own batched fetch, if it has one
+        batch = collated(indices) if collated is not None else default_collate([self.dataset[i] for i in indices])
+        return batch if self.transform is None else self.transform.apply_to_batch(batch, draws)
+
+    def draw_all(self, epoch: int, indices: np.ndarray) -> np.ndarray | None:
+        """The batched transform's draws for `indices` of `epoch`; None when the transform is per sample."""
+        if not isinstance(self.transform, BatchedSampleTransform):
+            return None
+        return self.transform.draw(self.sample_seeds(epoch, indices))
+
+
+class _EpochBatches(Dataset):
+    """One epoch's micro-batches of one rank, item k the collated k-th; the draws of a batched
+    transform are made for all of them when the loader is built (a few hundred numpy operations
+    per epoch instead of a seeded generator per sample)."""
+
+    def __init__(self, samples: EpochSampleView, epoch: int, batches: list[list[int]]):
+        self.samples = samples
+        self.epoch = epoch
+        self.batches = batches
+        indices = np.fromiter(itertools.chain.from_iterable(batches), dtype=np.int64)
+        draws = samples.draw_all(epoch, indices)
+        ends = np.cumsum([len(batch) for batch in batches])[:-1]
+        self.draws = np.split(draws, ends) if draws is not None else None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, number: int) -> Any:
+        return self.samples.batch(self.epoch, self.batches[number],
+                                  self.draws[number] if self.draws is not None else None)
+
 
 def plan_loader(samples: EpochSampleView, epoch: int, plans: list[StepPlan], num_workers: int,
                 pin_memory: bool) -> DataLoader:
     """The batches of this rank's non-empty micro-batches of `plans`, in plan order."""
-    keyed = [[(epoch, index) for index in batch] for plan in plans for batch in plan.micro_batches if batch]
-    return DataLoader(samples, batch_sampler=keyed, num_workers=num_workers, pin_memory=pin_memory,
-                      worker_init_fn=_ignore_sigterm)
+    batches = [batch for plan in plans for batch in plan.micro_batches if batch]
+    # batch_size=None: each item of _EpochBatches is already a collated batch.
+    return DataLoader(_EpochBatches(samples, epoch, batches), batch_size=None, num_workers=num_workers,
+                      pin_memory=pin_memory, worker_init_fn=_ignore_sigterm)
 
 
 def empty_batch_like(samples: EpochSampleView) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,17 @@ def mix_seed(value: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def mix_seeds(values: np.ndarray) -> np.ndarray:
+    """`mix_seed` of every value of a 1-d array at once (uint64; arithmetic modulo 2**64 as there)."""
+    z = np.asarray(values).astype(np.uint64)
+    assert z.ndim == 1, z.shape  # 0-d numpy arithmetic warns on the overflow relied on here
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) >> np.uint64(1)
 
 
 def even_split(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
-from elastic_ddp.workload.data import EpochSampleView, SyntheticImageDataset, random_horizontal_flip
+from elastic_ddp.workload.data import EpochSampleView, SyntheticImageDataset, plan_loader, random_horizontal_flip
+from elastic_ddp.workload.sampler import ElasticSampler
 
 
 class UncachedDataset(SyntheticImageDataset):
@@ -64,3 +67,64 @@ def test_labels_cover_every_class_about_evenly():
     dataset = SyntheticImageDataset(2000, seed=0)
     counts = torch.bincount(torch.tensor([dataset[index][1] for index in range(len(dataset))]), minlength=10)
     assert counts.min() > 140 and counts.max() < 260, counts.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_batched_flips_equal_the_per_sample_ones_for_many_seeds_epochs_and_indices():
+    dataset = SyntheticImageDataset(512, seed=2)
+    for seed in (0, 1, 28, 2**40 + 3):
+        view = EpochSampleView(dataset, seed=seed, transform=random_horizontal_flip)
+        generator = torch.Generator()
+        for epoch in (0, 1, 7, 1000):
+            indices = np.arange(len(dataset))
+            seeds = view.sample_seeds(epoch, indices)
+            assert seeds.tolist() == [view.sample_seed(epoch, index) for index in indices.tolist()]
+            expected = [torch.rand((), generator=generator.manual_seed(int(key))).item() < 0.5 for key in seeds]
+            assert random_horizontal_flip.draw(seeds).tolist() == expected
+            batch = indices[::3].tolist()
+            reference = default_collate([view[(epoch, index)] for index in batch])
+            batched = view.batch(epoch, batch, view.draw_all(epoch, np.array(batch)))
+            assert all(torch.equal(got, want) for got, want in zip(batched, reference, strict=True)), (seed, epoch)
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_loader_gives_the_per_sample_batches_bit_for_bit():
+    sampler = ElasticSampler(300, 64, seed=4)
+    sampler.load_state_dict({"epoch": 3, "samples_consumed": 128})
+    plans = sampler.plan_epoch_remainder(1, 3, micro_batch_size=8)
+    for dataset in (SyntheticImageDataset(300, seed=4), UncachedDataset(300, seed=4)):
+        for transform in (random_horizontal_flip, None):
+            view = EpochSampleView(dataset, seed=4, transform=transform)
+            expected = [default_collate([view[(3, index)] for index in batch])
+                        for plan in plans for batch in plan.micro_batches if batch]
+            loaded = list(plan_loader(view, 3, plans, num_workers=0, pin_memory=False))
+            assert len(loaded) == len(expected)
+            for got, want in zip(loaded, expected, strict=True):
+                assert got[1].dtype == want[1].dtype
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_per_sample_transform_still_gets_one_seeded_generator_per_sample():
+    def add_a_draw(sample, generator):
+        image, label = sample
+        return image + torch.rand((), generator=generator), label
+
+    view = EpochSampleView(SyntheticImageDataset(40, seed=0), seed=0, transform=add_a_draw)
+    sampler = ElasticSampler(40, 16, seed=0)
+    plans = sampler.plan_epoch_remainder(0, 2, micro_batch_size=8)
+    loaded = list(plan_loader(view, 0, plans, num_workers=0, pin_memory=False))
+    batches = [batch for plan in plans for batch in plan.micro_batches if batch]
+    for (images, _), batch in zip(loaded, batches, strict=True):
+        assert torch.equal(images, torch.stack([view[(0, index)][0] for index in batch]))
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_with_worker_processes_gives_the_same_batches():
+    view = EpochSampleView(SyntheticImageDataset(96, seed=9), seed=9, transform=random_horizontal_flip)
+    plans = ElasticSampler(96, 32, seed=9).plan_epoch_remainder(0, 2, micro_batch_size=8)
+    in_process = list(plan_loader(view, 0, plans, num_workers=0, pin_memory=False))
+    in_workers = list(plan_loader(view, 0, plans, num_workers=2, pin_memory=False))
+    assert len(in_workers) == len(in_process) == 6
+    for got, want in zip(in_workers, in_process, strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
