@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.cadence import SnapshotCadence
 from elastic_ddp.snapshot.exchange.replication import Replication
@@ -38,7 +39,7 @@ from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
-from elastic_ddp.snapshot.memory_copies import KeptCopy, MemoryTier, scope_token
+from elastic_ddp.snapshot.memory_copies import HEADROOM, KeptCopy, MemoryTier, scope_token, state_bytes
 from elastic_ddp.snapshot.staging import StagingBuffers, settled_device_work
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
 
@@ -66,6 +67,7 @@ class SnapshotSession:
         self.cadence = SnapshotCadence(config.snapshot_every_steps, config.snapshot_budget,
                                        config.snapshot_max_interval_s)
         self._kept_in_memory: int | None = None  # the step this worker kept in memory
+        self._restored: tuple[int, int] | None = None  # (step, incarnation that committed it) restored
 
     def _memory_tier(self) -> MemoryTier | None:
         try:
@@ -74,7 +76,32 @@ class SnapshotSession:
             logger.error("memory copies are off for this worker group: no scope token in %s (%s)",
                          self.config.checkpoint_dir, exc)
             return None
-        return MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint, token)
+        memory = MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint,
+                            token)
+        first_of_node = self.context.local_rank == 0
+        try:  # under torchrun the copies belong to the node's agent; alone, to this process
+            memory.open(remove_abandoned=first_of_node,
+                        agent_pid=agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
+        except (OSError, SnapshotError) as exc:
+            (logger.error if first_of_node else logger.info)("memory copies are off for this worker group: %s", exc)
+            return None
+        return memory
+
+    def _warn_if_no_room(self, state: TrainingState) -> None:
+        """Local rank 0: say at the start when the memory directory cannot hold one copy of `state`
+        (a container's default /dev/shm is 64 MiB), rather than at the first failure."""
+        if self.memory is None or self.context.local_rank != 0:
+            return
+        needed = state_bytes(state.state_dicts()) * HEADROOM
+        try:
+            free = self.memory.free_bytes()
+        except OSError:
+            return
+        if needed > free:
+            logger.warning("--memory_dir %s has %.3f GB free and cannot hold a memory copy of this state (%.3f GB): "
+                           "a failure will resume from the snapshot files instead. Give it room (Kubernetes: an "
+                           "emptyDir volume with medium: Memory and a sizeLimit mounted at /dev/shm; Docker: "
+                           "--shm-size) or pass --no-memory_copies", self.memory.root, free / 1e9, needed / 1e9)
 
     def start(self) -> None:
         """Agree on replica targets and start replication (collective)."""
@@ -83,6 +110,7 @@ class SnapshotSession:
     def restore(self, state: TrainingState) -> RestoredSnapshot | None:
         """Load the newest state the group can offer into `state` (collective); None: from scratch."""
         restored = agree_on_latest_snapshot(self.store, self.context, self.fingerprint, self.memory)
+        self._warn_if_no_room(state)
         if restored is None:
             logger.info("no snapshot in %s: starting from scratch", self.config.checkpoint_dir)
             seed_rng_for_step(self.config.seed, 0, self.context.rank)
@@ -90,6 +118,7 @@ class SnapshotSession:
         with state.updating():
             restored.snapshot.restore_into(state, self.context.rank, self.context.world_size, self.config.seed)
         self.last_saved_step = restored.snapshot.global_step
+        self._restored = (restored.snapshot.global_step, restored.snapshot.incarnation)
         self._keep_restored_copies(restored)
         return restored
 
@@ -188,8 +217,8 @@ class SnapshotSession:
                         "collective that never ends blocks its stream): the state cannot be copied without waiting"))
                     return None
                 snapshot = Snapshot(states=states, rng_per_rank=[], fingerprint=self.fingerprint,
-                                    world_size=self.context.world_size, incarnation=self.incarnation,
-                                    wall_time=time.time())
+                                    world_size=self.context.world_size,
+                                    incarnation=self._committed_in(state.global_step), wall_time=time.time())
                 kept = self.memory.keep(snapshot)
         finally:
             state.lock.release()
@@ -203,6 +232,13 @@ class SnapshotSession:
         self.events.emit(schema.MEMORY_COPY, global_step=state.global_step, reason=reason,
                          size_bytes=kept.size_bytes, seconds=round(kept.seconds, 4), written=kept.written)
         return kept
+
+    def _committed_in(self, global_step: int) -> int:
+        """The incarnation that committed `global_step`: the restored state's, until a step is trained
+        (so that a copy of it is the same state as the one restored, see memory_copies)."""
+        if self._restored is not None and self._restored[0] == global_step:
+            return self._restored[1]
+        return self.incarnation
 
     def _not_kept(self, global_step: int, reason: str, error: str) -> None:
         logger.error("%s: the state of step %d is not kept in memory: %s", reason, global_step, error)

@@ -14,20 +14,36 @@ by a version that did not check) is refused like a damaged one: the restart take
 state instead (a pass over the state at each keep and each restore, none while training).
 
 Scope: the copies of one run live in `<memory_dir>/elastic_ddp-<hash>`, the hash of the user, the
-run id and the checkpoint directory; each carries the run's fingerprint and the checkpoint
-directory's scope token (a random id created once in the checkpoint directory, `.memory-scope`).
-A copy of another model or data set-up, or of an earlier run whose checkpoint directory was since
-created anew, is refused with a line that says so, as is a torn or damaged one. Copies are pruned
-to the newest two, and removed when the run finishes.
+run id, the checkpoint directory and its scope token (a random id created once in the checkpoint
+directory, in the visible file `memory-scope`, so that `rm -r CHECKPOINT_DIR/*` removes it too);
+each copy carries the run's fingerprint and that token. A copy of another model or data set-up, or
+of an earlier run whose checkpoint directory was since created anew or emptied, is refused with a
+line that says so (and a stale one removed), as is a torn or damaged one. Copies are pruned to the
+newest two, and removed when the run finishes.
+
+Identity: a copy is the state of (step, incarnation), the incarnation that committed that step
+(a restore that has not trained since keeps the restored state's). After a rollback to an older
+snapshot, the retrained step N is another state than the old trajectory's step N: both are kept,
+and the later incarnation is the newer (also in the restore agreement).
 
 One copy per node: the ranks of a node hold the same state (DDP), so they take turns under a
-file lock and the first one writes; the others find its copy of the same step and are done. A
-rank that waited `LOCK_WAIT_S` for the lock (its holder frozen) writes a copy of its own.
+file lock and the first one writes; the others find its copy of the same (step, incarnation),
+check its header and trailer (a torn or foreign one is replaced, not reused) and are done. A rank
+that waited `LOCK_WAIT_S` for the lock (its holder frozen) writes a copy of its own.
 
-Trust: /dev/shm is shared by every user of the machine. The run's directory is created private
-(0700) and used only when it belongs to this user, nobody else can write to it, and its parent is
-either not writable by others or sticky (as /dev/shm is); a copy is read as untrusted bytes all
-the same (its own checksum, weights_only=True, the fingerprint and scope).
+Trust: /dev/shm is shared by every user of the machine. `open` (at the start of a worker group)
+refuses, with one error naming the path and the fix, a memory directory any of whose ancestors
+belongs to another user than root or us, or that others could write without a sticky bit; the
+run's directory is created private (0700) and used only while it belongs to this user alone. Its
+name holds the scope token, which only readers of the checkpoint directory know: another user
+cannot squat it from what `ps` shows. A copy is read as untrusted bytes all the same (its own
+checksum, weights_only=True, the fingerprint and scope).
+
+Cleaning: `open(remove_abandoned=True)` (a node's local rank 0, at each start) removes the copies
+of this user's other runs in the memory directory whose torchrun agent has ended and that nobody
+touched for `ABANDONED_AFTER_S` (a day): a run cancelled or failed for good. This run's own copies
+are never removed there; another run relaunched after more than a day loses only its memory copy
+(it resumes from its snapshot files).
 
 Limits: a copy is written at memory speed (about 1-2 GB/s on one core), while torchrun waits for
 the worker (it SIGKILLs it 30 s after SIGTERM: a state that takes longer to write is not kept, and
@@ -59,22 +75,26 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.runtime.procfs import process_is_alive
+from elastic_ddp.runtime.procfs import process_is_alive, read_stat
 from elastic_ddp.snapshot.files.backends import StorageBackend
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
-from elastic_ddp.snapshot.files.file_layout import TRAILER_BYTES, format_of, verify
+from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, format_of, read_seal, verify
 from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, write_snapshot
 from elastic_ddp.snapshot.training_state import Snapshot, check_finite
 
 logger = logging.getLogger(__name__)
 
-SCOPE_TOKEN_NAME = ".memory-scope"
+SCOPE_TOKEN_NAME = "memory-scope"  # visible: `rm -r CHECKPOINT_DIR/*` removes it with the snapshots
 TOKEN_LENGTH = 32
 TOKEN_PATTERN = re.compile(r"[0-9a-f]{32}")
 SCOPE_KEY = "memory_scope"  # the fingerprint key that ties a copy to its checkpoint directory
-COPY_PATTERN = re.compile(r"^memory-(\d{9})-[0-9a-f]{8}\.pt$")
-TEMPORARY_PATTERN = re.compile(r"^\.memory-\d{9}-[0-9a-f]{8}\.pt\.tmp-(\d+)$")
+# memory-<step>-<incarnation>-<random>.pt (earlier versions wrote no incarnation: read as 0)
+COPY_PATTERN = re.compile(r"^memory-(\d{9})(?:-(\d{1,19}))?-[0-9a-f]{8}\.pt$")
+TEMPORARY_PATTERN = re.compile(r"^\.memory-\d{9}(?:-\d{1,19})?-[0-9a-f]{8}\.pt\.tmp-(\d+)$")
+RUN_DIRECTORY_PATTERN = re.compile(r"^elastic_ddp-[0-9a-f]{20}$")  # not the metrics' elastic_ddp-metrics-*
 LOCK_NAME = ".lock"
+AGENT_NAME = "agent"  # "<pid> <start ticks>" of the torchrun agent of the run's latest worker group here
+ABANDONED_AFTER_S = 24 * 3600  # another run's copies, untouched this long with its agent gone, are removed
 KEEP = 2  # copies per node: the newest, and the one before it in case the newest is refused
 HEADROOM = 1.1  # free space a copy needs, relative to the state's size
 LOCK_WAIT_S = 10.0  # how long a rank waits for a sibling that is writing the node's copy
@@ -86,6 +106,7 @@ class MemoryCopy:
 
     path: Path
     global_step: int
+    incarnation: int  # the incarnation that committed the step (see the module docstring)
     checksum: str
     data: bytes
     snapshot: Snapshot
@@ -133,18 +154,38 @@ class MemoryTier:
 
     def __init__(self, root: str | os.PathLike, run_id: str, checkpoint_location: str, fingerprint: dict[str, Any],
                  token: str):
-        scope = hashlib.sha256(f"{os.getuid()}\0{run_id}\0{checkpoint_location}".encode()).hexdigest()[:20]
+        # The token makes the name unguessable for other users (it is not in any command line).
+        scope = hashlib.sha256(f"{os.getuid()}\0{run_id}\0{checkpoint_location}\0{token}".encode()).hexdigest()[:20]
         self.root = Path(root)
         self.directory = self.root / f"elastic_ddp-{scope}"
         self.fingerprint = {**fingerprint, SCOPE_KEY: token}
         self.refusal: str | None = None  # why the last `keep` kept nothing
         self._refused_step: int | None = None  # the last step refused as non-finite (logged once)
 
+    def open(self, *, remove_abandoned: bool = False, agent_pid: int | None = None) -> None:
+        """At the start of a worker group: check the memory directory and create this run's private
+        directory; record `agent_pid` (the node's torchrun agent) as its owner; with
+        `remove_abandoned`, remove other runs' abandoned copies (see the module docstring).
+
+        SnapshotError (one line: the path and the fix) when the directory is not safe to use.
+        """
+        self._make_private_directories()
+        if agent_pid is not None:
+            self._record_agent(agent_pid)
+        if remove_abandoned:
+            self._remove_abandoned_runs()
+
+    def free_bytes(self) -> int:
+        """The free space of the memory directory."""
+        return shutil.disk_usage(self.directory if self.directory.is_dir() else self.root).free
+
     # ---------------------------------------------------------------------------------- keeping
 
     def keep(self, snapshot: Snapshot) -> KeptCopy | None:
         """Make `snapshot` (its fingerprint replaced by this tier's) this node's newest copy.
 
+        `snapshot.incarnation` names the incarnation that committed its step: a copy of the same
+        (step, incarnation) that a sibling rank wrote, whole and of this run, is reused.
         Returns what was done, or None when nothing was kept (a state with a NaN or an infinity, no
         room, an unsafe directory, an I/O error: logged, and said in `refusal`). Never raises an
         OSError or SnapshotError.
@@ -162,7 +203,7 @@ class MemoryTier:
         try:
             self._make_private_directories()
             with self._node_lock():
-                existing = next((path for path, step in self._files() if step == snapshot.global_step), None)
+                existing = self._same_copy(snapshot.global_step, snapshot.incarnation)
                 if existing is not None:
                     return KeptCopy(existing, existing.stat().st_size, time.monotonic() - started, written=False)
                 self._remove_abandoned_temporaries()
@@ -186,6 +227,7 @@ class MemoryTier:
         """Create the run directory as 0700; refuse one that is not this user's alone, or a root
         in which others could replace it."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_ancestors(self.root)
         _check_parent(self.root)
         with contextlib.suppress(FileExistsError):
             self.directory.mkdir(mode=0o700)
@@ -211,8 +253,34 @@ class MemoryTier:
         finally:
             os.close(handle)  # releases the lock
 
+    def _same_copy(self, global_step: int, incarnation: int) -> Path | None:
+        """A copy of (global_step, incarnation) that is whole (header and trailer) and of this run;
+        one that is not is removed, so that it never stands in for a good one."""
+        for path, step, copy_incarnation in self._files():
+            if (step, copy_incarnation) != (global_step, incarnation):
+                continue
+            try:
+                with open(path, "rb") as handle:
+                    head = handle.read(HEAD_BYTES)
+                    size = os.fstat(handle.fileno()).st_size
+                    handle.seek(max(size - TRAILER_BYTES, 0))
+                    seal = read_seal(head, handle.read(TRAILER_BYTES), size, str(path))
+                header = seal.header
+                if (header.global_step, header.incarnation, header.fingerprint) != (step, incarnation,
+                                                                                    self.fingerprint):
+                    raise SnapshotError(f"{path}: another state than its name says")
+            except FileNotFoundError:
+                continue
+            except SnapshotError as exc:
+                logger.warning("memory copy replaced: %s", exc)
+                path.unlink(missing_ok=True)
+                continue
+            return path
+        return None
+
     def _write(self, snapshot: Snapshot) -> Path:
-        path = self.directory / f"memory-{snapshot.global_step:09d}-{secrets.token_hex(4)}.pt"
+        path = self.directory / (f"memory-{snapshot.global_step:09d}-{snapshot.incarnation}-"
+                                 f"{secrets.token_hex(4)}.pt")
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
@@ -223,18 +291,45 @@ class MemoryTier:
             raise
         return path
 
-    def _files(self) -> list[tuple[Path, int]]:
-        """(path, step) of the copies present, newest first."""
+    def _files(self) -> list[tuple[Path, int, int]]:
+        """(path, step, incarnation) of the copies present, newest first."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        found = [(self.directory / name, int(match.group(1))) for name in names if (match := COPY_PATTERN.match(name))]
-        return sorted(found, key=lambda item: (item[1], _mtime(item[0])), reverse=True)
+        found = [(self.directory / name, int(match.group(1)), int(match.group(2) or 0))
+                 for name in names if (match := COPY_PATTERN.match(name))]
+        return sorted(found, key=lambda item: (item[1], item[2], _mtime(item[0])), reverse=True)
 
     def _prune(self) -> None:
-        for path, _ in self._files()[KEEP:]:
+        for path, _, _ in self._files()[KEEP:]:
             path.unlink(missing_ok=True)
+
+    def _record_agent(self, agent_pid: int) -> None:
+        process = read_stat(agent_pid)
+        temporary = self.directory / f".{AGENT_NAME}.tmp-{os.getpid()}"
+        temporary.write_text(f"{agent_pid} {process.start_ticks if process is not None else 0}\n")
+        os.replace(temporary, self.directory / AGENT_NAME)
+
+    def _remove_abandoned_runs(self) -> None:
+        """Remove this user's other runs' directories whose agent has ended and that nobody
+        touched for ABANDONED_AFTER_S; never this run's, never what is not plainly ours."""
+        now = time.time()
+        for name in os.listdir(self.root):
+            directory = self.root / name
+            if directory == self.directory or not RUN_DIRECTORY_PATTERN.match(name):
+                continue
+            try:
+                _check_private(directory)
+                if _agent_runs(directory / AGENT_NAME):
+                    continue
+                touched = max([_mtime(directory), *(_mtime(directory / entry) for entry in os.listdir(directory))])
+            except (OSError, SnapshotError):
+                continue
+            if now - touched > ABANDONED_AFTER_S:
+                shutil.rmtree(directory, ignore_errors=True)
+                logger.info("removed the memory copies of an abandoned run: %s (its torchrun agent has ended, "
+                            "untouched for %.1f days)", directory, (now - touched) / 86400)
 
     def _remove_abandoned_temporaries(self) -> None:
         """Remove the partial copies of workers that were killed while writing them."""
@@ -258,35 +353,71 @@ class MemoryTier:
             logger.warning("memory copies not used: %s", exc)
             return None
         self._remove_abandoned_temporaries()
-        for path, step in self._files():
+        for path, step, incarnation in self._files():
             try:
                 data = path.read_bytes()
                 if format_of(data[:8]) != 2 or len(data) < TRAILER_BYTES:
                     raise SnapshotError(f"{path}: not a whole memory copy")
                 seal = verify(data, str(path))  # whole, and matches its own checksum
-                if seal.header.global_step != step:
-                    raise SnapshotError(f"{path}: its header says step {seal.header.global_step}")
+                if (seal.header.global_step, seal.header.incarnation) != (step, incarnation or seal.header.incarnation):
+                    raise SnapshotError(f"{path}: its header says step {seal.header.global_step} of incarnation "
+                                        f"{seal.header.incarnation}")
                 self._check_scope(seal.header.fingerprint, path)
                 snapshot = snapshot_from_bytes(data, str(path))
                 check_compatible(snapshot, {key: value for key, value in self.fingerprint.items()
                                             if key != SCOPE_KEY}, str(path))
                 check_finite(snapshot.states, str(path))  # a copy kept by a version that did not check
+            except StaleCopyError as exc:
+                logger.warning("memory copy refused and removed: %s", exc)
+                path.unlink(missing_ok=True)  # no later run of this directory can use it
+                if on_refused is not None:
+                    on_refused(step, exc)
+                continue
             except (OSError, SnapshotError) as exc:
                 logger.warning("memory copy refused: %s", exc)
                 if on_refused is not None:
                     on_refused(step, exc if isinstance(exc, SnapshotError) else SnapshotError(f"{path}: {exc}"))
                 continue
-            return MemoryCopy(path, step, seal.checksum, data, snapshot)
+            return MemoryCopy(path, step, seal.header.incarnation, seal.checksum, data, snapshot)
         return None
 
     def _check_scope(self, fingerprint: dict[str, Any], path: Path) -> None:
         if fingerprint.get(SCOPE_KEY) != self.fingerprint[SCOPE_KEY]:
-            raise IncompatibleSnapshotError(
-                f"{path} is stale: it is from an earlier run whose checkpoint directory has since been created anew")
+            raise StaleCopyError(f"{path} is stale: it is from an earlier run whose checkpoint directory has since "
+                                 "been created anew or emptied")
 
     def clear(self) -> None:
         """Remove this run's copies (the run is finished: its final state is on disk)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class StaleCopyError(IncompatibleSnapshotError):
+    """A copy of an earlier run of the checkpoint directory (another scope token)."""
+
+
+def _check_ancestors(root: Path) -> None:
+    """SnapshotError when another user than root or us could replace `root` or a directory above
+    it: one that belongs to them, or that others may write to without a sticky bit."""
+    for directory in [root.resolve(), *root.resolve().parents]:
+        info = os.stat(directory)
+        if info.st_uid not in (0, os.getuid()):
+            raise SnapshotError(f"--memory_dir {root}: {directory} belongs to uid {info.st_uid}, who could replace "
+                                "the memory copies; choose a --memory_dir under directories of root or yours "
+                                "(the default /dev/shm is)")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX and directory != root.resolve():
+            raise SnapshotError(f"--memory_dir {root}: {directory} is writable by others and not sticky (mode "
+                                f"{stat.filemode(info.st_mode)}); choose a --memory_dir under directories that "
+                                "only root or you can write")
+
+
+def _agent_runs(record: Path) -> bool:
+    """Whether the agent recorded in `record` ("<pid> <start ticks>") still runs; False without one."""
+    try:
+        pid, ticks = (int(field) for field in record.read_text().split())
+    except (OSError, ValueError):
+        return False
+    process = read_stat(pid)
+    return process is not None and process.state != "Z" and process.start_ticks == ticks
 
 
 def _check_private(directory: Path) -> None:
@@ -294,7 +425,8 @@ def _check_private(directory: Path) -> None:
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
         raise SnapshotError(f"{directory} is not a private directory of this user (owner uid {info.st_uid}, "
-                            f"mode {stat.filemode(info.st_mode)}); choose another --memory_dir")
+                            f"mode {stat.filemode(info.st_mode)}): remove it if you did not create it, or choose "
+                            "another --memory_dir")
 
 
 def _check_parent(directory: Path) -> None:

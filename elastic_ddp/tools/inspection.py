@@ -30,8 +30,9 @@ from elastic_ddp.snapshot.files.manifest import MANIFEST_NAME, SNAPSHOT_PATTERN,
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.tools.text import format_bytes, format_duration
 
-# Files a run leaves in its checkpoint directory besides snapshots and the manifest.
-RUN_FILES = {EVENT_LOG_NAME, "report.png", ".store-id"}  # (.store-id: left by versions before 0.2)
+# Files a run leaves in its checkpoint directory besides snapshots and the manifest (.memory-scope
+# and .store-id: left by older versions).
+RUN_FILES = {EVENT_LOG_NAME, "report.png", "memory-scope", ".memory-scope", ".store-id"}
 
 
 class InspectionError(Exception):

@@ -79,6 +79,23 @@ def test_kubernetes_pytorchjobs_are_elastic_and_use_the_shipped_settings():
         assert float(env["PET_MONITOR_INTERVAL"]) == MONITOR_INTERVAL_S
 
 
+def test_kubernetes_pytorchjobs_mount_node_memory_at_dev_shm_that_the_memory_tier_accepts():
+    """A container's /dev/shm is 64 MiB, too small for a real state's memory copy (issue 27, 6e); an
+    emptyDir is 0777 without the sticky bit, which the tier refuses: an init container fixes it."""
+    jobs = [d for documents in kubernetes_documents().values() for d in documents if d["kind"] == "PyTorchJob"]
+    assert len(jobs) == 2
+    for job in jobs:
+        pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"].endswith("Gi")
+        trainer = pod["containers"][0]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+        assert not any(arg.startswith("--memory_dir") for arg in trainer["command"])  # the default: /dev/shm
+        init = pod["initContainers"][0]
+        assert init["command"] == ["chmod", "1777", "/dev/shm"]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in init["volumeMounts"]
+
+
 def test_the_etcd_statefulset_and_the_job_agree_on_the_members():
     documents = kubernetes_documents()
     statefulset = next(d for d in documents["etcd.yaml"] if d["kind"] == "StatefulSet")

@@ -68,7 +68,7 @@ def test_the_memory_tier_refuses_to_keep_a_non_finite_state_and_says_so_once(tmp
     refusals = [r.getMessage() for r in caplog.records if "not kept in memory" in r.getMessage()]
     assert len(refusals) == 1 and "model.w" in refusals[0] and "non-finite" in refusals[0], refusals
     assert memory.refusal is not None and "model.w" in memory.refusal
-    assert [step for _, step in memory._files()] == [4]
+    assert [step for _, step, _ in memory._files()] == [4]
     assert memory.newest().global_step == 4
 
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import time
 
 import pytest
 import torch
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
+from elastic_ddp.runlog.metrics_node import start_ticks
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runtime.distributed import DistributedContext
@@ -75,11 +79,16 @@ def test_a_torn_copy_is_refused_with_a_line_and_the_previous_one_is_used(tmp_pat
     assert f"memory copy refused: {newest}" in caplog.text
 
 
-def test_a_stale_copy_of_an_earlier_run_is_refused(tmp_path, caplog):
-    tier(tmp_path, token="a" * 32).keep(snapshot_of(5))
-    with caplog.at_level(logging.WARNING):  # the checkpoint directory was created anew: another token
-        assert tier(tmp_path, token="b" * 32).newest() is None
-    assert "is stale: it is from an earlier run whose checkpoint directory has since been created anew" in caplog.text
+def test_a_stale_copy_of_an_earlier_run_is_refused_and_removed(tmp_path, caplog):
+    old = tier(tmp_path, token="a" * 32).keep(snapshot_of(5)).path
+    new = tier(tmp_path, token="b" * 32)  # the checkpoint directory was created anew: another token,
+    assert new.directory != old.parent and new.newest() is None  # so another directory
+    new.keep(snapshot_of(3))
+    moved = os.replace(old, new.directory / old.name) or new.directory / old.name  # were it found there
+    with caplog.at_level(logging.WARNING):
+        assert new.newest().global_step == 3
+    assert ("is stale: it is from an earlier run whose checkpoint directory has since been created anew or emptied"
+            in caplog.text) and not moved.exists()
 
 
 def test_a_copy_of_another_model_is_refused(tmp_path, caplog):
@@ -205,3 +214,137 @@ def test_a_memory_copy_wins_a_tie_and_a_newer_file_wins_over_an_older_copy(tmp_p
     make_trainer(config).fit()
     assert [(e["global_step"], e["source"]) for e in restore_events(config)] == [
         (6, "memory"), (6, "file"), (12, "file")]
+
+
+# ------------------------------------------------------------------------------- hygiene (issue 27, defect 6)
+
+def snapshot_at(step: int, incarnation: int, value: float | None = None) -> Snapshot:
+    """`snapshot_of(step)` committed in `incarnation`, its weights `value` (default: the step)."""
+    snapshot = snapshot_of(step)
+    weights = torch.full((4,), float(step if value is None else value))
+    return Snapshot(states={**snapshot.states, "model": {"w": weights}}, rng_per_rank=[], fingerprint=FINGERPRINT,
+                    world_size=2, incarnation=incarnation, wall_time=0.0)
+
+
+def test_a_different_state_of_the_same_step_is_kept_and_the_later_one_is_the_newest(tmp_path):
+    """After a rollback and retraining, "step 7" of incarnation 2 is another state than that of 1."""
+    memory = tier(tmp_path)
+    assert memory.keep(snapshot_at(7, incarnation=1, value=1.0)).written
+    second = memory.keep(snapshot_at(7, incarnation=2, value=2.0))
+    assert second is not None and second.written, "the other state of step 7 was not written"
+    newest = memory.newest()
+    assert (newest.global_step, newest.incarnation) == (7, 2)
+    assert torch.equal(newest.snapshot.states["model"]["w"], torch.full((4,), 2.0))
+    assert not memory.keep(snapshot_at(7, incarnation=2, value=2.0)).written  # a sibling: the same state
+
+
+def test_a_copy_that_a_restore_would_refuse_does_not_stop_a_sibling_keeping_a_good_one(tmp_path):
+    memory = tier(tmp_path)
+    torn = memory.keep(snapshot_at(7, incarnation=1)).path
+    torn.write_bytes(torn.read_bytes()[:-100])
+    again = memory.keep(snapshot_at(7, incarnation=1))
+    assert again is not None and again.written and again.path != torn
+    assert memory.newest().global_step == 7
+
+
+def test_memory_copies_of_one_step_from_two_incarnations_are_two_states_and_the_later_wins():
+    from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, Offer
+    old = Offer(10, MEMORY, "blake3:a", 100, incarnation=1)
+    new = Offer(10, MEMORY, "blake3:b", 100, incarnation=2)
+    assert not old.same_state(new) and old.same_state(Offer(10, MEMORY, "blake3:c", 100, incarnation=1))
+    assert max([old, new], key=lambda offer: offer.rank) is new
+    # The file of the retrained step 10 beats an old trajectory's memory copy of step 10, and a
+    # memory copy still wins the tie with the file of its own incarnation.
+    file_of_new = Offer(10, FILE, "blake3:d", 100, incarnation=2)
+    assert max([old, file_of_new], key=lambda offer: offer.rank) is file_of_new
+    assert max([file_of_new, new], key=lambda offer: offer.rank) is new
+
+
+def test_a_fresh_run_in_an_emptied_checkpoint_directory_starts_from_scratch(tmp_path, caplog):
+    config = small_config(tmp_path, snapshot_every_steps=0)
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(9)).fit()
+    for path in (tmp_path / "ck").iterdir():  # rm -r ck/*: the shell's glob leaves hidden files
+        if not path.name.startswith("."):
+            path.unlink()
+    with caplog.at_level(logging.INFO):
+        make_trainer(config).fit()
+    assert restore_events(config) == [], "an emptied directory resumed an old run's memory copy"
+    assert "starting from scratch" in caplog.text
+
+
+def test_a_tier_refuses_a_memory_dir_under_a_directory_another_user_owns(tmp_path, caplog):
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give a directory to another user (os.chown)")
+    foreign = tmp_path / "theirs"
+    foreign.mkdir(mode=0o755)
+    os.chown(foreign, 12345, 12345)
+    memory = MemoryTier(foreign / "memory", "run", str(tmp_path / "ck"), FINGERPRINT, "a" * 32)
+    with pytest.raises(SnapshotError, match=f"{foreign} belongs to uid 12345"):
+        memory.open()
+    with caplog.at_level(logging.ERROR):
+        assert memory.keep(snapshot_of(5)) is None
+
+
+def test_a_directory_another_user_created_under_the_name_ps_shows_does_not_switch_the_tier_off(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give a directory to another user (os.chown)")
+    import hashlib
+    derivable = hashlib.sha256(f"{os.getuid()}\0run\0{tmp_path / 'ck'}".encode()).hexdigest()[:20]
+    squatted = tmp_path / "memory" / f"elastic_ddp-{derivable}"
+    squatted.mkdir(parents=True, mode=0o700)
+    os.chown(squatted, 12345, 12345)
+    memory = tier(tmp_path)
+    memory.open()
+    assert memory.keep(snapshot_of(5)) is not None and memory.newest().global_step == 5
+    os.chown(memory.directory, 12345, 12345)  # now someone took ours: one clear error, tier off
+    with pytest.raises(SnapshotError, match="is not a private directory of this user"):
+        memory.open()
+
+
+def _age(directory, seconds: float) -> None:
+    old = time.time() - seconds
+    for path in [*directory.iterdir(), directory]:
+        os.utime(path, (old, old))
+
+
+def test_copies_of_abandoned_runs_are_removed_at_start_and_nothing_a_restart_needs(tmp_path, caplog):
+    def run(run_id: str) -> MemoryTier:
+        memory = MemoryTier(tmp_path / "memory", run_id, str(tmp_path / "ck"), FINGERPRINT, "a" * 32)
+        memory.open()
+        memory.keep(snapshot_of(5))
+        return memory
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead = ended.pid  # the agent of a run that was cancelled
+    abandoned, recent, alive, own = run("abandoned"), run("recent"), run("alive"), run("run")
+    for memory in (abandoned, recent, own):
+        (memory.directory / "agent").write_text(f"{dead} 1\n")
+    (alive.directory / "agent").write_text(f"{os.getpid()} {start_ticks(os.getpid())}\n")
+    for memory in (abandoned, alive, own):
+        _age(memory.directory, 2 * 86400)
+    metrics = tmp_path / "memory" / "elastic_ddp-metrics-0123456789abcdef0123"
+    metrics.mkdir(mode=0o700)
+    _age(metrics, 2 * 86400)
+    with caplog.at_level(logging.INFO):
+        MemoryTier(tmp_path / "memory", "run", str(tmp_path / "ck"), FINGERPRINT, "a" * 32).open(remove_abandoned=True)
+    assert not abandoned.directory.exists()
+    assert f"removed the memory copies of an abandoned run: {abandoned.directory}" in caplog.text
+    assert recent.directory.exists() and alive.directory.exists() and metrics.exists()
+    assert own.newest().global_step == 5, "this run's own copy is what its restart needs"
+
+
+def test_a_memory_dir_too_small_for_one_state_is_warned_about_at_start(tmp_path, caplog, monkeypatch):
+    real = shutil.disk_usage
+    memory_dir = tmp_path / "memory"
+
+    def small_shm(path):
+        usage = real(path)
+        return usage._replace(free=1000) if str(path).startswith(str(memory_dir)) else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", small_shm)
+    with caplog.at_level(logging.WARNING):
+        make_trainer(small_config(tmp_path, epochs=1)).fit()
+    assert caplog.text.count("cannot hold a memory copy of this state") == 1
+    assert "sizeLimit" in caplog.text and str(memory_dir) in caplog.text

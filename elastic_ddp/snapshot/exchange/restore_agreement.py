@@ -8,17 +8,19 @@ its group stopped; the same checks). Newer ones that fail are skipped with a war
 file and the reason, and the restore says which and why (`RestoredSnapshot.refused`, the `refused`
 of the `restore` event): a state with a NaN or an infinity (a diverged run, kept by a version that
 did not check) never wins, whatever its step. Each rank
-offers the better of the two; the ranks exchange (step, source, checksum, size); the highest step
-wins and a memory copy wins a tie (it is the state the survivors committed, nothing older). If some
+offers the better of the two; the ranks exchange (step, incarnation, source, checksum, size); the
+highest step wins, then the later incarnation that committed it (after a rollback, the retrained
+step N, not the old trajectory's), and a memory copy wins a tie (it is the state the survivors
+committed, nothing older). If some
 ranks lack it, the lowest rank that holds it sends the bytes to them through the snapshot
 transport (`exchange.transport`: a broadcast, no pickle, sizes checked before anything is
 allocated), and every receiver checks the checksum before loading. So all ranks restore the same
 state, and a node that never saw it (a new node, a node with a disk of its own) still resumes
 from it.
 
-Memory copies of the same step held by several ranks are the same state (DDP keeps every rank's
-model and optimizer identical; only their own RNG stream differs, and a restore from a memory
-copy derives every rank's stream afresh): each holder loads its own, the others receive one.
+Memory copies of the same step and incarnation held by several ranks are the same state (DDP keeps
+every rank's model and optimizer identical; only their own RNG stream differs, and a restore from a
+memory copy derives every rank's stream afresh): each holder loads its own, the others receive one.
 Snapshot files count as the same only with the same checksum.
 
 When no rank has a usable state but some rank found only snapshots of an incompatible run, every
@@ -81,15 +83,17 @@ class Offer:
     host: str = ""
     refusal: str = ""  # why this rank found only incompatible snapshots
     refused: tuple[tuple[str, int, str], ...] = ()  # (source, step, reason) of the copies it skipped
+    incarnation: int = 0  # the incarnation that committed the step (its header's)
 
     @property
-    def rank(self) -> tuple[int, int]:
-        """How good the offer is: the step, then a memory copy before a file."""
-        return self.step, 1 if self.source == MEMORY else 0
+    def rank(self) -> tuple[int, int, int]:
+        """How good the offer is: the step, the incarnation that committed it, then a memory copy
+        before a file."""
+        return self.step, self.incarnation, 1 if self.source == MEMORY else 0
 
     def same_state(self, other: Offer) -> bool:
         """Whether loading `other` instead of this gives the same state (see the module docstring)."""
-        if (self.step, self.source) != (other.step, other.source):
+        if (self.step, self.incarnation, self.source) != (other.step, other.incarnation, other.source):
             return False
         return self.source == MEMORY or self.checksum == other.checksum
 
@@ -150,14 +154,16 @@ def _local_candidates(store: SnapshotStore, memory: MemoryTier | None,
         found, refusal = None, str(exc)
     if found is not None:
         entry, data, snapshot = found
-        candidates.append(_Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host), data,
-                                 snapshot, entry, store.describe(entry.file)))
+        candidates.append(_Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host,
+                                       incarnation=snapshot.incarnation), data, snapshot, entry,
+                                 store.describe(entry.file)))
     copy = None
     if memory is not None:
         copy = memory.newest(on_refused=lambda step, exc: refused.append((MEMORY, step, refusal_reason(exc))))
     if copy is not None:
-        candidates.append(_Local(Offer(copy.global_step, MEMORY, copy.checksum, len(copy.data), host), copy.data,
-                                 copy.snapshot, None, f"memory copy {copy.path}"))
+        candidates.append(_Local(Offer(copy.global_step, MEMORY, copy.checksum, len(copy.data), host,
+                                       incarnation=copy.incarnation), copy.data, copy.snapshot, None,
+                                 f"memory copy {copy.path}"))
     return candidates, refusal, tuple(refused)
 
 
