@@ -31,8 +31,16 @@ from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-# Each collective of a transfer, on rank 0's side, must complete within this.
+# Each collective of a transfer, on rank 0's side, must complete within this (a chunk of the payload
+# is at most 64 MiB); the verdicts also wait for the target to check and store the whole file.
 SEND_DEADLINE = timedelta(seconds=60)
+STORE_BYTES_PER_S = 50e6  # the slowest target disk we wait for (checksum, write, fsync): 200 s for 10 GB
+
+
+def verdict_deadline(send_deadline: timedelta, size_bytes: int) -> timedelta:
+    """How long the verdicts on a replica of `size_bytes` may take: the target checks and writes it
+    whole before it answers, so the bound grows with the file."""
+    return send_deadline + timedelta(seconds=size_bytes / STORE_BYTES_PER_S)
 
 
 class ReplicationError(Exception):
@@ -131,7 +139,11 @@ class SnapshotReplicator:
         self._thread.start()
 
     def offer(self, entry: ManifestEntry) -> None:
-        with self._condition:
+        """Queue `entry` for replication; dropped, and reported, once replication has stopped."""
+        with self._condition:  # (the sender sets `broken` before it clears what is pending, under this lock)
+            if self.broken:  # nobody would send it: say so now, rather than let `finish` wait for it
+                self._report_dropped(entry)
+                return
             if self._pending is not None:
                 self.superseded += 1
                 logger.info("replication of step %d superseded by step %d before it was sent",
@@ -140,9 +152,11 @@ class SnapshotReplicator:
             self._condition.notify_all()
 
     def finish(self, timeout: float) -> None:
-        """Send what is pending (up to `timeout` s), then tell the targets there is no more."""
+        """Send what is pending (up to `timeout` s), then tell the targets there is no more. Returns
+        at once when replication has stopped (a failed transfer): nothing would be sent."""
         with self._condition:
-            drained = self._condition.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            drained = self._condition.wait_for(lambda: not self._busy and (self.broken or self._pending is None),
+                                               timeout)
             self._closed = True
             self._condition.notify_all()
         if not drained:
@@ -172,8 +186,18 @@ class SnapshotReplicator:
                     self._busy = False
                     self._condition.notify_all()
             if self.broken:
+                with self._condition:
+                    dropped, self._pending = self._pending, None  # offered while the failed transfer ran
+                if dropped is not None:
+                    self._report_dropped(dropped)
                 return
         self._send_close()
+
+    def _report_dropped(self, entry: ManifestEntry) -> None:
+        logger.warning("snapshot of step %d NOT replicated: replication stopped for this worker group after a "
+                       "failed transfer (the next worker group forms it again)", entry.global_step)
+        self.events.emit(schema.REPLICATION_FAILED, global_step=entry.global_step, node=None,
+                         error="replication stopped for this worker group after a failed transfer")
 
     def _send_close(self) -> None:
         try:
@@ -192,15 +216,19 @@ class SnapshotReplicator:
             return
         offer = ReplicaOffer(close=False, global_step=entry.global_step, epoch=entry.epoch,
                              samples_consumed=entry.samples_consumed, checksum=entry.checksum)
+        sent = False
         try:
             accepted = self.transport.send(0, offer.to_header(), data)
-            verdicts = (_report_round(self.group, len(self.group_ranks), True, self.send_deadline)
-                        if sum(accepted) > 1 else accepted)
+            sent = sum(accepted) > 1
+            verdicts = (_report_round(self.group, len(self.group_ranks), True,
+                                      verdict_deadline(self.send_deadline, len(data))) if sent else accepted)
         except (RuntimeError, TimeoutError) as exc:
             self.broken = True
             logger.warning("replication stops for this worker group: a transfer to %s failed (%s)",
                            self._nodes(self.targets), exc)
-            verdicts, reason = [False] * len(self.group_ranks), f"transfer failed: {exc}"
+            verdicts = [False] * len(self.group_ranks)
+            # Every byte went out: the replica may well have landed, only its verdict is late.
+            reason = f"sent, not confirmed: {exc}" if sent else f"transfer failed: {exc}"
         else:
             reason = "the target refused it (too little room, or a bad frame: see its log)"
         delivered = []
@@ -210,6 +238,10 @@ class SnapshotReplicator:
             node = self.targets[rank].node
             if verdicts[group_rank]:
                 delivered.append(node)
+            elif sent and self.broken:
+                logger.warning("snapshot of step %d sent to node %d, which did not confirm storing it (%s): it may "
+                               "hold the replica (a restore checks it anyway)", entry.global_step, node, reason)
+                self.events.emit(schema.REPLICATION_FAILED, global_step=entry.global_step, node=node, error=reason)
             else:
                 logger.warning("snapshot of step %d NOT replicated to node %d: %s", entry.global_step, node, reason)
                 self.events.emit(schema.REPLICATION_FAILED, global_step=entry.global_step, node=node, error=reason)
@@ -266,13 +298,16 @@ class ReplicaReceiver:
             return True
         if offer.close:
             return False
+        size = len(frame.payload)
         stored = False
         try:
             self._store(offer, frame.payload)
             stored = True
         except (ReplicationError, SnapshotWriteError) as exc:
             logger.warning("refused a snapshot replica: %s", exc)
-        _report_round(self.group, group_size, stored, None)
+        del frame  # not held while rank 0 is waited for
+        # Bounded like rank 0's wait: if rank 0 gave up meanwhile this ends the thread (TimeoutError).
+        _report_round(self.group, group_size, stored, verdict_deadline(SEND_DEADLINE, size))
         return True
 
     def _store(self, offer: ReplicaOffer, data: bytes) -> None:

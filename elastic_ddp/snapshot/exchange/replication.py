@@ -20,11 +20,18 @@ rank 0 and its targets (`dist.new_group`, gloo, created at every start): its col
 interleave with DDP's on the training group, and no port of ours is opened. Rank 0 broadcasts one
 frame per snapshot to every target at once, each target checks and writes it, then all report
 (one all-gather). A target refuses a frame larger than its free disk before any byte is sent,
-without stopping the others. Each collective of rank 0's must complete within `send_deadline`:
-a target that stops answering (frozen, partitioned) ends replication for the rest of this worker
-group (logged, and `replication_failed` events); the next worker group re-forms it. If
-replication falls behind, a newer snapshot replaces the one waiting to be sent (only the newest
-matters). Training never waits for replication, except at the end (`finish`).
+without stopping the others. Each collective of rank 0's must complete within `send_deadline`
+(60 s; a chunk of the payload is at most 64 MiB), and the targets' verdicts, which come once each
+has checked and stored the whole file, within that plus the file's size at 50 MB/s (a slow disk:
+200 s more for 10 GB). A target that stops answering (frozen, partitioned) ends replication for the
+rest of this worker group (logged, and `replication_failed` events: "sent, not confirmed" when
+every byte went out and only the verdict was late, as the replica may have landed); the snapshots
+offered after that are reported as not replicated at once, `finish` does not wait for them (a
+drain's SIGTERM grace is not spent on a replication that stopped), and a target gives up waiting
+for rank 0's verdicts within the same bound, without holding the payload meanwhile. The next worker
+group re-forms replication. If replication falls behind, a newer snapshot replaces the one waiting
+to be sent (only the newest matters). Training never waits for replication, except at the end
+(`finish`).
 
 Not guaranteed: a replica of the very last snapshot when the job ends by a failure, and a replica
 at all when a target's disk is full or it stopped answering (the event log says so).
