@@ -8,10 +8,13 @@ checks, for the whole run:
   (`runlog.audit.exactly_once_violations`);
 - every restore is trusted: a snapshot file whose write had completed, with the checksum that
   write recorded, or a verified memory copy of a committed step (at most one step after the newest
-  step rank 0 had logged: the survivors may have committed the step rank 0 died in);
-- no fault cost more than one committed step (`lost_steps` of the restore that followed it is 0,
-  or 1 when the fault hit the middle of a step), except a fault that ended the whole job (the node
-  hosting the c10d store);
+  step that rank 0 had logged or any rank of an earlier incarnation had audited: the survivors may
+  have committed the step rank 0 died in, and a SIGKILL of rank 0 loses the `step` lines its event
+  log had not yet written, runlog/events.py);
+- no fault cost more than one committed step (the restore that followed it is at most one step
+  behind the newest step committed before it, by rank 0's log (`lost_steps`) or by the audit log
+  of the incarnation before; 1 when the fault hit the middle of a step), except a fault that ended
+  the whole job (the node hosting the c10d store);
 - every fault of the plan fired;
 
 and it measures, per fault, the seconds from the fault to the first optimizer step of the group
@@ -119,10 +122,12 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     def of_kind(kind: schema.EventKind) -> list[dict[str, Any]]:
         return [event for event in events if event["event"] == kind.name]
 
+    audit_entries = read_entries(job.audit_dir)
+    audited = newest_audited_steps(audit_entries)
     restores = [{"time": e["time"], "global_step": e["global_step"], "checksum": e["checksum"],
                  "verified": e.get("verified"), "source": e.get("source") or "file",
-                 "trusted": _trusted(e, events), "previous_world_size": e.get("previous_world_size"),
-                 "world_size": e.get("world_size"), "lost_steps": e.get("lost_steps"),
+                 "trusted": _trusted(e, events, audited), "previous_world_size": e.get("previous_world_size"),
+                 "world_size": e.get("world_size"), "lost_steps": _lost_steps(e, audited),
                  "lost_seconds": e.get("lost_seconds")}
                 for e in of_kind(schema.RESTORE)]
     captured = {(e["incarnation"], e["global_step"]) for e in of_kind(schema.SNAPSHOT_CAPTURED)}
@@ -130,7 +135,7 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     interrupted = sorted(step for incarnation, step in captured - completed)
     finished = [e["global_step"] for e in of_kind(schema.FINISHED)]
     final_step = max(finished) if finished else None
-    exactly_once = exactly_once_violations(read_entries(job.audit_dir), config.dataset_size, config.epochs,
+    exactly_once = exactly_once_violations(audit_entries, config.dataset_size, config.epochs,
                                            config.global_batch_size, config.drop_last)
     if final_step != expected_steps:
         problems.append(f"final step {final_step}, expected {expected_steps}")
@@ -150,7 +155,21 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
         seconds=round(time.time() - started_at, 1), problems=problems)
 
 
-def _trusted(restore: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+def newest_audited_steps(entries: list[dict[str, Any]]) -> dict[int, int]:
+    """Per incarnation, the newest step that any of its ranks audited as committed."""
+    newest: dict[int, int] = {}
+    for entry in entries:
+        newest[entry["incarnation"]] = max(newest.get(entry["incarnation"], entry["step"]), entry["step"])
+    return newest
+
+
+def _audited_before(restore: dict[str, Any], audited: dict[int, int]) -> int | None:
+    """The newest step audited by the incarnation before the restore's (None: none audited)."""
+    earlier = [incarnation for incarnation in audited if incarnation < restore["incarnation"]]
+    return audited[max(earlier)] if earlier else None
+
+
+def _trusted(restore: dict[str, Any], events: list[dict[str, Any]], audited: dict[int, int]) -> bool:
     """Whether a restore loaded a state the run had really reached (see the module docstring)."""
     if not restore.get("verified"):
         return False
@@ -158,8 +177,19 @@ def _trusted(restore: dict[str, Any], events: list[dict[str, Any]]) -> bool:
     if (restore.get("source") or "file") == "file":
         return any(e["event"] == schema.SNAPSHOT.name and (e["global_step"], e["checksum"]) ==
                    (restore["global_step"], restore["checksum"]) for e in earlier)
-    logged = [e["global_step"] for e in earlier if e["event"] == schema.STEP.name]
-    return bool(logged) and restore["global_step"] <= max(logged) + 1
+    committed = [e["global_step"] for e in earlier if e["event"] == schema.STEP.name]
+    committed += [step for incarnation, step in audited.items() if incarnation < restore["incarnation"]]
+    return bool(committed) and restore["global_step"] <= max(committed) + 1
+
+
+def _lost_steps(restore: dict[str, Any], audited: dict[int, int]) -> int | None:
+    """The committed steps a restore rolled back: by rank 0's log, or by the audit log where that
+    says more (rank 0's newest `step` lines die with it when it is SIGKILLed)."""
+    logged = restore.get("lost_steps")
+    newest = _audited_before(restore, audited)
+    if newest is None:
+        return logged
+    return max(logged or 0, newest - restore["global_step"])
 
 
 def _lost_steps_problems(records: list[FaultRecord], restores: list[dict[str, Any]],

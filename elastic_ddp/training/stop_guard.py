@@ -133,4 +133,6 @@ class StopGuard:
         on the training thread, then end the process (that thread may be blocked in a collective
         that never returns, inside a commit: then nothing is kept, and that is logged and emitted)."""
         self.keep(f"peer watchdog: {reason}", commit_wait_s=COMMIT_WAIT_S)
+        # The event log batches step lines, and the process ends without closing it.
+        self.run_log.events.flush(timeout_s=COMMIT_WAIT_S)
         end_worker_now(SILENT_PEER_EXIT_CODE)

@@ -66,3 +66,33 @@ def test_the_report_trusts_memory_restores_of_committed_steps_and_counts_lost_st
     assert "restore of step 9 from memory is not a verified copy of a committed step" in report.problems
     assert [p for p in report.problems if "committed steps" in p] == [
         "fault 2 (kill_node random) cost 2 committed steps (the restore of step 1 from memory); at most 1 expected"]
+
+
+def test_the_audit_log_tells_the_steps_that_a_sigkilled_rank_0_never_wrote_to_its_event_log(tmp_path):
+    """Rank 0 batches its `step` lines (runlog/events.py): SIGKILLed, it took steps 3 to 5 along.
+    The ranks' audit lines still show them: the memory restore of step 5 is trusted (by the log alone
+    it would not be), and the file restore of step 2 after the next fault rolled back the 5 steps to
+    step 7 that incarnation 2 had committed, whatever rank 0's log said."""
+    audit_dir = tmp_path / "run" / "audit"
+    audit_dir.mkdir(parents=True)
+    for incarnation, steps in ((1, range(1, 6)), (2, range(6, 8))):
+        (audit_dir / f"audit-{incarnation}-rank1.jsonl").write_text("".join(
+            json.dumps({"incarnation": incarnation, "epoch": 0, "step": step, "rank": 1, "world_size": 2,
+                        "samples": [step]}) + "\n" for step in steps))
+    faults = [FaultRecord(index, "kill_node random", {"action": "kill_node"}, fired=True, fired_at=at, node="node0")
+              for index, at in enumerate((4.0, 6.5))]
+    report = verdict_on(tmp_path, [
+        {"time": 1.0, "incarnation": 1, **START},
+        *({"time": 1.0 + step / 10, "incarnation": 1, "event": "step", "global_step": step} for step in (1, 2)),
+        {"time": 1.25, "incarnation": 1, "event": "snapshot", "global_step": 2, "checksum": "blake3:ddd"},
+        {"time": 5.0, "incarnation": 2, **START},
+        {"time": 5.1, "incarnation": 2, **VERIFIED_RESTORE, "source": "memory", "checksum": "blake3:eee",
+         "global_step": 5, "lost_steps": 0},
+        {"time": 7.0, "incarnation": 3, **START},
+        {"time": 7.1, "incarnation": 3, **VERIFIED_RESTORE, "source": "file", "checksum": "blake3:ddd",
+         "global_step": 2, "lost_steps": 0},
+    ], faults)
+    assert [(r["source"], r["trusted"], r["lost_steps"]) for r in report.restores] == [
+        ("memory", True, 0), ("file", True, 5)]
+    assert [p for p in report.problems if "committed steps" in p] == [
+        "fault 1 (kill_node random) cost 5 committed steps (the restore of step 2 from file); at most 1 expected"]
