@@ -348,3 +348,25 @@ def test_a_memory_dir_too_small_for_one_state_is_warned_about_at_start(tmp_path,
         make_trainer(small_config(tmp_path, epochs=1)).fit()
     assert caplog.text.count("cannot hold a memory copy of this state") == 1
     assert "sizeLimit" in caplog.text and str(memory_dir) in caplog.text
+
+
+def test_a_restored_state_kept_again_before_any_step_is_the_same_copy(tmp_path):
+    """A worker group that restores step 6 from memory and fails before committing step 7 keeps the
+    restored state under the incarnation that committed it: no second copy of the same state."""
+    config = small_config(tmp_path, snapshot_every_steps=0)
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(6)).fit()
+    trainer = make_trainer(config)
+    forward = trainer.model.forward
+
+    def fail_in_step_7(inputs):
+        raise Crash("a collective failed in step 7")
+
+    trainer.model.forward = fail_in_step_7
+    with pytest.raises(Crash):
+        trainer.fit()
+    trainer.model.forward = forward
+    copies = list((tmp_path / "memory").glob("*/memory-*"))
+    assert [path.name[7:16] for path in copies] == ["000000006"], copies
+    kept = [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == "memory_copy"]
+    assert [(e["global_step"], e["written"]) for e in kept] == [(6, True), (6, False)]
