@@ -1,5 +1,6 @@
 """The event log batches `step` lines with a bounded delay and loses none on the way out
-(elastic_ddp/runlog/events.py): every other event, close, the watchdog's exit, a crash out of fit.
+(elastic_ddp/runlog/events.py): every other event, close, the watchdog's exit, a crash out of fit,
+a drain.
 
     .venv/bin/python -m pytest -q tests/unit/test_event_batching.py
 """
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from elastic_ddp.runlog import events as event_log_module
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import FLUSH_INTERVAL_S, EventLog
 from elastic_ddp.runlog.reader import EventFollower, read_events
+from elastic_ddp.runtime.drain import DrainRequested
 from elastic_ddp.training import stop_guard
 from tests.support.training import Crash, crash_at, make_trainer, small_config
 
@@ -118,3 +121,18 @@ def test_the_watchdogs_exit_comes_after_every_committed_step_is_written(tmp_path
     with pytest.raises(Crash):
         make_trainer(config, after_step=silent_peer_after_step_5).fit()
     assert written_at_exit == [[1, 2, 3, 4, 5]]
+
+
+@pytest.mark.timeout(120)
+def test_a_drained_trainer_has_logged_every_committed_step_before_its_drain(tmp_path, no_timed_flush):
+    config = small_config(tmp_path, snapshot_every_steps=0, min_step_time_s=0.1)  # the vote runs every 0.25 s
+
+    def sigterm_after_step_3(trainer):
+        if trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(DrainRequested):
+        make_trainer(config, after_step=sigterm_after_step_3).fit()
+    logged = kinds_and_steps(os.path.join(config.checkpoint_dir, "events.jsonl"))
+    [drained_at] = [step for kind, step in logged if kind == "drain"]
+    assert [step for kind, step in logged if kind == "step"] == list(range(1, drained_at + 1))
