@@ -70,8 +70,12 @@ class SyntheticImageDataset(Dataset):
         self._sample_base = derive_seed("held-out-sample" if held_out else "sample", seed)
         self._generator = torch.Generator()  # reseeded per sample
         image_bytes = self.class_patterns[0].numel() * self.class_patterns.element_size()
-        self._made: dict[int, tuple[torch.Tensor, int]] | None = (
-            {} if size * image_bytes <= self.CACHE_LIMIT_BYTES else None)  # None: too big to keep
+        cached = size * image_bytes <= self.CACHE_LIMIT_BYTES  # else too big to keep: made on each call
+        # The cache: every sample made so far, kept as a row of `_images` (a batch is then one
+        # index_select) and in `_made` as (that row, label) for the per-sample path.
+        self._made: dict[int, tuple[torch.Tensor, int]] | None = {} if cached else None
+        self._images = torch.empty((size, *image_shape), dtype=self.class_patterns.dtype) if cached else None
+        self._labels = np.zeros(size, dtype=np.int64) if cached else None
 
     def __len__(self) -> int:
         return self.size
@@ -81,22 +85,32 @@ class SyntheticImageDataset(Dataset):
         return image.clone(), label  # a copy: the caller may change it in place
 
     def collated(self, indices: list[int]) -> list[torch.Tensor]:
-        """`default_collate([self[index] for index in indices])`, without copying each sample first."""
-        return default_collate([self._sample(index) for index in indices])
+        """`default_collate([self[index] for index in indices])`, without a copy of each sample first."""
+        if self._made is None:
+            return default_collate([self._sample(index) for index in indices])
+        for index in indices:
+            if index not in self._made:
+                self._sample(index)  # makes and keeps it, or refuses an index outside the dataset
+        rows = np.asarray(indices, dtype=np.int64)
+        return [self._images.index_select(0, torch.from_numpy(rows)), torch.from_numpy(self._labels[rows])]
 
     def _sample(self, index: int) -> tuple[torch.Tensor, int]:
-        """Sample `index`, the cached tensor itself: not to be changed."""
+        """Sample `index`; a cached one is the cache's own row: not to be changed."""
+        made = self._made.get(index) if self._made is not None else None
+        if made is not None:
+            return made
         if not 0 <= index < self.size:
             raise IndexError(f"sample {index} is outside a dataset of {self.size}")
-        made = self._made.get(index) if self._made is not None else None
-        if made is None:
-            sample_seed = mix_seed(self._sample_base + index)
-            label = sample_seed % self.num_classes
-            noise = torch.randn(self.image_shape, generator=self._generator.manual_seed(sample_seed))
-            made = (self.class_patterns[label] + noise, label)
-            if self._made is not None:
-                self._made[index] = made
-        return made
+        sample_seed = mix_seed(self._sample_base + index)
+        label = sample_seed % self.num_classes
+        noise = torch.randn(self.image_shape, generator=self._generator.manual_seed(sample_seed))
+        image = self.class_patterns[label] + noise
+        if self._made is not None:
+            self._images[index] = image
+            self._labels[index] = label
+            image = self._images[index]
+            self._made[index] = (image, label)
+        return image, label
 
 
 class RandomHorizontalFlip:
