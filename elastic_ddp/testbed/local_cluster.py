@@ -13,6 +13,10 @@ A node can also stand for a container (`LocalJob.add_node(local_addr=..., pid_na
 agent is PID 1 of a PID namespace of its own, with an address of its own, so that a node started
 again comes back with the same torch node identity (address, pid, counter), as a container
 restarted in place does; killing that PID 1 ends every process in the namespace.
+
+A node can also stand for a separate host on a network (`add_node(command_prefix=...)` with the
+prefix of `elastic_ddp.testbed.netns.NetworkBed.prefix`): its agent runs in a network namespace of
+its own, with its own address, where the network can fail.
 """
 
 from __future__ import annotations
@@ -146,23 +150,26 @@ class LocalNode:
     The agent runs in its own session so that signals meant for the test or the harness do not
     reach it, and so that `kill` can take down exactly this node. Output goes to `log_path`.
     With `pid_namespace` it runs as PID 1 of a PID namespace of its own (`PID_NAMESPACE`), as
-    torchrun does in a container.
+    torchrun does in a container; `command_prefix` comes first (e.g. `ip netns exec NAME`: a
+    prefix that execs the command, so that the process started is the agent).
     """
 
     def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None, agent_env: dict[str, str] = AGENT_ENV, pid_namespace: bool = False):
+                 cwd: Path | None = None, agent_env: dict[str, str] = AGENT_ENV, pid_namespace: bool = False,
+                 command_prefix: Sequence[str] = ()):
         self.name = name
         self.command = list(command)
         self.log_path = Path(log_path)
         self.env = {**os.environ, **agent_env, **(env or {})}
         self.cwd = cwd
         self.pid_namespace = pid_namespace
+        self.command_prefix = list(command_prefix)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> LocalNode:
         """Start the agent; again after it exited, the same command (a machine or container restarted)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [*PID_NAMESPACE, *self.command] if self.pid_namespace else self.command
+        command = [*self.command_prefix, *(PID_NAMESPACE if self.pid_namespace else ()), *self.command]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
@@ -265,23 +272,28 @@ class LocalJob:
         self.nodes: list[LocalNode] = []
 
     def add_node(self, name: str | None = None, start_timeout: float = 60, hosts_store: bool = True,
-                 local_addr: str | None = None, pid_namespace: bool = False) -> LocalNode:
+                 local_addr: str | None = None, pid_namespace: bool = False, command_prefix: Sequence[str] = (),
+                 agent_args: Sequence[str] = ()) -> LocalNode:
         """Start one more agent. With c10d the first one hosts the store and this waits until it
         listens, unless `hosts_store` is False (the store runs elsewhere, see elastic_ddp.chaos.store).
 
         `local_addr` is the node's address as torch names it (torchrun's `--local_addr`), e.g. a
         127.0.0.x of its own; with `pid_namespace` the agent is PID 1 of a PID namespace of its own
-        (root only). With both, the node is a container: started again, it has the same identity."""
+        (root only). With both, the node is a container: started again, it has the same identity.
+        `command_prefix` runs the agent in something (a network namespace: `NetworkBed.prefix`);
+        `agent_args` are torchrun options of this node alone (a later `--rdzv_conf` wins)."""
         name = name or f"node{len(self.nodes)}"
         command = self.command
-        if local_addr is not None:
+        own_options = [*([f"--local_addr={local_addr}"] if local_addr is not None else []), *agent_args]
+        if own_options:
             module_at = command.index("-m", 3)  # torchrun's own options end where the training module begins
-            command = [*command[:module_at], f"--local_addr={local_addr}", *command[module_at:]]
+            command = [*command[:module_at], *own_options, *command[module_at:]]
         if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
             command = [*command, "--checkpoint_dir", str(self.node_checkpoint_dir(name))]
         command = [*command, "--memory_dir", str(self.node_memory_dir(name))]
         node = LocalNode(name, command, self.run_dir / f"{name}.log", env=self.env,
-                         cwd=self.run_dir, agent_env=self.agent_env, pid_namespace=pid_namespace).start()
+                         cwd=self.run_dir, agent_env=self.agent_env, pid_namespace=pid_namespace,
+                         command_prefix=command_prefix).start()
         self.nodes.append(node)
         if self.rdzv_backend in C10D_BACKENDS and len(self.nodes) == 1 and hosts_store:
             host, port = self.rdzv_endpoint.rsplit(":", 1)
