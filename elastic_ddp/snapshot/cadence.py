@@ -8,6 +8,7 @@ snapshots so that this cost stays under `--snapshot_budget` of training time (1 
 further apart than `--snapshot_max_interval_s` (10 minutes):
 
     interval = min(blocked seconds / budget, max interval)      every = interval / seconds per step
+                                                                (rounded up to stay under the budget)
 
 The first snapshot of each worker group comes `PROBE_STEPS` steps after it starts (to measure the
 cost); after each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
@@ -77,8 +78,10 @@ class SnapshotCadence:
         start_step, start_time = self._clock
         steps = max(1, global_step - start_step)
         step_seconds = max(1e-6, (time.monotonic() - start_time - self._blocked_total) / steps)
-        interval_s = min(blocked_seconds / self.budget, self.max_interval_s)
-        every = max(1, math.floor(interval_s / step_seconds))
+        # Rounded so as to stay under the budget (up) and under the ceiling (down).
+        budget_steps = math.ceil(blocked_seconds / self.budget / step_seconds)
+        ceiling_steps = math.floor(self.max_interval_s / step_seconds)
+        every = max(1, min(budget_steps, ceiling_steps))
         self._log_if_changed(Interval(every, every * step_seconds, blocked_seconds))
         return global_step + every
 
