@@ -15,7 +15,7 @@ import pytest
 
 from elastic_ddp.testbed.local_cluster import LocalJob
 
-pytest_plugins = ["elastic_ddp.testbed.etcd_server"]  # the etcd server fixtures
+pytest_plugins = ["elastic_ddp.testbed.etcd_server", "tests.support.network"]  # etcd servers; network beds
 
 # Each local node is one process of torch: one thread each keeps 2-core machines responsive.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -20,9 +20,11 @@ after SECONDS.
 Names are unique per bed (`edb<pid>x<random>-<node>`), so runs side by side never meet. Teardown
 is guaranteed: `close()` (the context manager's exit, the pytest fixture's finalizer, and an
 `atexit` hook while the bed is open) kills every process still in the bed's namespaces and
-deletes them, which deletes their links and the bridge with them. A bed whose process was killed
-outright (SIGKILL) leaves its namespaces behind; the next bed created on the machine removes
-every bed namespace whose owner pid is gone (`remove_stale_beds`).
+deletes them, which deletes their links and the bridge with them. While a bed is open, a SIGTERM
+to a process that left SIGTERM at its default raises SystemExit in the main thread instead, so
+that the exits and `atexit` hooks still run. A bed whose process was killed outright (SIGKILL)
+leaves its namespaces behind; the next bed created on the machine removes every bed namespace
+whose owner pid is gone (`remove_stale_beds`).
 
 Not possible here: a slow or lossy link with delay or loss (`tc qdisc ... netem`: this kernel has
 no sch_netem); a rate limit (`tbf`) works.
@@ -38,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -147,6 +150,28 @@ def remove_namespaces(names: Iterable[str]) -> None:
         subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True, timeout=IP_TIMEOUT_S)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+_open_beds: set[str] = set()
+
+
+def _bed_opened(name: str) -> None:
+    """SIGTERM raises SystemExit while any bed is open, where it would kill the process outright
+    (the default handler, in the main thread); the process's own handlers are left alone."""
+    _open_beds.add(name)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _bed_closed(name: str) -> None:
+    _open_beds.discard(name)
+    if (not _open_beds and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def remove_stale_beds() -> list[str]:
     """Delete the namespaces of beds whose owner process is gone (one killed outright); return them."""
     stale = [name for name in bed_namespaces() if not _pid_alive(int(_BED_NAME.match(name).group(1)))]
@@ -194,6 +219,7 @@ class NetworkBed:
         """Create the switch, the bridge and every node; on any failure remove what was made."""
         remove_stale_beds()
         atexit.register(self.close)
+        _bed_opened(self.name)
         try:
             self._add_namespace(self.switch)
             _ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
@@ -264,6 +290,7 @@ class NetworkBed:
         self._closed = True
         atexit.unregister(self.close)
         remove_namespaces(reversed(self._created))
+        _bed_closed(self.name)
 
     def __enter__(self) -> NetworkBed:  # noqa: PYI034 (Self needs Python 3.11)
         return self.open()

@@ -5,10 +5,8 @@ Every node here is a host of its own: a network namespace with its own address o
 `--rdzv_backend=elastic-c10d --rdzv_endpoint=<n0's address>:PORT --local_addr=<own address>`.
 Faults are links set down on the switch: packets vanish, nothing is refused or reset.
 
-Two things a user has to give by hand today (issue 26, item 2), given here on purpose: this
-machine's host name resolves to 127.0.0.1, so torch does not see that n0 holds the endpoint's
-address (`--rdzv_conf ...,is_host=1` on n0), and gloo would advertise that loopback address to its
-peers (`GLOO_SOCKET_IFNAME=eth0`, the one link of every node).
+Two settings a user has to give by hand today (`is_host=1` on the store's node,
+`GLOO_SOCKET_IFNAME`) are given here on purpose: tests/support/network.py says why.
 
     .venv/bin/python -m pytest tests/cluster/test_network_faults.py -q
 """
@@ -16,53 +14,26 @@ peers (`GLOO_SOCKET_IFNAME=eth0`, the one link of every node).
 from __future__ import annotations
 
 import itertools
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
 from elastic_ddp.runlog.reader import read_events
-from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, wait_for
-from elastic_ddp.testbed.netns import NODE_LINK, NetworkBed, NetworkFault, bed_namespaces, why_unavailable
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from elastic_ddp.testbed.netns import NetworkBed, NetworkFault, bed_namespaces, why_unavailable
+from tests.support.cluster import assert_exactly_once, node_logs, release, world_reached
+from tests.support.network import start_job
 
 UNAVAILABLE = why_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no network namespaces: {UNAVAILABLE}")
 
-RDZV_PORT = 29400
 # Below the peer watchdog's default bound (--watchdog_timeout_s 3).
 BLIP_S = 1.0
 
 
 def _host_links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
-
-
-@pytest.fixture
-def network_bed():
-    """Factory of opened `NetworkBed`s, each closed at the end whatever happened; a SIGTERM to the
-    test run meanwhile becomes KeyboardInterrupt, so that the finalizers still run."""
-    beds: list[NetworkBed] = []
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-    def make(nodes) -> NetworkBed:
-        bed = NetworkBed(nodes)
-        beds.append(bed)
-        return bed.open()
-
-    try:
-        yield make
-    finally:
-        for bed in beds:
-            bed.close()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
 
 
 # A server in one namespace that answers every connection with a word; the client prints what it got.
@@ -135,23 +106,6 @@ def test_network_fault_plans_read_as_text():
             NetworkFault.parse(wrong)
 
 
-def _start_job(local_jobs, bed: NetworkBed, hold, args, nodes: list[str], nnodes: str, **job_options):
-    """A held elastic-c10d job of one agent per namespace; the first node hosts the store."""
-    held = hold_settings(hold)
-    endpoint = f"{bed.address(nodes[0])}:{RDZV_PORT}"
-    job = local_jobs(args, nnodes=nnodes, rdzv_backend="elastic-c10d", rdzv_endpoint=endpoint,
-                     launcher=STOCK_LAUNCHER, module=held["module"],
-                     env={**held["env"], "GLOO_SOCKET_IFNAME": NODE_LINK}, **job_options)
-    for index, node in enumerate(nodes):
-        host_options = [f"--rdzv_conf={RDZV_CONF},is_host=1"] if index == 0 else []
-        job.add_node(node, hosts_store=False, local_addr=bed.address(node), command_prefix=bed.prefix(node),
-                     agent_args=host_options)
-        if index == 0:
-            wait_for(lambda: bed.connects(nodes[-1], bed.address(nodes[0]), RDZV_PORT) or not job.nodes[0].is_running(),
-                     60, f"the c10d store of {nodes[0]} on {endpoint}")
-    return job
-
-
 @pytest.mark.timeout(180)
 def test_a_blip_shorter_than_the_watchdog_bound_loses_nothing(local_jobs, network_bed, tmp_path):
     """n1 (not the store's node) loses its link for 1 s mid-epoch: gloo's TCP retransmits carry the
@@ -164,7 +118,7 @@ def test_a_blip_shorter_than_the_watchdog_bound_loses_nothing(local_jobs, networ
     dataset_size, epochs, batch = 1024, 20, 64
     args = ["--model", "mlp", "--epochs", str(epochs), "--dataset_size", str(dataset_size),
             "--global_batch_size", str(batch), "--snapshot_every_steps", "20", "--log_interval", "10"]
-    job = _start_job(local_jobs, bed, hold, args, ["n0", "n1"], nnodes="2:2")
+    job = start_job(local_jobs, bed, hold, args, ["n0", "n1"], nnodes="2:2")
     try:
         world_reached(job, 2)
         job.wait_for_step(job.last_step() + 3, 30)
