@@ -98,14 +98,6 @@ def test_nodes_reach_each_other_over_the_bridge_until_partitioned_and_leave_noth
     assert _host_links() == links_before
 
 
-def test_network_fault_plans_read_as_text():
-    assert NetworkFault.parse("blip n1 1.5") == NetworkFault("blip", "n1", 1.5)
-    assert NetworkFault.parse("partition n2").describe() == "partition n2"
-    for wrong in ("blip n1", "heal n1 2", "drop n1", "blip n1 -1", "partition"):
-        with pytest.raises(ValueError):
-            NetworkFault.parse(wrong)
-
-
 @pytest.mark.timeout(180)
 def test_a_blip_shorter_than_the_watchdog_bound_loses_nothing(local_jobs, network_bed, tmp_path):
     """n1 (not the store's node) loses its link for 1 s mid-epoch: gloo's TCP retransmits carry the
