@@ -30,7 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/thread_cpu.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.throughput import SNAPSHOT_MODES, Workload, start_torchrun  # noqa: E402
+from benchmarks.throughput import SNAPSHOT_MODES, Workload, snapshot_args, start_torchrun  # noqa: E402
 from elastic_ddp.testbed.local_cluster import signal_tree, wait_for  # noqa: E402
 from elastic_ddp.runtime.procfs import read_stat  # noqa: E402
 from elastic_ddp.runlog.reader import EventFollower  # noqa: E402
@@ -79,7 +79,7 @@ def measure_side(side: str, workload: Workload, window_s: float, work_dir: Path)
     else:
         module, step_counter = "elastic_ddp.train", _elastic_steps
         args += ["--micro_batch_size", str(workload.global_batch_size // workload.world_size),
-                 "--snapshot_every_steps", str(SNAPSHOT_MODES[side]), "--checkpoint_dir", str(work_dir / "ck")]
+                 *snapshot_args(SNAPSHOT_MODES[side]), "--checkpoint_dir", str(work_dir / "ck")]
     agent, log_path = start_torchrun(module, args, work_dir, workload.world_size)
     try:
         steps = step_counter(work_dir)
