@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from elastic_ddp.config import TrainingConfig
+from elastic_ddp.training.trainer import Trainer
 from elastic_ddp.workload.data import SyntheticImageDataset
 from elastic_ddp.workload.models import build_model
-from elastic_ddp.training.trainer import Trainer
 
 
 def small_config(tmp_path: Path, **overrides: Any) -> TrainingConfig:
@@ -38,6 +38,17 @@ def crash_at(step: int):
     def after_step(trainer: Trainer) -> None:
         if trainer.global_step == step:
             raise Crash(f"injected crash at step {step}")
+    return after_step
+
+
+def silent_peer_at(step: int):
+    """An `after_step` hook that, once the trainer has committed `step`, takes the peer watchdog's way
+    out (keep the step, end the worker: patch `stop_guard.end_worker_now` first), then raises Crash
+    as the ended process would no longer train."""
+    def after_step(trainer: Trainer) -> None:
+        if trainer.global_step == step:
+            trainer.stop_guard._stop_for_silent_peer("rank(s) [1] sent no heartbeat for over 3 s")
+            raise Crash("the watchdog ended the worker")
     return after_step
 
 

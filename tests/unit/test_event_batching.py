@@ -19,7 +19,7 @@ from elastic_ddp.runlog.events import FLUSH_INTERVAL_S, EventLog
 from elastic_ddp.runlog.reader import EventFollower, read_events
 from elastic_ddp.runtime.drain import DrainRequested
 from elastic_ddp.training import stop_guard
-from tests.support.training import Crash, crash_at, make_trainer, small_config
+from tests.support.training import Crash, crash_at, make_trainer, silent_peer_at, small_config
 
 SLACK_S = 2.0  # what a busy 2-core machine may add to the flusher's bound
 
@@ -113,13 +113,8 @@ def test_the_watchdogs_exit_comes_after_every_committed_step_is_written(tmp_path
 
     monkeypatch.setattr(stop_guard, "end_worker_now", end_worker_now)
 
-    def silent_peer_after_step_5(trainer):
-        if trainer.global_step == 5:
-            trainer.stop_guard._stop_for_silent_peer("rank(s) [1] sent no heartbeat for over 3 s")
-            raise Crash("the watchdog ended the worker")
-
     with pytest.raises(Crash):
-        make_trainer(config, after_step=silent_peer_after_step_5).fit()
+        make_trainer(config, after_step=silent_peer_at(5)).fit()
     assert written_at_exit == [[1, 2, 3, 4, 5]]
 
 

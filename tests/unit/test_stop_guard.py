@@ -22,7 +22,7 @@ from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE
 from elastic_ddp.snapshot.staging import settled_device_work
 from elastic_ddp.training import stop_guard
-from tests.support.training import Crash, make_trainer, small_config
+from tests.support.training import Crash, make_trainer, silent_peer_at, small_config
 
 BOUND_S = 5.0  # what the watchdog may take on top of its own bound; the test waits twice that
 
@@ -65,13 +65,8 @@ def test_the_watchdog_still_keeps_the_last_step_when_the_training_thread_is_betw
     exits: list[int] = []
     monkeypatch.setattr(stop_guard, "end_worker_now", exits.append)
 
-    def silent_peer_after_step_5(trainer):
-        if trainer.global_step == 5:
-            trainer.stop_guard._stop_for_silent_peer("rank(s) [1] sent no heartbeat for over 3 s")
-            raise Crash("the watchdog ended the worker")
-
     with pytest.raises(Crash):
-        make_trainer(config, after_step=silent_peer_after_step_5).fit()
+        make_trainer(config, after_step=silent_peer_at(5)).fit()
     assert exits == [SILENT_PEER_EXIT_CODE]
     assert [path.name[7:16] for path in Path(config.memory_dir).glob("*/memory-*")] == ["000000005"]
 
