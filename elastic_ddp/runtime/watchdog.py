@@ -15,6 +15,8 @@ itself has not answered for `bound_s` (its host, rank 0's worker, is frozen or g
 watchdog calls `on_silent(reason)` once, from its thread: the trainer keeps its last committed step
 in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
+`on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
+gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 
 What it never does: judge a peer by how fast it trains. A heartbeat comes from a thread that does
 nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
@@ -53,11 +55,12 @@ class PeerWatchdog:
 
     def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
                  on_silent: Callable[[str], None], interval_s: float | None = None,
-                 store: dist.Store | None = None):
+                 store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None):
         self.rank, self.world_size = rank, world_size
         self.bound_s = bound_s
         self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
         self.on_silent = on_silent
+        self.on_gap = on_gap
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
@@ -123,8 +126,8 @@ class PeerWatchdog:
                     changed_at[rank] = now
                     continue
                 if value != last_value[rank]:
-                    if last_value[rank] is not None:
-                        self.longest_gap_s = max(self.longest_gap_s, now - changed_at[rank])
+                    if last_value[rank] is not None and now - changed_at[rank] > self.longest_gap_s:
+                        self._new_longest_gap(now - changed_at[rank])
                     last_value[rank], changed_at[rank] = value, now
                 elif now - changed_at[rank] > self.bound_s:
                     silent.append(rank)
@@ -132,6 +135,14 @@ class PeerWatchdog:
                 self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone without "
                            "closing their connections)")
                 return
+
+    def _new_longest_gap(self, gap_s: float) -> None:
+        self.longest_gap_s = gap_s
+        if self.on_gap is not None:
+            try:
+                self.on_gap(gap_s)
+            except Exception as exc:  # noqa: BLE001 - reporting must never stop the watching
+                logger.debug("peer watchdog: on_gap failed: %s", exc)
 
     def _read(self, peers: list[int]) -> dict[int, bytes | None]:
         """Every peer's heartbeat (None for a peer that has published none yet), in one request

@@ -5,6 +5,7 @@ every peer silent."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -92,3 +93,31 @@ def test_heartbeats_of_another_incarnation_do_not_count(store):
     assert fired[0].wait(10) and "rank(s) [1]" in reasons[0]
     for dog in old:
         dog.stop()
+
+
+def test_each_new_longest_gap_is_reported_through_on_gap(store):
+    """The live metrics learn the watchdog's longest heartbeat gap from `on_gap` (runlog/metrics.py)."""
+    gaps: list[float] = []
+    reported = threading.Condition()
+
+    def on_gap(seconds):
+        with reported:
+            gaps.append(seconds)
+            reported.notify_all()
+
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: None, INTERVAL_S, store=client(store), on_gap=on_gap).start()
+    peer = dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", client(store))
+    peer.set("1", "1")
+    with reported:  # a first gap is reported once the heartbeat changes after the watchdog saw it
+        deadline = time.monotonic() + 10
+        while not gaps and time.monotonic() < deadline:
+            peer.set("1", str(int(peer.get("1")) + 1))
+            reported.wait(INTERVAL_S)
+    pause_s = BOUND_S / 2  # the scenario: one heartbeat half a bound late
+    time.sleep(pause_s)
+    peer.set("1", "100")
+    with reported:
+        assert reported.wait_for(lambda: gaps[-1] >= pause_s, timeout=10), gaps
+    dog.leave()
+    assert gaps == sorted(gaps) and len(set(gaps)) == len(gaps), gaps  # only new longest gaps
+    assert dog.longest_gap_s == gaps[-1] < BOUND_S
