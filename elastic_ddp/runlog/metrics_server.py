@@ -8,14 +8,15 @@ Started detached by the first worker of a node (runlog/metrics_node.py), not by 
 It serves `GET /metrics`: what the node's workers wrote to DIR through prometheus_client's
 multi-process mode (runlog/metrics.py), summed over every process that wrote there, ended ones
 included, so that counters go on across worker groups and a scrape while the group re-forms gets
-the last values. Nothing else: another path is a 404, another method a 501; at most
+the last values; and the watched agent's rendezvous rounds (runlog/metrics_agent.py). Nothing else: another path is a 404, another method a 501; at most
 MAX_CONNECTIONS at once, each given CONNECTION_TIMEOUT_S; no request is logged. It reads nothing
 but DIR and has nothing secret to show: its environment is PATH, PYTHONPATH and the locale. It
 imports neither torch nor the trainer, and listens a fraction of a second after its start.
 
 Once listening it writes DIR/endpoint.json and prints one line, `{"port": N}`, to the worker that
 started it (`{"error": "..."}` when it cannot listen), then runs until the watched process (the
-node's torchrun agent) ends, and removes its endpoint file and the files of ended processes.
+node's torchrun agent) ends, and removes its endpoint file, the files of ended processes and the
+agent's rendezvous file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from elastic_ddp.runlog.metrics_agent import AgentRendezvousCollector, remove_agent_file
 from elastic_ddp.runlog.metrics_node import (
     ENDPOINT_FILE,
     WATCH_INTERVAL_S,
@@ -125,9 +127,12 @@ class MetricsHTTPServer(ThreadingHTTPServer):
             self._slots.release()
 
 
-def node_registry(directory: Path) -> CollectorRegistry:
+def node_registry(directory: Path, agent_pid: int | None = None) -> CollectorRegistry:
+    """What the node serves: the metrics in `directory`, and the rendezvous rounds of the agent `agent_pid`."""
     registry = CollectorRegistry()
     registry.register(NodeCollector(directory))
+    if agent_pid is not None:
+        registry.register(AgentRendezvousCollector(agent_pid))
     return registry
 
 
@@ -145,7 +150,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        server = MetricsHTTPServer((args.addr, args.port), node_registry(args.directory))
+        server = MetricsHTTPServer((args.addr, args.port), node_registry(args.directory, args.watch_pid))
     except OSError as exc:
         _reply({"error": exc.strerror or str(exc)})
         return 1
@@ -165,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.shutdown()
         server.server_close()
         _clean_up(args.directory, endpoint)
+        remove_agent_file(args.watch_pid)
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {args.watch_pid} ended: stopped", file=sys.stderr, flush=True)
     return 0
 

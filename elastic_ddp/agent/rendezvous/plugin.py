@@ -15,6 +15,9 @@ a store of its own (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, unless the user set 
 set it themselves when their rendezvous is created. A script of your own that uses the Trainer
 with torch's c10d gets a warning from the worker instead, naming the fix
 (`elastic_ddp.runtime.distributed.warn_if_agent_store_shared`).
+
+Every handler created here counts its rendezvous rounds for the node's metrics endpoint
+(`elastic_ddp.agent.rendezvous_metrics`).
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ def etcd_v3_handler_factory() -> Callable:
 
     def create_etcd_v3_handler(params):
         from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
+        from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        return create(params)
+        return count_rounds(create(params))
 
     return create_etcd_v3_handler
 
@@ -69,7 +73,8 @@ def elastic_c10d_handler_factory() -> Callable:
 
     def create_elastic_c10d_handler(params):
         from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler
+        from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        return create_c10d_handler(params)
+        return count_rounds(create_c10d_handler(params))
 
     return create_elastic_c10d_handler

@@ -1,0 +1,139 @@
+"""The agent's rendezvous rounds and the time they take, in a small file that the node's metrics server reads.
+
+The torchrun agent runs our rendezvous handler (`--rdzv_backend=elastic-c10d` or `etcd-v3`, and
+`c10d` under `python -m elastic_ddp.agent.launcher`); `count_rounds(handler)` wraps its
+`next_rendezvous`, so that every round, from the agent's entry to the worker group's world, is
+counted. After each change this agent writes, whole (a rename), its figures to
+
+    TMPDIR/elastic_ddp-agent-<uid>/rendezvous-<agent pid>.json
+    {"pid": 4242, "rounds": 3, "failures": 0, "seconds": 4.81, "last_round_seconds": 1.02,
+     "round_started": 1764120000.5}        # Unix time of the round in progress, else null
+
+The node's metrics server (runlog/metrics_agent.py) knows the agent's pid (it watches the agent)
+and serves the file as `elastic_ddp_agent_rendezvous_*` series; it imports nothing of this module,
+and this one nothing of the worker side (contract agent-apart): the path above is the whole
+contract, and tests/unit/test_rendezvous_metrics.py checks that both sides name the same file.
+
+The directory is the user's alone (0700, checked); the file holds counts and times, nothing of the
+job's settings. It is removed when the agent exits normally, and by the metrics server when the
+agent has ended (a SIGKILLed one). Writing it never stops the agent: a failure is logged once.
+
+Not guaranteed: with torch's own `--rdzv_backend=c10d` under plain torchrun our code does not run
+in the agent, so there is no file and no series. The counts are the agent's own: a node restarted
+in place starts again from 0 (Prometheus's rate() and increase() handle counter resets).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+DIRECTORY_PREFIX = "elastic_ddp-agent-"
+FILE_PREFIX = "rendezvous-"
+
+Handler = TypeVar("Handler")
+
+
+def rendezvous_file(pid: int) -> Path:
+    """Where the agent of `pid` (of this user) keeps its rendezvous figures."""
+    return Path(tempfile.gettempdir()) / f"{DIRECTORY_PREFIX}{os.getuid()}" / f"{FILE_PREFIX}{pid}.json"
+
+
+class RendezvousRounds:
+    """This agent's rounds: counted by `next_rendezvous` (wrapped), written to `path` after each change."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pid = os.getpid()
+        self.rounds = self.failures = 0
+        self.seconds = self.last_round_seconds = 0.0
+        self.round_started: float | None = None
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def wrap(self, next_rendezvous):
+        """`next_rendezvous`, counted."""
+        @functools.wraps(next_rendezvous)
+        def counted(*args, **kwargs):
+            self._round_began()
+            ok = False
+            try:
+                result = next_rendezvous(*args, **kwargs)
+                ok = True
+                return result
+            finally:
+                self._round_ended(ok)
+        return counted
+
+    def figures(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rounds": self.rounds, "failures": self.failures, "seconds": round(self.seconds, 6),
+                "last_round_seconds": round(self.last_round_seconds, 6), "round_started": self.round_started}
+
+    def write(self) -> None:
+        """The figures to the file, whole; a failure is logged once and never raised."""
+        if self._broken:
+            return
+        try:
+            _make_private_directory(self.path.parent)
+            temporary = self.path.with_name(f".{self.path.name}.tmp")
+            temporary.write_text(json.dumps(self.figures()))
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            self._broken = True
+            logger.warning("rendezvous metrics: cannot write %s (%s); the node's metrics endpoint will not show "
+                           "this agent's rendezvous rounds", self.path, exc)
+
+    def remove(self) -> None:
+        """The agent exits: remove the file (only the process that wrote it)."""
+        if os.getpid() == self.pid:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def _round_began(self) -> None:
+        with self._lock:
+            self.round_started = time.time()
+            self.write()
+
+    def _round_ended(self, ok: bool) -> None:
+        with self._lock:
+            # The server adds `now - round_started` for a round in progress: the same clock here keeps
+            # the served total from going down when the round ends.
+            seconds = max(0.0, time.time() - self.round_started) if self.round_started is not None else 0.0
+            if ok:
+                self.rounds += 1
+            else:
+                self.failures += 1
+            self.seconds += seconds
+            self.last_round_seconds = seconds
+            self.round_started = None
+            self.write()
+
+
+def count_rounds(handler: Handler) -> Handler:
+    """`handler` (a RendezvousHandler) whose `next_rendezvous` counts its rounds (module docstring).
+    Its type stays torch's: only the instance's method is replaced."""
+    rounds = RendezvousRounds(rendezvous_file(os.getpid()))
+    rounds.write()
+    atexit.register(rounds.remove)
+    handler.next_rendezvous = rounds.wrap(handler.next_rendezvous)
+    return handler
+
+
+def _make_private_directory(directory: Path) -> None:
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{directory} is not a private directory of this user")

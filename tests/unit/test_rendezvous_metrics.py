@@ -1,0 +1,105 @@
+"""The agent's rendezvous rounds as metrics: counted around `next_rendezvous` in the agent
+(elastic_ddp/agent/rendezvous_metrics.py), written to a file, served by the node's metrics server
+(elastic_ddp/runlog/metrics_agent.py). The two sides import nothing of each other; the file's path
+is their contract. A real agent and server are in tests/cluster/test_metrics_endpoint.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ddp.agent import rendezvous_metrics as agent_side
+from elastic_ddp.runlog import metrics_agent as server_side
+from elastic_ddp.runlog.metrics_server import node_registry
+
+pytestmark = pytest.mark.timeout(60)
+NAME = "elastic_ddp_agent_rendezvous"
+
+
+@pytest.fixture(autouse=True)
+def private_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+class StandInHandler:
+    """Stands for torch's handler: its rounds wait for the test, or raise."""
+
+    def __init__(self):
+        self.proceed = threading.Event()
+        self.entered = threading.Event()
+        self.fail = False
+
+    def next_rendezvous(self):
+        self.entered.set()
+        assert self.proceed.wait(10)
+        if self.fail:
+            raise RuntimeError("closed")
+        return "round info"
+
+
+def served(pid: int, directory) -> dict[str, float]:
+    text = generate_latest(node_registry(directory, pid)).decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith(NAME)}
+
+
+def test_both_sides_name_the_same_file():
+    assert agent_side.rendezvous_file(1234) == server_side.rendezvous_file(1234)
+    assert agent_side.rendezvous_file(1234).parent.name == f"elastic_ddp-agent-{os.getuid()}"
+
+
+def test_rounds_and_their_seconds_are_served_while_and_after_they_run(tmp_path):
+    handler = agent_side.count_rounds(StandInHandler())
+    pid = os.getpid()
+    assert served(pid, tmp_path) == {f"{NAME}_rounds_total": 0, f"{NAME}_failures_total": 0,
+                                     f"{NAME}_seconds_total": 0, f"{NAME}_last_round_seconds": 0,
+                                     f"{NAME}_in_progress": 0}, "the file exists from the handler's creation"
+    results = []
+    round_thread = threading.Thread(target=lambda: results.append(handler.next_rendezvous()))
+    round_thread.start()
+    assert handler.entered.wait(10)
+    during = served(pid, tmp_path)
+    assert during[f"{NAME}_in_progress"] == 1 and during[f"{NAME}_rounds_total"] == 0
+    handler.proceed.set()
+    round_thread.join(10)
+    after = served(pid, tmp_path)
+    assert results == ["round info"]
+    assert after[f"{NAME}_in_progress"] == 0 and after[f"{NAME}_rounds_total"] == 1
+    assert after[f"{NAME}_seconds_total"] >= during[f"{NAME}_seconds_total"], "a counter never goes down"
+    assert after[f"{NAME}_last_round_seconds"] > 0
+    assert after[f"{NAME}_seconds_total"] == pytest.approx(after[f"{NAME}_last_round_seconds"], abs=1e-5)
+
+    handler.fail = True
+    with pytest.raises(RuntimeError, match="closed"):
+        handler.next_rendezvous()
+    failed = served(pid, tmp_path)
+    assert failed[f"{NAME}_failures_total"] == 1 and failed[f"{NAME}_rounds_total"] == 1
+    assert set(failed) == server_side.exposed_names()
+
+
+def test_nothing_is_served_for_another_agent_or_a_torn_or_foreign_file(tmp_path):
+    assert served(os.getpid(), tmp_path) == {}, "no file yet"
+    path = server_side.rendezvous_file(os.getpid())
+    path.parent.mkdir(mode=0o700)
+    path.write_text('{"pid": 1, "rounds": 3}')
+    assert served(os.getpid(), tmp_path) == {}, "the figures of another pid"
+    path.write_text('{"pid": ')
+    assert served(os.getpid(), tmp_path) == {}, "a torn file"
+    server_side.remove_agent_file(os.getpid())
+    assert not path.exists()
+
+
+def test_a_directory_others_can_write_is_refused_and_the_agent_goes_on(tmp_path, caplog):
+    directory = agent_side.rendezvous_file(os.getpid()).parent
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)
+    handler = agent_side.count_rounds(StandInHandler())
+    handler.proceed.set()
+    assert handler.next_rendezvous() == "round info", "the agent's round is unharmed"
+    assert "rendezvous metrics: cannot write" in caplog.text
+    assert not agent_side.rendezvous_file(os.getpid()).exists()
