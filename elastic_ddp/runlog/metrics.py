@@ -1,7 +1,9 @@
 """Live Prometheus metrics of a run, fed by its events: what an operator watches while it trains.
 
 Rank 0's event log (runlog/events.py) hands every event it writes to `RunMetrics.record`, so the
-metrics say what the event log and the report say, from the one place that sees every event. With
+metrics say what the event log and the report say, from the one place that sees every event; rank
+0's peer watchdog tells `heartbeat_gap` and `peer_evicted` (wired by the training layer: the
+watchdog itself imports nothing of runlog). With
 `--metrics_port` they are written through prometheus_client's multi-process mode into the node's
 metrics directory (`open_node_metrics`), which the node's metrics server serves
 (runlog/metrics_server.py, started by runlog/metrics_node.py). The files of a worker group that ended
@@ -18,6 +20,7 @@ Not guaranteed:
   holds rank 0 drops its gauges at its next worker-group start and keeps its counters. Aggregate over
   the nodes: max() of gauges, sum() of rate() or increase() of counters.
 - A worker group that rank 0 did not see (one that failed before its first event) is not counted.
+- The restart cause is rank 0's view (runlog/metrics_causes.py says where it can be wrong).
 """
 
 from __future__ import annotations
@@ -33,13 +36,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, values
 
 from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.metrics_causes import RESTART_CAUSES, GroupEnd, restart_cause
 from elastic_ddp.runlog.metrics_node import make_private_directory
-from elastic_ddp.runlog.progress import restart_kind
 from elastic_ddp.runlog.reader import PreviousIncarnation
 
 PREFIX = "elastic_ddp"
 MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-RESTART_KINDS = ("node_lost", "node_joined", "restarted", "relaunched")
 RESTORE_SOURCES = ("file", "memory")
 
 GAUGES = {
@@ -72,14 +74,17 @@ GAUGES = {
     "snapshot_replica_nodes": "Nodes that receive a copy of each snapshot in the current worker group.",
     "last_replicated_step": "The global step of the newest snapshot that reached the replica nodes.",
     "last_replication_seconds": "How long the newest replication took.",
+    "watchdog_longest_heartbeat_gap_seconds": "The longest a live peer's heartbeat stayed unchanged, as rank 0's peer "
+                                              "watchdog saw it in the current worker group (0 at its start).",
+    "watchdog_bound_seconds": "--watchdog_timeout_s: a peer silent this long is left behind (0: the watchdog is off).",
 }
 # name: (help, the label and its values, or None)
 COUNTERS: dict[str, tuple[str, tuple[str, tuple[str, ...]] | None]] = {
     "steps_committed": ("Optimizer steps committed, steps done again after a rollback included.", None),
     "incarnations": ("Worker groups that started (one per rendezvous round that reached training).", None),
-    "restarts": (("Worker groups that followed an earlier one of the run, by what changed: node_lost, "
-                  "node_joined, restarted (the same world), relaunched (the run had finished)."),
-                 ("kind", RESTART_KINDS)),
+    "restarts": (("Worker groups that followed an earlier one of the run, by cause: worker_crash, node_lost, "
+                  "node_joined, peer_evicted (the watchdog left a silent peer behind), drain (SIGTERM), relaunched "
+                  "(the run had finished)."), ("cause", RESTART_CAUSES)),
     "restores": (("Resumes from saved state, by where it came from: memory (a survivor's copy) or file (a "
                   "snapshot)."), ("source", RESTORE_SOURCES)),
     "lost_steps": ("Committed steps rolled back by restores, in all.", None),
@@ -90,6 +95,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, tuple[str, ...]] | None]] = {
     "replication_failures": ("Snapshot copies that did not reach a replica node.", None),
     "memory_copies": ("Times rank 0 kept its last committed step in node memory as training stopped early.", None),
     "memory_copy_failures": ("Times rank 0 kept no memory copy as training stopped early.", None),
+    "watchdog_evictions": (("Times rank 0's peer watchdog found a peer (or the group's store) silent for the bound "
+                            "and stopped its worker, so that torchrun re-forms the group without the silent one."), None),
 }
 
 EventHandler = Callable[[dict[str, Any], float], None]
@@ -101,12 +108,14 @@ class RunMetrics:
 
     `snapshot_interval_steps`: the most steps between durable snapshots (None: on the overhead
     budget, where `snapshot_cadence` events tell it); `previous`: the worker group before this one,
-    as the event log tells it (None for the first).
+    as the event log tells it (None for the first), and `previous_end` how it stopped;
+    `watchdog_bound_s`: --watchdog_timeout_s.
     """
 
     def __init__(self, snapshot_interval_steps: int | None, previous: PreviousIncarnation | None = None,
-                 registry: CollectorRegistry | None = None):
-        self.previous = previous
+                 registry: CollectorRegistry | None = None, previous_end: GroupEnd | None = None,
+                 watchdog_bound_s: float = 0.0):
+        self.previous, self.previous_end = previous, previous_end
         self._first_step_seen = False
         self.gauges = {name: Gauge(f"{PREFIX}_{name}", text, registry=registry, multiprocess_mode="mostrecent")
                        for name, text in GAUGES.items()}
@@ -118,6 +127,7 @@ class RunMetrics:
             self.counters[name] = counter
         if snapshot_interval_steps is not None:
             self.gauges["snapshot_interval_steps"].set(snapshot_interval_steps)
+        self._set(watchdog_bound_seconds=watchdog_bound_s, watchdog_longest_heartbeat_gap_seconds=0)
         self._handlers: dict[str, EventHandler] = {
             schema.START.name: self._started,
             schema.RESTORE.name: self._restored,
@@ -144,15 +154,22 @@ class RunMetrics:
         if handler is not None:
             handler(fields, time)
 
+    def heartbeat_gap(self, seconds: float) -> None:
+        """Rank 0's peer watchdog saw a new longest heartbeat gap (from its thread)."""
+        self.gauges["watchdog_longest_heartbeat_gap_seconds"].set(seconds)
+
+    def peer_evicted(self) -> None:
+        """Rank 0's peer watchdog found a peer silent and stops this worker group (from its thread)."""
+        self.counters["watchdog_evictions"].inc()
+
     # ---------------------------------------------------------------------------- the handlers
 
     def _started(self, fields: dict[str, Any], now: float) -> None:
         self.counters["incarnations"].inc()
         self._set(world_size=fields["world_size"], nodes=fields["nodes"], training_finished=0)
         if self.previous is not None:
-            before = self.previous.world_size or fields["world_size"]
-            kind = restart_kind(self.previous, before, fields["world_size"]).replace(" ", "_")
-            self.counters["restarts"].labels(kind).inc()
+            cause = restart_cause(self.previous, self.previous_end, fields["world_size"])
+            self.counters["restarts"].labels(cause).inc()
 
     def _restored(self, fields: dict[str, Any], now: float) -> None:
         self._set(global_step=fields["global_step"], epoch=fields["epoch"])
@@ -203,13 +220,15 @@ class RunMetrics:
 
 
 def open_node_metrics(directory: Path, snapshot_interval_steps: int | None, previous: PreviousIncarnation | None,
-                      process_identifier: Callable[[], int] = os.getpid) -> RunMetrics:
+                      process_identifier: Callable[[], int] = os.getpid, previous_end: GroupEnd | None = None,
+                      watchdog_bound_s: float = 0.0) -> RunMetrics:
     """RunMetrics whose values go to files in `directory` (this node's metrics directory), for the
     node's metrics server. `process_identifier` names this process's files (tests stand in for
     several processes with it)."""
     make_private_directory(directory)
     with _values_in_files(directory, process_identifier):
-        return RunMetrics(snapshot_interval_steps, previous, registry=None)
+        return RunMetrics(snapshot_interval_steps, previous, registry=None, previous_end=previous_end,
+                          watchdog_bound_s=watchdog_bound_s)
 
 
 _switching = threading.Lock()

@@ -22,6 +22,7 @@ from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.metrics import COUNTERS, GAUGES, PREFIX, RunMetrics, open_node_metrics
+from elastic_ddp.runlog.metrics_agent import exposed_names as agent_series
 from elastic_ddp.runlog.metrics_node import forget_stale_gauges, metrics_directory, remove_files_of_ended_processes
 from elastic_ddp.runlog.reader import PreviousIncarnation
 
@@ -80,7 +81,8 @@ def test_labels_take_only_their_fixed_values_whatever_the_events_say():
     labelled = {family.name: {tuple(sorted(s.labels.items())) for s in family.samples}
                 for family in registry.collect() if any(s.labels for s in family.samples)}
     assert labelled == {
-        f"{PREFIX}_restarts": {(("kind", kind),) for kind in ("node_lost", "node_joined", "restarted", "relaunched")},
+        f"{PREFIX}_restarts": {(("cause", cause),) for cause in ("worker_crash", "node_lost", "node_joined",
+                                                                 "peer_evicted", "drain", "relaunched")},
         f"{PREFIX}_restores": {(("source", source),) for source in ("file", "memory")},
     }
     restore(metrics, 10, source="a source of a later version")
@@ -106,7 +108,7 @@ def test_a_first_worker_group_sets_the_training_gauges_and_counts_steps():
         == (0.75, 0.01, 1234.5)
     assert (value(registry, "eval_loss"), value(registry, "eval_accuracy_ratio")) == (0.5, 0.875)
     assert value(registry, "snapshot_interval_steps") == 24
-    assert sum(value(registry, "restarts_total", kind=k) for k in ("node_lost", "node_joined", "restarted")) == 0
+    assert sum(value(registry, "restarts_total", cause=c) for c in ("node_lost", "node_joined", "worker_crash")) == 0
     assert value(registry, "downtime_seconds_total") == 0, "a first group recovers from nothing"
 
 
@@ -118,7 +120,7 @@ def test_a_restart_counts_its_kind_its_source_what_it_lost_and_the_time_without_
     restore(metrics, 30, source="file", lost_steps=7)
     feed(metrics, schema.STEP, 1002.5, global_step=31, epoch=1)
     feed(metrics, schema.STEP, 1003.0, global_step=32, epoch=1)
-    assert value(registry, "restarts_total", kind="node_lost") == 1
+    assert value(registry, "restarts_total", cause="node_lost") == 1
     assert value(registry, "restores_total", source="file") == 1 and value(registry, "restores_total", source="memory") == 0
     assert value(registry, "last_recovery_lost_steps") == 7 and value(registry, "lost_steps_total") == 7
     assert value(registry, "last_recovery_lost_seconds") == 0.5
@@ -126,13 +128,14 @@ def test_a_restart_counts_its_kind_its_source_what_it_lost_and_the_time_without_
     assert value(registry, "downtime_seconds_total") == 12.5, "counted once, at the first step"
 
 
-@pytest.mark.parametrize("before, after, finished, kind", [
-    (2, 4, False, "node_joined"), (4, 4, False, "restarted"), (4, 4, True, "relaunched"), (None, 4, False, "restarted")])
-def test_the_restart_kind_is_the_reports(before, after, finished, kind):
+@pytest.mark.parametrize("before, after, finished, cause", [
+    (2, 4, False, "node_joined"), (4, 4, False, "worker_crash"), (4, 4, True, "relaunched"),
+    (None, 4, False, "worker_crash")])
+def test_the_restart_cause_without_a_stop_reason_follows_the_world_sizes(before, after, finished, cause):
     registry = CollectorRegistry()
     metrics = RunMetrics(24, PreviousIncarnation(before, 990.0, finished), registry=registry)
     start(metrics, world_size=after)
-    assert value(registry, "restarts_total", kind=kind) == 1
+    assert value(registry, "restarts_total", cause=cause) == 1
 
 
 def test_snapshots_replication_and_memory_copies():
@@ -215,7 +218,7 @@ def test_counters_go_on_and_gauges_keep_the_newest_value_across_worker_group_pro
     assert during_the_restart[f"{PREFIX}_global_step"] == 10 and during_the_restart[f"{PREFIX}_world_size"] == 4
     assert after[f"{PREFIX}_steps_committed_total"] == 11 and after[f"{PREFIX}_incarnations_total"] == 2
     assert after[f"{PREFIX}_global_step"] == 11 and after[f"{PREFIX}_world_size"] == 3
-    assert after[f'{PREFIX}_restarts_total{{"kind": "node_lost"}}'] == 1
+    assert after[f'{PREFIX}_restarts_total{{"cause": "node_lost"}}'] == 1
     assert after[f"{PREFIX}_last_recovery_downtime_seconds"] == 10.0
     assert oct(directory.stat().st_mode & 0o777) == "0o700"
 
@@ -272,9 +275,10 @@ METRIC_NAME = re.compile(rf"\b{PREFIX}_[a-z0-9_]+")
 
 
 def all_exposed_names() -> set[str]:
+    """The run's series (rank 0's) and the agent's (every node's, runlog/metrics_agent.py)."""
     registry = CollectorRegistry()
     RunMetrics(snapshot_interval_steps=50, registry=registry)
-    return exposed_names(registry)
+    return exposed_names(registry) | agent_series()
 
 
 def test_the_alert_rules_parse_and_name_only_metrics_that_exist():
@@ -299,6 +303,7 @@ def test_the_dashboard_parses_and_names_only_metrics_that_exist():
     assert used <= exposed, used - exposed
     shown = {name.removesuffix("_total") for name in used}
     missing = {f"{PREFIX}_{name}" for name in (*GAUGES, *COUNTERS)} - shown
+    missing |= {name.removesuffix("_total") for name in agent_series()} - shown
     assert not missing, f"metrics the dashboard does not show: {sorted(missing)}"
 
 
