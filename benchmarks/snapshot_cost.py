@@ -4,6 +4,7 @@ slowdown of a run that snapshots every 50 steps against the same run without sna
     python -m benchmarks.snapshot_cost               # 68 MB snapshots, 3 repetitions (~7 min on 2 cores)
     python -m benchmarks.snapshot_cost --quick       # CI smoke: 10 MB snapshots, 1 repetition (~40 s)
     python -m benchmarks.snapshot_cost --dir /mnt/local-ssd/bench   # where the snapshots go
+    python -m benchmarks.snapshot_cost --device cuda --hidden 3200   # on a GPU: pinned staging, ~100 MB
 
 (run from the repository root). Everything runs in this process, through `elastic_ddp.Trainer` on a
 world of one (the snapshot path is rank 0's alone): a wide MLP (`--hidden 2560`: 8.5 M parameters;
@@ -78,6 +79,7 @@ class SnapshotCostOptions:
     threads: int = 1
     directory: str | None = None  # where snapshots go; a fresh temporary directory when None
     pairs: int = 0  # segment pairs of the alternating run per repetition (0: no alternating run)
+    device: str = "cpu"  # cuda: the model on the GPU, captured through pinned staging buffers
 
     @classmethod
     def full(cls) -> SnapshotCostOptions:
@@ -190,7 +192,7 @@ def _run(options: SnapshotCostOptions, mode: str, directory: Path) -> RunResult:
     every = {"none": 0, "alternating": 2 * options.every}.get(mode, options.every)
     config = TrainingConfig(
         model="mlp", epochs=1, dataset_size=(last_step + 1) * options.batch, global_batch_size=options.batch,
-        micro_batch_size=options.batch, augment=False, checkpoint_dir=str(checkpoint_dir), device="cpu",
+        micro_batch_size=options.batch, augment=False, checkpoint_dir=str(checkpoint_dir), device=options.device,
         snapshot_every_steps=every, snapshot_async=mode != "sync", log_interval=10 * last_step,
         snapshot_replicas=0, memory_copies=False)  # the window ends by an exception, which is no failure
     torch.manual_seed(0)
@@ -326,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--pairs", type=int, help="segment pairs per repetition in the alternating run (0: none)")
+    parser.add_argument("--every", type=int, help="steps between snapshots in the async and sync runs")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="where the model trains (default cpu)")
     args = parser.parse_args(argv)
     options = SnapshotCostOptions.quick() if args.quick else SnapshotCostOptions.full()
-    for name in ("repetitions", "hidden", "steps", "threads", "pairs"):
+    for name in ("repetitions", "hidden", "steps", "threads", "pairs", "every", "device"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))
     options.directory = args.dir

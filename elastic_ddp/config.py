@@ -27,6 +27,7 @@ from elastic_ddp.config_checks import (
     IMPORT_PATH_FORM,
     check_checkpoint_dir,
     check_choice_or_import_path,
+    check_device,
     check_finite,
     check_local_location,
     check_metrics_endpoint,
@@ -165,6 +166,9 @@ class TrainingConfig:
         "heartbeats from a thread of its own, however slow its steps (docs/failure-semantics.md).",
         default=WATCHDOG_TIMEOUT_S)
     device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")
+    dist_backend: str = _help(
+        "Process-group backend: auto (nccl on CUDA, gloo on the CPU), nccl or gloo. gloo on CUDA lets several "
+        "ranks share one GPU (nccl refuses that), at gloo's speed.", default="auto")
 
     def __post_init__(self) -> None:
         self._check_workload()
@@ -202,10 +206,7 @@ class TrainingConfig:
                                  f"{MAX_TIMEOUT_S:.0f} (a week)")
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"--progress: got {self.progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device: got {self.device!r}; expected auto, cpu or cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
+        check_device(self.device, self.dist_backend, torch.cuda.is_available())
         if not (self.watchdog_timeout_s == 0 or MIN_WATCHDOG_TIMEOUT_S <= self.watchdog_timeout_s
                 < self.collective_timeout_s):
             raise ValueError(f"--watchdog_timeout_s: got {self.watchdog_timeout_s}; expected 0 (off) or at least "

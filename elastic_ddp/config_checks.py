@@ -101,3 +101,21 @@ def check_metrics_endpoint(port: int | None, addr: str, memory_dir: str) -> None
     if not memory_dir:
         raise ValueError("--memory_dir: got an empty path; expected a directory (the metrics files of "
                          "--metrics_port live there)")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def check_device(device: str, dist_backend: str, cuda_available: bool) -> None:
+    """--device and --dist_backend name known values that this machine can run together."""
+    if device not in DEVICES:
+        raise ValueError(f"--device: got {device!r}; expected auto, cpu or cuda")
+    if device == "cuda" and not cuda_available:
+        raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
+    if dist_backend not in DIST_BACKENDS:
+        raise ValueError(f"--dist_backend: got {dist_backend!r}; expected auto, nccl or gloo")
+    on_cpu = device == "cpu" or (device == "auto" and not cuda_available)
+    if dist_backend == "nccl" and on_cpu:
+        raise ValueError(f"--dist_backend: got 'nccl' with --device {device} (the CPU here); expected auto or "
+                         "gloo (nccl needs CUDA devices)")

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
     startup.mark("imports")
     start_prefetching_dynamo()  # overlaps the process group's set-up and the restore
     config = config_class.from_args(argv)
-    context = DistributedContext.from_env(config.device)
+    context = DistributedContext.from_env(config.device, config.dist_backend)
     log_prefix = configure_worker_logging(context.rank, context.world_size)
     if context.is_main and context.is_distributed:
         warn_about_launch_costs(agent_pid())  # once per start: what a failure will cost with this command

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ddp.testbed.local_cluster import LocalJob
+from tests.support.cluster import EXTRA_TRAINING_ARGS
 
 pytest_plugins = ["elastic_ddp.testbed.etcd_server", "tests.support.network"]  # etcd servers; network beds
 
@@ -35,7 +36,7 @@ def local_jobs(tmp_path):
     jobs: list[LocalJob] = []
 
     def make(training_args, name="job", **kwargs) -> LocalJob:
-        job = LocalJob(tmp_path / name, training_args, **kwargs)
+        job = LocalJob(tmp_path / name, [*training_args, *EXTRA_TRAINING_ARGS], **kwargs)
         jobs.append(job)
         return job
 

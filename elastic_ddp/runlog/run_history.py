@@ -96,6 +96,7 @@ class RunHistory:
     replication_failures: list[dict[str, Any]] = field(default_factory=list)
     memory_copies: list[dict[str, Any]] = field(default_factory=list)
     memory_copy_failures: list[dict[str, Any]] = field(default_factory=list)
+    amp_skipped_steps: list[dict[str, Any]] = field(default_factory=list)  # fp16 updates GradScaler skipped
     epochs_completed: int = 0
     other_events: dict[str, int] = field(default_factory=dict)
 
@@ -177,6 +178,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.REPLICATION_FAILED.name: _appending_to("replication_failures"),
     schema.MEMORY_COPY.name: _appending_to("memory_copies"),
     schema.MEMORY_COPY_FAILED.name: _appending_to("memory_copy_failures"),
+    schema.AMP_STEP_SKIPPED.name: _appending_to("amp_skipped_steps"),
     schema.DRAIN.name: _marking("drained"),
     schema.FINISHED.name: _marking("finished"),
 }

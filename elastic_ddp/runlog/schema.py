@@ -87,8 +87,13 @@ MEMORY_COPY_FAILED = EventKind(
 DRAIN = EventKind(
     "drain", ("global_step", "snapshot_durable", "seconds_since_signal"),
     "the group stopped on a SIGTERM after its final snapshot (a drain, or torchrun re-forming the group)")
+AMP_STEP_SKIPPED = EventKind(
+    "amp_step_skipped", ("global_step", "scale"),
+    "fp16 gradients held inf or NaN: GradScaler skipped this step's optimizer update (the step and its data still "
+    "count, as in torch's AMP) and lowered its loss scale to `scale`")
 FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is trained and the last snapshot is durable")
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT_CADENCE, SNAPSHOT, SNAPSHOT_FAILED,
-    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, MEMORY_COPY_FAILED, DRAIN, FINISHED)}
+    REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, MEMORY_COPY_FAILED, DRAIN, AMP_STEP_SKIPPED,
+    FINISHED)}

@@ -2,7 +2,7 @@
 
 `DistributedContext.from_env()` reads what torchrun exports to each worker (RANK, WORLD_SIZE, ...);
 run outside torchrun it describes a world of one. `process_group(context, timeout)` sets up gloo
-(CPU) or nccl (CUDA) and always tears it down, also when training raises. `exit_worker(code)`
+(CPU, or CUDA with several ranks per GPU) or nccl (CUDA) and always tears it down, also when training raises. `exit_worker(code)`
 ends a worker process without the interpreter's teardown, which can crash or hang in gloo.
 """
 
@@ -42,8 +42,10 @@ class DistributedContext:
     run_id: str = "local"
 
     @classmethod
-    def from_env(cls, device_preference: str = "auto") -> DistributedContext:
-        """Read torchrun's variables; `device_preference` is auto, cpu or cuda."""
+    def from_env(cls, device_preference: str = "auto", backend_preference: str = "auto") -> DistributedContext:
+        """Read torchrun's variables; `device_preference` is auto, cpu or cuda, `backend_preference`
+        auto (nccl on CUDA, gloo on the CPU), nccl or gloo. Local rank N uses GPU N: raises
+        ValueError when this node has no GPU N (more processes per node than GPUs)."""
         rank = int(os.environ.get("RANK", 0))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -51,17 +53,28 @@ class DistributedContext:
         use_cuda = device_preference == "cuda" or (device_preference == "auto" and torch.cuda.is_available())
         if use_cuda and not torch.cuda.is_available():
             raise ValueError("--device: got 'cuda'; expected auto or cpu, since CUDA is not available here")
+        if use_cuda and local_rank >= torch.cuda.device_count():
+            raise ValueError(f"--nproc_per_node: local rank {local_rank} has no GPU (this node has "
+                             f"{torch.cuda.device_count()}); expected at most one process per GPU")
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        backend = backend_preference if backend_preference != "auto" else ("nccl" if use_cuda else "gloo")
         return cls(
             rank=rank,
             local_rank=local_rank,
             world_size=world_size,
             local_world_size=local_world_size,
             device=device,
-            backend="nccl" if use_cuda else "gloo",
+            backend=backend,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         )
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where the runtime's own small collectives (votes, sizes, byte payloads) put their tensors:
+        the training device under nccl, which only moves CUDA tensors; the CPU under gloo, also when
+        training on CUDA, which spares each one a device copy and a stream sync."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     @property
     def is_distributed(self) -> bool:
@@ -94,7 +107,7 @@ def agree_on_incarnation(context: DistributedContext) -> int:
     clock in microseconds (a collective)."""
     if not context.in_process_group:
         return time.time_ns() // 1000
-    value = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=context.device)
+    value = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=context.collective_device)
     dist.broadcast(value, src=0)
     return int(value.item())
 
@@ -154,7 +167,8 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
         rank=context.rank,
         world_size=context.world_size,
         timeout=timeout,
-        device_id=context.device if context.device.type == "cuda" else None,
+        # Binds nccl's communicator to this GPU at once; gloo has no use for it.
+        device_id=context.device if context.backend == "nccl" else None,
     )
     try:
         yield

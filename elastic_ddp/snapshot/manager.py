@@ -178,7 +178,7 @@ class SnapshotSession:
         it), and every rank learns that step (one small broadcast per snapshot)."""
         next_due = self.cadence.next_due(global_step, blocked_seconds) if self.context.is_main else 0
         if self.context.in_process_group:
-            agreed = torch.tensor([next_due], dtype=torch.int64, device=self.context.device)
+            agreed = torch.tensor([next_due], dtype=torch.int64, device=self.context.collective_device)
             dist.broadcast(agreed, src=0)
             next_due = int(agreed.item())
         self.cadence.agree(next_due)

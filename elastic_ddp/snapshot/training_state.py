@@ -63,6 +63,26 @@ class ScalerState:
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         self.scaler = scaler
+        self.skipped_steps = 0  # this process's optimizer updates the scaler skipped (not saved)
+        self._optimizer_stepped = False
+        self._watched: set[int] = set()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """`scaler.step(optimizer)` then `scaler.update()`; whether the scaler skipped the update
+        (inf or NaN gradients). Adds no device sync: the scaler's step already waited for its
+        inf check, and an optimizer step post-hook (torch's public hook) tells whether it ran."""
+        if id(optimizer) not in self._watched:
+            optimizer.register_step_post_hook(self._note_optimizer_step)
+            self._watched.add(id(optimizer))
+        self._optimizer_stepped = False
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        skipped = self.scaler.is_enabled() and not self._optimizer_stepped
+        self.skipped_steps += skipped
+        return skipped
+
+    def _note_optimizer_step(self, *_: Any) -> None:
+        self._optimizer_stepped = True
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None

@@ -159,6 +159,12 @@ class RunLog:
             self.events.emit(schema.STARTUP, global_step=global_step, process_started=self.startup.process_started,
                              seconds=self.startup.marks)
 
+    def amp_step_skipped(self, global_step: int, scale: float) -> None:
+        """GradScaler skipped step `global_step`'s update and lowered its scale to `scale` (rank 0 writes it)."""
+        if self.context.is_main:
+            logger.info("step %d: fp16 gradients overflowed; update skipped, loss scale now %g", global_step, scale)
+        self.events.emit(schema.AMP_STEP_SKIPPED, global_step=global_step, scale=scale)
+
     def epoch_ended(self, epoch: int, global_step: int) -> None:
         self._report(self.window.finish())  # the epoch's last window, before its summary line
         self.progress.end_epoch()

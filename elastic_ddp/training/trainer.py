@@ -84,7 +84,7 @@ class Trainer:
                  after_step: StepHook | None = None,
                  startup: StartupTimeline | None = None):
         self.config = config
-        self.context = context or DistributedContext.from_env(config.device)
+        self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
         self.model = model.to(self.context.device)
         self.ddp_model: nn.Module = self.model
         self.state = build_training_state(self.model, len(dataset), config, self.context.device, optimizer, scheduler)
@@ -99,8 +99,9 @@ class Trainer:
             after_step, MinimumStepTime(config.min_step_time_s) if config.min_step_time_s else None) if hook]
         self.startup = startup or StartupTimeline()
         self.log_prefix = log_prefix
-        self.drain = DrainSignal(self.context.device)
+        self.drain = DrainSignal(self.context.collective_device)
         self._empty_batch: list[torch.Tensor] | None = None
+        self.amp_step_skipped = False  # whether GradScaler skipped the last committed step's update
         self.stop_guard: StopGuard | None = None  # keeps the last committed step (set during fit())
         self.run_log: RunLog | None = None  # what this fit() reports, and
         self.snapshots: SnapshotSession | None = None  # its snapshots (both set during fit())
@@ -209,10 +210,9 @@ class Trainer:
     def _commit(self, plan: StepPlan) -> bool:
         """Apply the step whole: optimizer, scaler, schedule, data position (rolled over into the
         next epoch when this step ends one) and step count. Returns whether it ended the epoch."""
-        scaler, state = self.state.grad_scaler.scaler, self.state
+        state = self.state
         with state.updating():
-            scaler.step(state.optimizer)
-            scaler.update()
+            self.amp_step_skipped = state.grad_scaler.step(state.optimizer)
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.sampler.advance(plan.global_samples)
@@ -237,6 +237,8 @@ class Trainer:
         every rank (their collectives must line up)."""
         step = self.global_step
         self.run_log.step_committed(plan, step, loss_sum, self.state.scheduler.get_last_lr()[0])
+        if self.amp_step_skipped:
+            self.run_log.amp_step_skipped(step, self.state.grad_scaler.scaler.get_scale())
         if epoch_ended:
             self.run_log.epoch_ended(plan.epoch, step)
         self.snapshots.save(self.state, epoch_ended=epoch_ended)

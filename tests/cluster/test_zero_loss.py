@@ -18,6 +18,7 @@ from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from tests.support.cluster import (
+    EXTRA_TRAINING_ARGS,
     FAULT_MODULE,
     assert_exactly_once,
     hold_settings,
@@ -46,7 +47,7 @@ def restore_after(job: LocalJob, world_size: int, after: float, timeout: float =
 def assert_same_model_as_uninterrupted(job: LocalJob, tmp_path, may_lack_a_loss: set[int]) -> None:
     """Final parameters and every step's loss as one uninterrupted process had them. A step
     committed just before a rank died may lack its loss: its reduction needed the dead rank."""
-    reference = run_reference(tmp_path / "reference", TRAINING_ARGS)
+    reference = run_reference(tmp_path / "reference", [*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])
     equivalence = compare_runs(reference, job.checkpoint_dir)
     assert set(equivalence.missing_steps) <= may_lack_a_loss, equivalence.describe()
     assert equivalence.parameter_difference <= PARAMETER_TOLERANCE, equivalence.describe()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from elastic_ddp.testbed.local_cluster import LocalJob
@@ -12,6 +13,10 @@ from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
 REPO = Path(__file__).resolve().parents[2]
 HELD_MODULE = "elastic_ddp.chaos.held_train"
 FAULT_MODULE = "tests.support.fault_switch"  # held, with a fault switch
+# Added to the training arguments of every job the `local_jobs` fixture makes, and of the
+# references they are compared with: tests/run_cuda.sh sets "--device cuda --dist_backend gloo"
+# (every node's workers on the one GPU; nccl refuses several ranks per GPU).
+EXTRA_TRAINING_ARGS = shlex.split(os.environ.get("ELASTIC_DDP_TEST_TRAINING_ARGS", ""))
 
 
 def hold_settings(hold_file: Path) -> dict:

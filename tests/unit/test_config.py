@@ -37,6 +37,9 @@ def test_cli_parses_values_and_boolean_pairs():
     ({"lr": 0.0}, "--lr: got 0.0; expected a positive number"),
     ({"collective_timeout_s": 0}, "--collective_timeout_s: got 0; expected a positive number"),
     ({"device": "tpu"}, "--device: got 'tpu'; expected auto, cpu or cuda"),
+    ({"dist_backend": "mpi"}, "--dist_backend: got 'mpi'; expected auto, nccl or gloo"),
+    ({"device": "cpu", "dist_backend": "nccl"}, "--dist_backend: got 'nccl' with --device cpu (the CPU here); "
+                                                "expected auto or gloo"),
     ({"drop_last": True, "global_batch_size": 64, "dataset_size": 10}, "--global_batch_size: got 64 with --drop_last"),
     ({"weight_decay": math.nan}, "--weight_decay: got nan; expected a finite number"),
     ({"lr": math.inf}, "--lr: got inf; expected a finite number"),

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import mmap
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,17 +47,24 @@ import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
-from elastic_ddp.snapshot.files.file_layout import file_matches
+from elastic_ddp.snapshot.files.errors import (
+    IncompatibleSnapshotError,
+    NonFiniteStateError,
+    SnapshotError,
+    SnapshotStoreError,
+)
+from elastic_ddp.snapshot.files.file_layout import FORMAT_VERSION, Seal, file_matches, format_of
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
+from elastic_ddp.snapshot.files.verified_file import map_file
 from elastic_ddp.snapshot.memory_copies import MemoryTier
-from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, snapshot_from_file
 from elastic_ddp.snapshot.training_state import Snapshot, check_finite
 
 logger = logging.getLogger(__name__)
 
 FILE, MEMORY = "file", "memory"
+Buffer = bytes | bytearray | mmap.mmap  # a snapshot file's bytes
 REASON_CHARS = 300  # of a refusal's reason in the `restore` event
 
 
@@ -68,7 +77,7 @@ class RestoredSnapshot:
     source_rank: int  # the rank that offered it (and served it to those that lacked it)
     source_host: str
     description: str  # the file it was read from, or where it came from, for messages
-    data: bytes
+    data: Buffer  # its bytes: a file mapped read-only, or what arrived from a peer
     refused: list[dict[str, Any]] = field(default_factory=list)  # newer copies any rank refused, and why
 
 
@@ -101,7 +110,7 @@ class Offer:
 @dataclass(frozen=True)
 class _Local:
     offer: Offer
-    data: bytes
+    data: Buffer  # the file's bytes: mapped, so nothing is read unless it is sent or written
     snapshot: Snapshot
     entry: ManifestEntry | None
     description: str
@@ -109,19 +118,20 @@ class _Local:
 
 def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | None = None,
                            on_skipped: Callable[[ManifestEntry, Exception], object] | None = None,
-                           ) -> tuple[ManifestEntry, bytes, Snapshot] | None:
+                           ) -> tuple[ManifestEntry, Buffer, Snapshot] | None:
     """This rank's newest snapshot file that verifies, loads safely, matches `fingerprint` and is
     finite (a file of a version that did not check may hold a diverged state); every newer one is
-    passed to `on_skipped(entry, error)`.
+    passed to `on_skipped(entry, error)`. Files are tried one at a time, newest first, and a local
+    format-2 file is verified and loaded in place: at most one loaded state is held, and no copy of
+    a file's bytes (they come back mapped).
 
     Raises IncompatibleSnapshotError (the newest refusal) when every snapshot that verified came
     from an incompatible run. Returns None when there is nothing usable otherwise.
     """
-    loaded: dict[str, Snapshot] = {}
     refusals: list[IncompatibleSnapshotError] = []
 
-    def accept(data: bytes, path: str) -> None:
-        snapshot = snapshot_from_bytes(data, path)
+    def accept(found: tuple[Buffer, Snapshot], path: str) -> None:
+        snapshot = found[1]
         if fingerprint is not None:
             try:
                 check_compatible(snapshot, fingerprint, path)
@@ -129,42 +139,98 @@ def newest_usable_snapshot(store: SnapshotStore, fingerprint: dict[str, Any] | N
                 refusals.append(exc)
                 raise
         check_finite(snapshot.states, path)
-        loaded[path] = snapshot
 
-    found = store.latest_valid(accept=accept, on_skipped=on_skipped)
+    found = store.latest_valid(accept=accept, on_skipped=on_skipped, read=lambda entry: _read_file(store, entry))
     if found is None:
         if refusals:
             raise refusals[0]
         return None
-    entry, data = found
-    return entry, data, loaded[store.describe(entry.file)]
+    entry, (data, snapshot) = found
+    return entry, data, snapshot
+
+
+def _read_file(store: SnapshotStore, entry: ManifestEntry) -> tuple[Buffer, Snapshot]:
+    """The bytes (mapped) and the loaded snapshot of `entry`'s file once it matches its entry's size
+    and checksum; SnapshotStoreError or SnapshotError otherwise. A remote file, or one of format 1,
+    is read whole (`read_verified`)."""
+    where = store.describe(entry.file)
+    directory = store.storage.local_directory
+    if directory is None or format_of(store.storage.read_range(entry.file, 0, 8)) != FORMAT_VERSION:
+        data = store.read_verified(entry)
+        return data, snapshot_from_bytes(data, where)
+
+    def matches_entry(seal: Seal) -> None:
+        if (seal.size_bytes, seal.checksum) != (entry.size_bytes, entry.checksum):
+            raise SnapshotStoreError(f"{where}: {seal.size_bytes} bytes of checksum {seal.checksum[:20]}..., the "
+                                     f"index says {entry.size_bytes} bytes of {entry.checksum[:20]}...")
+
+    try:
+        snapshot, _ = snapshot_from_file(directory / entry.file, where, matches_entry)
+        return map_file(directory / entry.file), snapshot
+    except OSError as exc:
+        raise SnapshotStoreError(f"{where}: cannot be read ({exc.strerror or exc})") from exc
+
+
+def _file_rank(store: SnapshotStore) -> tuple[float, float, int]:
+    """The best rank a snapshot file of this rank can have, from the manifest and the newest file's
+    header alone (unknown parts count as unbeatable, so that the files are tried)."""
+    entries = store.manifest_entries()
+    if not entries:
+        return math.inf, math.inf, 0
+    try:
+        incarnation: float = store.read_seal(entries[-1].file).header.incarnation
+    except (OSError, SnapshotError):
+        incarnation = math.inf
+    return entries[-1].global_step, incarnation, 0
 
 
 def _local_candidates(store: SnapshotStore, memory: MemoryTier | None,
                       fingerprint: dict[str, Any] | None,
-                      ) -> tuple[list[_Local], str, tuple[tuple[str, int, str], ...]]:
-    """What this rank itself can restore from, why it found only incompatible snapshots, and the
-    newer copies it refused (source, step, reason)."""
+                      ) -> tuple[_Local | None, str, tuple[tuple[str, int, str], ...]]:
+    """The best state this rank itself can restore from, why it found only incompatible snapshots,
+    and the newer copies it refused (source, step, reason).
+
+    The two sources are ranked by what their files say about themselves (names, manifest, header)
+    before anything is loaded; the better one is loaded first, and the other only if it may still
+    beat what that gave (its newest was refused, or it is newer): so a rank holds one loaded state
+    in the common case, two at most, and never their bytes beside them."""
     host = socket.gethostname()
-    candidates, refusal, refused = [], "", []
-    try:
-        found = newest_usable_snapshot(
-            store, fingerprint, lambda entry, exc: refused.append((FILE, entry.global_step, refusal_reason(exc))))
-    except IncompatibleSnapshotError as exc:
-        found, refusal = None, str(exc)
-    if found is not None:
+    refusal, refused = "", []
+
+    def from_files() -> _Local | None:
+        nonlocal refusal
+        try:
+            found = newest_usable_snapshot(
+                store, fingerprint, lambda entry, exc: refused.append((FILE, entry.global_step, refusal_reason(exc))))
+        except IncompatibleSnapshotError as exc:
+            refusal = str(exc)
+            return None
+        if found is None:
+            return None
         entry, data, snapshot = found
-        candidates.append(_Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host,
-                                       incarnation=snapshot.incarnation), data, snapshot, entry,
-                                 store.describe(entry.file)))
-    copy = None
-    if memory is not None:
+        return _Local(Offer(entry.global_step, FILE, entry.checksum, entry.size_bytes, host,
+                            incarnation=snapshot.incarnation), data, snapshot, entry, store.describe(entry.file))
+
+    def from_memory() -> _Local | None:
         copy = memory.newest(on_refused=lambda step, exc: refused.append((MEMORY, step, refusal_reason(exc))))
-    if copy is not None:
-        candidates.append(_Local(Offer(copy.global_step, MEMORY, copy.checksum, len(copy.data), host,
-                                       incarnation=copy.incarnation), copy.data, copy.snapshot, None,
-                                 f"memory copy {copy.path}"))
-    return candidates, refusal, tuple(refused)
+        if copy is None:
+            return None
+        return _Local(Offer(copy.global_step, MEMORY, copy.checksum, copy.size_bytes, host,
+                            incarnation=copy.incarnation), map_file(copy.path), copy.snapshot, None,
+                      f"memory copy {copy.path}")
+
+    listed = memory.newest_listed() if memory is not None else None
+    sources = [(_file_rank(store), from_files)]
+    if listed is not None:
+        sources.append(((*listed, 1), from_memory))
+    best = None
+    for rank, load in sorted(sources, key=lambda source: source[0], reverse=True):
+        if best is not None and rank <= best.offer.rank:
+            continue  # cannot beat what this rank holds already: not even read
+        candidate = load()
+        if candidate is not None and (best is None or candidate.offer.rank > best.offer.rank):
+            best = candidate
+    return best, refusal, tuple(refused)
 
 
 def refusal_reason(exc: Exception) -> str:
@@ -190,8 +256,7 @@ def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
                              fingerprint: dict[str, Any] | None = None,
                              memory: MemoryTier | None = None) -> RestoredSnapshot | None:
     """The state every rank restores, or None when no rank has one. Collective over the group."""
-    candidates, refusal, refused = _local_candidates(store, memory, fingerprint)
-    local = max(candidates, key=lambda candidate: candidate.offer.rank, default=None)
+    local, refusal, refused = _local_candidates(store, memory, fingerprint)
     mine = local.offer if local is not None else Offer(-1, "", "", 0, host=socket.gethostname(), refusal=refusal)
     mine = dataclasses.replace(mine, refused=refused)
     offers = _exchange(mine, context)
@@ -231,11 +296,11 @@ def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:
     return offers
 
 
-def _share(data: bytes | None, source_rank: int, offer: Offer, context: DistributedContext,
-           holders: list[bool]) -> bytes:
+def _share(data: Buffer | None, source_rank: int, offer: Offer, context: DistributedContext,
+           holders: list[bool]) -> Buffer:
     """The bytes of `source_rank`'s state on every rank that lacks it, checked against the offer's
     checksum (collective over the default group: every rank takes part, holders drop what arrives)."""
-    transport = ProcessGroupTransport(device=context.device)
+    transport = ProcessGroupTransport(device=context.collective_device)
     if context.rank == source_rank:
         accepted = transport.send(source_rank, {"global_step": offer.step, "checksum": offer.checksum}, data)
         refused = [rank for rank, took in enumerate(accepted) if not took and not holders[rank]]

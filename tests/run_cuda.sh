@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The CUDA checks, on a machine with a GPU (CI has none; every test in tests/cuda skips there):
+#
+#   bash tests/run_cuda.sh                   # unit suite + tests/cuda, then cluster tests with every
+#                                            # node's workers on the GPU (gloo: several ranks per GPU)
+#   bash tests/run_cuda.sh tests/cuda        # only these (any pytest arguments)
+#   PYTHON=python3 bash tests/run_cuda.sh    # an interpreter that already has a CUDA torch and the
+#                                            # test extra; otherwise .venv is set up by launch/setup.sh
+#                                            # (install your CUDA torch build into .venv first)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+    bash "$repo/launch/setup.sh"
+    PYTHON="$repo/.venv/bin/python"
+fi
+cd "$repo"
+"$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
+    f'tests/run_cuda.sh: torch {torch.__version__} sees no CUDA GPU here; expected a GPU machine')"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [[ $# -gt 0 ]]; then
+    exec "$PYTHON" -m pytest -p no:cacheprovider -ra "$@"
+fi
+"$PYTHON" -m pytest -p no:cacheprovider -ra tests/unit tests/cuda
+# Nodes on 127.0.0.1 sharing the one GPU: kills, a join, a frozen node, zero loss.
+ELASTIC_DDP_TEST_TRAINING_ARGS="--device cuda --dist_backend gloo" "$PYTHON" -m pytest -p no:cacheprovider -ra \
+    "tests/cluster/test_elastic.py::test_a_killed_node_leaves_the_job_finishing_on_the_rest" \
+    "tests/cluster/test_elastic.py::test_a_node_added_mid_run_grows_the_world" \
+    "tests/cluster/test_frozen_peers.py::test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind" \
+    "tests/cluster/test_zero_loss.py::test_a_lost_node_and_a_joining_one_cost_no_committed_step"
