@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -68,8 +69,8 @@ from elastic_ddp.runtime.procfs import process_is_alive
 from elastic_ddp.snapshot import memory_directory
 from elastic_ddp.snapshot.files.backends import StorageBackend
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
-from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, format_of, read_seal, verify
-from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_bytes, write_snapshot
+from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, Seal, read_seal
+from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_file, write_snapshot
 from elastic_ddp.snapshot.training_state import Snapshot, check_finite
 
 logger = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ class MemoryCopy:
     global_step: int
     incarnation: int  # the incarnation that committed the step (see the module docstring)
     checksum: str
-    data: bytes
-    snapshot: Snapshot
+    size_bytes: int
+    snapshot: Snapshot  # loaded from the file: the copy's bytes are not held (`verified_file.map_file`)
 
 
 @dataclass(frozen=True)
@@ -305,16 +306,9 @@ class MemoryTier:
             return None
         self._remove_abandoned_temporaries()
         for path, step, incarnation in self._files():
-            try:
-                data = path.read_bytes()
-                if format_of(data[:8]) != 2 or len(data) < TRAILER_BYTES:
-                    raise SnapshotError(f"{path}: not a whole memory copy")
-                seal = verify(data, str(path))  # whole, and matches its own checksum
-                if (seal.header.global_step, seal.header.incarnation) != (step, incarnation or seal.header.incarnation):
-                    raise SnapshotError(f"{path}: its header says step {seal.header.global_step} of incarnation "
-                                        f"{seal.header.incarnation}")
-                self._check_scope(seal.header.fingerprint, path)
-                snapshot = snapshot_from_bytes(data, str(path))
+            try:  # verified, then its header checked, and only then its payload loaded
+                snapshot, seal = snapshot_from_file(path, str(path), functools.partial(
+                    self._check_header, path=path, step=step, incarnation=incarnation))
                 check_compatible(snapshot, {key: value for key, value in self.fingerprint.items()
                                             if key != SCOPE_KEY}, str(path))
                 check_finite(snapshot.states, str(path))  # a copy kept by a version that did not check
@@ -329,11 +323,19 @@ class MemoryTier:
                 if on_refused is not None:
                     on_refused(step, exc if isinstance(exc, SnapshotError) else SnapshotError(f"{path}: {exc}"))
                 continue
-            return MemoryCopy(path, step, seal.header.incarnation, seal.checksum, data, snapshot)
+            return MemoryCopy(path, step, seal.header.incarnation, seal.checksum, seal.size_bytes, snapshot)
         return None
 
-    def _check_scope(self, fingerprint: dict[str, Any], path: Path) -> None:
-        if fingerprint.get(SCOPE_KEY) != self.fingerprint[SCOPE_KEY]:
+    def newest_listed(self) -> tuple[int, int] | None:
+        """(step, incarnation) of the newest copy by its name alone: what `newest` returns at best."""
+        files = self._files()
+        return (files[0][1], files[0][2]) if files else None
+
+    def _check_header(self, seal: Seal, path: Path, step: int, incarnation: int) -> None:
+        header = seal.header
+        if (header.global_step, header.incarnation) != (step, incarnation or header.incarnation):
+            raise SnapshotError(f"{path}: its header says step {header.global_step} of incarnation {header.incarnation}")
+        if header.fingerprint.get(SCOPE_KEY) != self.fingerprint[SCOPE_KEY]:
             raise StaleCopyError(f"{path} is stale: it is from an earlier run whose checkpoint directory has since "
                                  "been created anew or emptied")
 

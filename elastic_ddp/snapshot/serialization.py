@@ -12,12 +12,16 @@ checksum of its own: a format-1 file is trusted only with its manifest entry's s
 (`SnapshotStore.read_verified` checks it). Both load; only format 2 is written.
 
 Reading never runs code from a file: the payload goes through `torch.load(weights_only=True)`,
-and every field is type-checked before use.
+and every field is type-checked before use. It holds no copy besides the loaded state: a file is
+verified and loaded in place (`snapshot_from_file`), bytes in memory are read through a window
+(`files.verified_file`), and neither holds the GIL for long.
 """
 
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
@@ -33,6 +37,7 @@ from elastic_ddp.snapshot.files.file_layout import (
     verify,
     write_framed,
 )
+from elastic_ddp.snapshot.files.verified_file import BufferWindow, FileWindow, verify_file
 from elastic_ddp.snapshot.training_state import Snapshot
 
 # Format 1: the components stored under their own name at the top level of the dict.
@@ -58,13 +63,14 @@ def snapshot_to_bytes(snapshot: Snapshot, algorithm: str = DEFAULT_ALGORITHM) ->
     return buffer.getvalue()
 
 
-def snapshot_from_bytes(data: bytes, source: str) -> Snapshot:
+def snapshot_from_bytes(data: bytes | bytearray | memoryview, source: str) -> Snapshot:
     """Deserialise safely; SnapshotError naming `source` for anything but a valid snapshot.
 
     A format-2 file is verified against its own checksum first. A format-1 file has none: the
     caller must have checked it against its manifest entry (`SnapshotStore.read_verified` does).
+    `data` is read in place (any bytes-like object, a mapped file included), not copied.
     """
-    version = format_of(data[:8])
+    version = format_of(bytes(data[:8]))
     if version == FORMAT_VERSION:
         seal = verify(data, source)
         payload = _load(memoryview(data)[seal.payload_start:len(data) - TRAILER_BYTES], source)
@@ -74,9 +80,30 @@ def snapshot_from_bytes(data: bytes, source: str) -> Snapshot:
     raise SnapshotError(f"{source}: not an elastic_ddp snapshot (neither format 1 nor {FORMAT_VERSION})")
 
 
-def _load(data: bytes | memoryview, source: str) -> Any:
+def snapshot_from_file(path: str | os.PathLike, source: str, check_seal: Callable[[Seal], None] | None = None,
+                       ) -> tuple[Snapshot, Seal]:
+    """The format-2 file at `path`, verified and loaded in place, and its seal.
+
+    Its checksum is streamed over the file (no copy held); `check_seal(seal)` may then refuse it by
+    its header and sizes (raise) before any of its payload is loaded; the payload is loaded from
+    the same open file. SnapshotError naming `source` for anything but a valid snapshot; OSError
+    when the file cannot be read.
+    """
+    with open(path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if format_of(handle.read(8)) != FORMAT_VERSION:
+            raise SnapshotError(f"{source}: not a self-describing (format {FORMAT_VERSION}) snapshot")
+        seal = verify_file(handle.fileno(), size, source)
+        if check_seal is not None:
+            check_seal(seal)
+        payload = _load(FileWindow(handle.fileno(), seal.payload_start, seal.payload_bytes), source)
+    return _from_v2(seal.header, payload, source), seal
+
+
+def _load(data: bytes | bytearray | memoryview | FileWindow, source: str) -> Any:
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        window = data if isinstance(data, FileWindow) else BufferWindow(data)
+        return torch.load(window, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or damaged pickles
         raise SnapshotError(f"{source}: cannot be loaded safely with weights_only=True ({exc})") from exc
 

@@ -78,7 +78,7 @@ class FrameLimits:
 @dataclass(frozen=True)
 class Frame:
     header: dict[str, Any]
-    payload: bytes
+    payload: bytearray
 
 
 def parse_header(raw: bytes) -> dict[str, Any]:
@@ -143,13 +143,16 @@ class ProcessGroupTransport:
         if refusal is not None:
             self._let_pass(header_bytes, payload_bytes, source_rank)
             raise FrameRefused(str(refusal), others_accepted=True) from refusal
-        raw_header = self._receive_bytes(header_bytes, source_rank)
+        raw_header = bytearray(header_bytes)
+        self._receive_into(raw_header, source_rank)
+        # Received in place, chunk by chunk: no second copy of the payload (a copy of a few GB
+        # would also hold the GIL for seconds, starving the peer watchdog's heartbeat).
         payload = bytearray(payload_bytes)
+        view = memoryview(payload)
         for start in range(0, payload_bytes, self.chunk_bytes):
-            chunk = self._receive_bytes(min(self.chunk_bytes, payload_bytes - start), source_rank)
-            payload[start:start + len(chunk)] = chunk
+            self._receive_into(view[start:start + self.chunk_bytes], source_rank)
         # Parsed only once every byte of the frame has arrived: the group stays in step either way.
-        return Frame(parse_header(raw_header), bytes(payload))
+        return Frame(parse_header(bytes(raw_header)), payload)
 
     def _let_pass(self, header_bytes: int, payload_bytes: int, source_rank: int) -> None:
         """Take part in a refused frame's broadcasts without keeping its bytes (one scratch chunk)."""
@@ -170,10 +173,14 @@ class ProcessGroupTransport:
     def _to_tensor(self, data: bytes | memoryview) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
 
-    def _receive_bytes(self, size: int, source_rank: int) -> bytes:
-        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+    def _receive_into(self, target: bytearray | memoryview, source_rank: int) -> None:
+        landing = torch.frombuffer(target, dtype=torch.uint8)
+        if self.device.type == "cpu":
+            self._broadcast(landing, source_rank)
+            return
+        buffer = torch.empty(len(landing), dtype=torch.uint8, device=self.device)
         self._broadcast(buffer, source_rank)
-        return buffer.cpu().numpy().tobytes()
+        landing.copy_(buffer.cpu())
 
     def _broadcast(self, tensor: torch.Tensor, source_rank: int) -> None:
         self._wait(dist.broadcast(tensor, src=source_rank, group=self.group, async_op=True))

@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
@@ -170,10 +170,13 @@ class SnapshotStore:
                                   f"{entry.checksum[:20]}... (corrupt)")
         return data
 
-    def latest_valid(self, accept: Callable[[bytes, str], object] | None = None,
+    def latest_valid(self, accept: Callable[[Any, str], object] | None = None,
                      on_skipped: Callable[[ManifestEntry, Exception], object] | None = None,
-                     ) -> tuple[ManifestEntry, bytes] | None:
+                     read: Callable[[ManifestEntry], Any] | None = None) -> tuple[ManifestEntry, Any] | None:
         """The newest snapshot whose file verifies, with its bytes; None if there is none.
+
+        `read(entry)` replaces `read_verified` (the bytes): it must verify the file as that does
+        and may return something else than its bytes (the snapshot loaded from the file in place).
 
         `accept(data, path)` may check the content further and raise to reject it (for instance a
         file that does not load with weights_only=True). Every newer entry that fails is skipped
@@ -182,7 +185,7 @@ class SnapshotStore:
         self-describing files are tried.
         """
         listed = read_manifest(self.storage)
-        found = self._newest_verified(listed.entries, accept, on_skipped)
+        found = self._newest_verified(listed.entries, accept, on_skipped, read or self.read_verified)
         if found is not None:
             return found
         tried = {(entry.file, entry.checksum, entry.size_bytes) for entry in listed.entries}
@@ -193,14 +196,14 @@ class SnapshotStore:
                "there is no manifest" if listed.manifest_readable else "the manifest is unusable")
         logger.warning("%s: %s; trying the %d self-describing snapshot file(s) found instead", self.describe(),
                        why, len(unlisted))
-        return self._newest_verified(unlisted, accept, on_skipped)
+        return self._newest_verified(unlisted, accept, on_skipped, read or self.read_verified)
 
-    def _newest_verified(self, entries: list[ManifestEntry], accept: Callable[[bytes, str], object] | None,
+    def _newest_verified(self, entries: list[ManifestEntry], accept: Callable[[Any, str], object] | None,
                          on_skipped: Callable[[ManifestEntry, Exception], object] | None,
-                         ) -> tuple[ManifestEntry, bytes] | None:
+                         read: Callable[[ManifestEntry], Any]) -> tuple[ManifestEntry, Any] | None:
         for entry in reversed(entries):
             try:
-                data = self.read_verified(entry)
+                data = read(entry)
                 if accept is not None:
                     accept(data, self.describe(entry.file))
                 return entry, data
