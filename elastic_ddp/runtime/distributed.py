@@ -44,20 +44,24 @@ class DistributedContext:
     @classmethod
     def from_env(cls, device_preference: str = "auto", backend_preference: str = "auto") -> DistributedContext:
         """Read torchrun's variables; `device_preference` is auto, cpu or cuda, `backend_preference`
-        auto (nccl on CUDA, gloo on the CPU), nccl or gloo. Local rank N uses GPU N: raises
-        ValueError when this node has no GPU N (more processes per node than GPUs)."""
-        rank = int(os.environ.get("RANK", 0))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        auto (nccl on CUDA, gloo on the CPU), nccl or gloo. Under nccl local rank N uses GPU N and
+        a local rank without a GPU is a ValueError (nccl refuses two ranks on one GPU); under gloo
+        the node's ranks share its GPUs round-robin (local rank N on GPU N mod the GPU count)."""
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         use_cuda = device_preference == "cuda" or (device_preference == "auto" and torch.cuda.is_available())
         if use_cuda and not torch.cuda.is_available():
             raise ValueError("--device: got 'cuda'; expected auto or cpu, since CUDA is not available here")
-        if use_cuda and local_rank >= torch.cuda.device_count():
-            raise ValueError(f"--nproc_per_node: local rank {local_rank} has no GPU (this node has "
-                             f"{torch.cuda.device_count()}); expected at most one process per GPU")
-        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         backend = backend_preference if backend_preference != "auto" else ("nccl" if use_cuda else "gloo")
+        device = torch.device("cpu")
+        if use_cuda:
+            gpus = torch.cuda.device_count()
+            if backend == "nccl" and local_rank >= gpus:
+                raise ValueError(f"--nproc_per_node: local rank {local_rank} has no GPU of its own (this node has "
+                                 f"{gpus}); expected at most one process per GPU under nccl, or --dist_backend gloo")
+            device = torch.device("cuda", local_rank % gpus)
         return cls(
             rank=rank,
             local_rank=local_rank,
@@ -65,7 +69,7 @@ class DistributedContext:
             local_world_size=local_world_size,
             device=device,
             backend=backend,
-            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         )
 

@@ -18,15 +18,18 @@ from elastic_ddp.workload.sampler import ElasticSampler
 from tests.support.training import make_trainer, small_config
 
 
-def test_local_rank_n_trains_on_gpu_n_and_a_rank_without_a_gpu_is_refused(monkeypatch):
+def test_local_rank_n_trains_on_gpu_n_and_gloo_lets_ranks_share_a_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     context = DistributedContext.from_env("cuda")
     assert context.device == torch.device("cuda", 0) and context.backend == "nccl"
     assert context.collective_device == context.device
-    shared = DistributedContext.from_env("cuda", "gloo")  # several ranks on one GPU
-    assert shared.backend == "gloo" and shared.collective_device == torch.device("cpu")
-    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
-    with pytest.raises(ValueError, match=r"^--nproc_per_node: local rank \d+ has no GPU \(this node has \d+\)"):
+    gpus = torch.cuda.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(gpus))  # one rank more than this node has GPUs
+    shared = DistributedContext.from_env("cuda", "gloo")
+    assert shared.backend == "gloo" and shared.device == torch.device("cuda", 0)
+    assert shared.collective_device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^--nproc_per_node: local rank \d+ has no GPU of its own \(this node has "
+                                         r"\d+\); expected at most one process per GPU under nccl, or --dist_backend gloo$"):
         DistributedContext.from_env("cuda")
 
 
