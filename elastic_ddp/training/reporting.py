@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import AuditLog
-from elastic_ddp.runlog.events import EventLog, EventSink, default_event_log
+from elastic_ddp.runlog.events import EventLog, default_event_log
 from elastic_ddp.runlog.metrics_node import metrics_directory
 from elastic_ddp.runlog.progress import ProgressReporter, source_text
 from elastic_ddp.runlog.reader import next_round, previous_incarnation, work_lost
@@ -37,6 +37,9 @@ from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot
 from elastic_ddp.training.evaluation import EvalResult
 from elastic_ddp.training.loss_window import LossWindow, WindowReport
 from elastic_ddp.workload.sampler import StepPlan
+
+if TYPE_CHECKING:
+    from elastic_ddp.runlog.metrics import RunMetrics  # prometheus_client: only with --metrics_port
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,9 @@ class RunLog:
         self.startup = startup
         self.log_prefix = log_prefix
         event_log = config.event_log or default_event_log(config.checkpoint_dir)
+        self.metrics = live_metrics(config, context, event_log, incarnation, steps_per_epoch)
         self.events = EventLog(event_log, incarnation, enabled=context.is_main,
-                               sink=live_metrics(config, context, event_log, incarnation, steps_per_epoch))
+                               sink=self.metrics.record if self.metrics is not None else None)
         self.audit = (AuditLog(config.audit_log, incarnation, context.rank, context.world_size)
                       if config.audit_log else None)
         self.progress = ProgressReporter(config.progress, config.epochs, steps_per_epoch, enabled=context.is_main)
@@ -124,6 +128,16 @@ class RunLog:
                 if rank != self.context.rank:
                     self.audit.record_step_for(rank, last_plan.epoch, global_step,
                                                last_plan.samples_of(rank, world_size))
+
+    def heartbeat_gap(self, seconds: float) -> None:
+        """The peer watchdog saw a new longest heartbeat gap (from its thread; live metrics on rank 0)."""
+        if self.metrics is not None:
+            self.metrics.heartbeat_gap(seconds)
+
+    def peer_evicted(self) -> None:
+        """The peer watchdog found a peer silent and stops this worker (from its thread)."""
+        if self.metrics is not None:
+            self.metrics.peer_evicted()
 
     def close(self) -> None:
         for close in (self.audit.close if self.audit else None, self.progress.close,
@@ -211,14 +225,17 @@ class RunLog:
 
 
 def live_metrics(config: TrainingConfig, context: DistributedContext, event_log: Path, incarnation: int,
-                 steps_per_epoch: int) -> EventSink | None:
-    """On rank 0 with --metrics_port: what feeds its node's metrics endpoint every event (runlog/metrics.py)."""
+                 steps_per_epoch: int) -> RunMetrics | None:
+    """On rank 0 with --metrics_port: what feeds its node's metrics endpoint (runlog/metrics.py), told
+    every event and the peer watchdog's figures."""
     if config.metrics_port is None or not context.is_main:
         return None
     from elastic_ddp.runlog.metrics import open_node_metrics  # prometheus_client: only with --metrics_port
+    from elastic_ddp.runlog.metrics_causes import how_it_ended
 
     every = config.snapshot_every_steps  # None: on the overhead budget, told by snapshot_cadence events
     interval = None if every is None else min(every, steps_per_epoch) if every else steps_per_epoch
-    metrics = open_node_metrics(metrics_directory(config.memory_dir, context.run_id, config.checkpoint_dir),
-                                interval, previous_incarnation(event_log, incarnation))
-    return metrics.record
+    return open_node_metrics(metrics_directory(config.memory_dir, context.run_id, config.checkpoint_dir),
+                             interval, previous_incarnation(event_log, incarnation),
+                             previous_end=how_it_ended(event_log, incarnation),
+                             watchdog_bound_s=config.watchdog_timeout_s if context.in_process_group else 0)

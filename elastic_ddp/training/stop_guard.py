@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from elastic_ddp.runlog.metrics_causes import WATCHDOG_REASON
 from elastic_ddp.runtime.distributed import DistributedContext, end_worker_now
 from elastic_ddp.runtime.drain import DrainRequested, DrainSignal
 from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
@@ -117,7 +118,7 @@ class StopGuard:
             yield
             return
         watchdog = PeerWatchdog(self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
-                                on_silent=self._stop_for_silent_peer).start()
+                                on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap).start()
         try:
             yield
         except DrainRequested:
@@ -132,7 +133,8 @@ class StopGuard:
         """From the watchdog's thread: keep the last committed step if it can be had without waiting
         on the training thread, then end the process (that thread may be blocked in a collective
         that never returns, inside a commit: then nothing is kept, and that is logged and emitted)."""
-        self.keep(f"peer watchdog: {reason}", commit_wait_s=COMMIT_WAIT_S)
+        self.run_log.peer_evicted()
+        self.keep(f"{WATCHDOG_REASON}: {reason}", commit_wait_s=COMMIT_WAIT_S)
         # The event log batches step lines, and the process ends without closing it.
         self.run_log.events.flush(timeout_s=COMMIT_WAIT_S)
         end_worker_now(SILENT_PEER_EXIT_CODE)

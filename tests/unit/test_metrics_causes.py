@@ -1,16 +1,21 @@
 """The restart cause label (runlog/metrics_causes.py), read from a real event log, and the peer
-watchdog's figures in the live metrics (runlog/metrics.py: `heartbeat_gap`, `peer_evicted`)."""
+watchdog's figures in the live metrics (runlog/metrics.py: `heartbeat_gap`, `peer_evicted`), also
+as an in-process trainer feeds them (the stop guard and RunLog wire them)."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.metrics import PREFIX, RunMetrics
 from elastic_ddp.runlog.metrics_causes import RESTART_CAUSES, GroupEnd, how_it_ended, restart_cause
+from elastic_ddp.runlog.metrics_node import metrics_directory
 from elastic_ddp.runlog.reader import PreviousIncarnation, previous_incarnation
+from elastic_ddp.training import stop_guard
+from tests.support.training import Crash, make_trainer, silent_peer_at, small_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,3 +90,21 @@ def test_the_watchdog_figures_reset_with_each_group_and_evictions_count():
     RunMetrics(24, registry=(after := CollectorRegistry()), watchdog_bound_s=0)
     assert after.get_sample_value(f"{PREFIX}_watchdog_longest_heartbeat_gap_seconds") == 0
     assert after.get_sample_value(f"{PREFIX}_watchdog_bound_seconds") == 0, "0: the watchdog is off"
+
+
+def test_a_trainer_whose_watchdog_stopped_it_counts_an_eviction_and_the_next_group_a_peer_evicted_restart(
+        tmp_path, monkeypatch):
+    """The wiring, in one process standing for rank 0 of two worker groups: the stop guard tells the
+    live metrics of the eviction, and the next group reads the cause from the event log."""
+    config = small_config(tmp_path, snapshot_every_steps=0, metrics_port=0)
+    monkeypatch.setattr(stop_guard, "end_worker_now", lambda code: None)  # instead of os._exit
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=silent_peer_at(3)).fit()
+    make_trainer(config).fit()
+    directory = metrics_directory(config.memory_dir, "local", config.checkpoint_dir)
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in MultiProcessCollector.merge([str(p) for p in directory.glob("*.db")])
+               for s in family.samples}
+    assert samples[(f"{PREFIX}_watchdog_evictions_total", ())] == 1
+    assert samples[(f"{PREFIX}_restarts_total", (("cause", "peer_evicted"),))] == 1
+    assert samples[(f"{PREFIX}_incarnations_total", ())] == 2
