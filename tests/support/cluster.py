@@ -25,7 +25,10 @@ def hold_settings(hold_file: Path) -> dict:
     The file is created now; while it exists every step sleeps (elastic_ddp/chaos/held_train.py)."""
     hold_file.parent.mkdir(parents=True, exist_ok=True)
     hold_file.touch()
-    return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": str(REPO)}}
+    # The repository first, then what the caller's environment had (a GPU machine's packages may
+    # only be on PYTHONPATH: replacing it left the nodes without blake3, seen on an H200).
+    pythonpath = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": pythonpath}}
 
 
 def pause_at(hold_file: Path, step: int) -> None:
