@@ -4,7 +4,8 @@ down and re-formed, its counters go on across incarnations, and it ends with its
 The first test drives the metrics server process alone (runlog/metrics_node.py starts it); the second
 runs `python -m elastic_ddp.train` with a port in use; the third is a job of real torchrun agents on
 127.0.0.1 that loses a worker, then a node, and gains one, while the test scrapes rank 0's node and
-parses what it gets with prometheus_client's parser.
+parses what it gets with prometheus_client's parser: the restart causes, the watchdog's figures, and
+each node's own agent's rendezvous rounds (runlog/metrics_agent.py).
 """
 
 from __future__ import annotations
@@ -177,12 +178,16 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     watch = Watch(endpoint_of(job, host).url)
     other_endpoint = endpoint_of(job, other)
     assert other_endpoint.url != watch.url, "every node serves its own endpoint"
-    assert f"{P}global_step" not in scrape(other_endpoint.url), "rank 0's node alone has the run's gauges"
+    other_values = scrape(other_endpoint.url)
+    assert f"{P}global_step" not in other_values, "rank 0's node alone has the run's gauges"
+    assert other_values[f"{P}agent_rendezvous_rounds_total"] >= 1, "every node serves its own agent's rounds"
     groups = len(job.events("start"))
     before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 15 and v.get(f"{P}world_size") == 2, 120,
                          "step 15 in the world of 2 on the endpoint", job)
     before_at = watch.scrapes[-1][0]
     assert before[f"{P}incarnations_total"] == groups
+    assert before[f"{P}agent_rendezvous_rounds_total"] >= 1 and before[f"{P}agent_rendezvous_in_progress"] == 0
+    assert before[f"{P}agent_rendezvous_seconds_total"] > 0 and before[f"{P}watchdog_bound_seconds"] == 3
 
     def grew(values: dict[str, float], name: str) -> float:
         return values.get(name, 0.0) - before.get(name, 0.0)
@@ -195,7 +200,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     during = [values for at, values in watch.scrapes if killed_at < at < start_time(job, groups + 1)]
     assert during, "a scrape while the group re-formed"
     assert all(values[f"{P}global_step"] >= before[f"{P}global_step"] for values in during), "the last values stay"
-    assert grew(restarted, f'{P}restarts_total{{kind="restarted"}}') == 1
+    assert grew(restarted, f'{P}restarts_total{{cause="worker_crash"}}') == 1
     assert grew(restarted, f'{P}restores_total{{source="memory"}}') == 1
     assert grew(restarted, f"{P}lost_steps_total") == 0 and restarted[f"{P}last_recovery_lost_steps"] == 0
     assert 0 < restarted[f"{P}last_recovery_downtime_seconds"] == grew(restarted, f"{P}downtime_seconds_total")
@@ -206,7 +211,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
              "the lost node's metrics server's end")
     shrunk = watch.until(new_group(1, groups + 2, restarted[f"{P}downtime_seconds_total"]), 120,
                          "training in the smaller world", job)
-    assert grew(shrunk, f'{P}restarts_total{{kind="node_lost"}}') == 1
+    assert grew(shrunk, f'{P}restarts_total{{cause="node_lost"}}') == 1
 
     # 3. A node joins (the job waits for it a few steps on): the world goes back up.
     pause_at(hold, int(shrunk[f"{P}global_step"]) + 3)
@@ -214,10 +219,20 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     grown = watch.until(new_group(2, groups + 3, shrunk[f"{P}downtime_seconds_total"]), 120,
                         "training with the joined node", job)
     release(hold)
-    assert grew(grown, f'{P}restarts_total{{kind="node_joined"}}') == 1
+    assert grew(grown, f'{P}restarts_total{{cause="node_joined"}}') == 1
     assert grew(grown, f'{P}restores_total{{source="memory"}}') == 3 and grew(grown, f"{P}lost_steps_total") == 0
 
-    for name in (f"{P}steps_committed_total", f"{P}incarnations_total", f"{P}downtime_seconds_total"):
+    causes = {name: value for name, value in grown.items() if name.startswith(f"{P}restarts_total")}
+    assert sum(causes.values()) == sum(before.get(name, 0) for name in causes) + 3, causes
+    # The host's agent took part in a round for each of the three restarts (more if a group re-formed
+    # twice), and the rendezvous time counts on.
+    assert grew(grown, f"{P}agent_rendezvous_rounds_total") >= 3
+    assert grew(grown, f"{P}agent_rendezvous_seconds_total") > 0
+    assert grown[f"{P}watchdog_evictions_total"] == 0, "no peer froze: nothing evicted"
+    gaps = watch.series(f"{P}watchdog_longest_heartbeat_gap_seconds")
+    assert gaps and max(gaps) < 3 and any(gap > 0 for gap in gaps), gaps
+    for name in (f"{P}steps_committed_total", f"{P}incarnations_total", f"{P}downtime_seconds_total",
+                 f"{P}agent_rendezvous_rounds_total", f"{P}agent_rendezvous_seconds_total"):
         series = watch.series(name)
         assert series == sorted(series), f"{name} went down: {series}"
     steps = watch.series(f"{P}global_step", since=before_at)
@@ -227,3 +242,28 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     metrics_dir = next(job.node_memory_dir("host").glob("elastic_ddp-metrics-*"))
     wait_for(lambda: not (metrics_dir / ENDPOINT_FILE).exists(), 30, "the host's server's end with its agent")
     assert "metrics: http://127.0.0.1:" in host.log_text()
+
+
+def test_a_frozen_node_shows_as_a_watchdog_eviction_and_a_peer_evicted_restart(local_jobs, tmp_path):
+    hold = tmp_path / "hold"
+    job = local_jobs(training_args=TRAINING_ARGS, **hold_settings(hold))
+    host, frozen = job.add_node("host"), job.add_node("frozen")
+    first = world_reached(job, 2)
+    assert next(r for r in first["ranks"] if r["rank"] == 0)["agent_pid"] == host.pid, (
+        "torch gives rank 0 to the node of the lowest pid: the first one started")
+    watch = Watch(endpoint_of(job, host).url)
+    groups = len(job.events("start"))
+    before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 10 and v.get(f"{P}world_size") == 2
+                         and v.get(f"{P}watchdog_longest_heartbeat_gap_seconds", 0) > 0, 120,
+                         "step 10 in the world of 2, heartbeats seen", job)
+    frozen.freeze()  # SIGSTOP, agent and workers: its sockets stay open, gloo does not fail
+    try:
+        after = watch.until(new_group(1, groups + 1, before.get(f"{P}downtime_seconds_total", 0.0)), 120,
+                            "training without the frozen node", job)
+    finally:
+        frozen.kill()
+    release(hold)
+    assert after[f"{P}watchdog_evictions_total"] - before[f"{P}watchdog_evictions_total"] == 1
+    assert after[f'{P}restarts_total{{cause="peer_evicted"}}'] - before[f'{P}restarts_total{{cause="peer_evicted"}}'] == 1
+    assert after[f"{P}lost_steps_total"] == before.get(f"{P}lost_steps_total", 0)
+    assert host.wait(timeout=180) == 0, node_logs(job)
