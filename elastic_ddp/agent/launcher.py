@@ -168,9 +168,30 @@ def may_run_warm(argv: Sequence[str]) -> bool:
     return bool(flags & {"-m", "--module"}) and not flags & {"--no-python", "--no_python", "--run-path", "--run_path"}
 
 
+def local_addr_argument(argv: Sequence[str]) -> str | None:
+    """The value of torchrun's `--local_addr` (`--local-addr`) among its options, those before `-m`."""
+    for index, argument in enumerate(argv):
+        if argument in ("-m", "--module"):
+            break
+        flag, equals, value = argument.partition("=")
+        if flag in ("--local_addr", "--local-addr"):
+            return value if equals else (argv[index + 1] if index + 1 < len(argv) else None)
+    return None
+
+
+def name_the_workers_interface(argv: Sequence[str]) -> None:
+    """Name the interface of this node's address to the workers' gloo and NCCL now, before the fork
+    server starts: forked from it, the workers keep its environment, not what our rendezvous
+    backends set in the agent's later (elastic_ddp.agent.rendezvous.addresses)."""
+    from elastic_ddp.agent.rendezvous.addresses import published_address, worker_interface_environment
+
+    os.environ.update(worker_interface_environment(published_address(local_addr_argument(argv))))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if may_run_warm(argv):
+        name_the_workers_interface(argv)
         start_fork_server()  # first: it imports torch while this agent imports torch too
 
     from torch.distributed import run as torchrun

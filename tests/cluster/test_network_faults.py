@@ -5,8 +5,7 @@ Every node here is a host of its own: a network namespace with its own address o
 `--rdzv_backend=elastic-c10d --rdzv_endpoint=<n0's address>:PORT --local_addr=<own address>`.
 Faults are links set down on the switch: packets vanish, nothing is refused or reset.
 
-Two settings a user has to give by hand today (`is_host=1` on the store's node,
-`GLOO_SOCKET_IFNAME`) are given here on purpose: tests/support/network.py says why.
+Nothing else is given by hand (no `is_host`, no `GLOO_SOCKET_IFNAME`): tests/support/network.py.
 
     .venv/bin/python -m pytest tests/cluster/test_network_faults.py -q
 """

@@ -4,8 +4,7 @@ as a group of its own, and rejoins by itself when its link returns.
 Two nodes, each a host of its own (a network namespace with its own address on a bridge:
 elastic_ddp/testbed/netns.py), plain torchrun with `--rdzv_backend=elastic-c10d`; n0 hosts the
 store, n1 is partitioned (its switch port down: its packets vanish, nothing is refused) for longer
-than the peer watchdog's bound. The by-hand settings (`is_host=1` on n0, `GLOO_SOCKET_IFNAME`) and
-why they are needed: tests/support/network.py.
+than the peer watchdog's bound. The nodes get the README's flags alone (tests/support/network.py).
 
     .venv/bin/python -m pytest tests/cluster/test_network_partition.py -q -s
 """

@@ -7,9 +7,16 @@ you leave out, dead-node probes (`probe_dead_nodes=0` turns them off), prompt co
 agent looking at the state ten times a second, and a store of their own for the workers of every
 round. A killed node's survivors train again in about a second
 instead of after a heartbeat expiry, a last call and torch's once-a-second polling.
+
+Addresses (`addresses`, `c10d_store`): the node whose interface holds the endpoint's address
+hosts the store (`is_host` still decides where given), the workers' gloo and NCCL use the
+interface that holds this node's published address, and a node that would publish a loopback
+address to another machine, or that cannot reach the endpoint, says so in one line.
 """
 
 from __future__ import annotations
+
+import logging
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -18,7 +25,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
+from elastic_ddp.agent.rendezvous import addresses
+from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store, endpoint_of, hosts_store
 from elastic_ddp.agent.rendezvous.handler import check_options, elastic_handler
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "elastic-c10d"
 
@@ -45,10 +56,22 @@ class NamedBackend(RendezvousBackend):
 
 
 def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """torch's `c10d` rendezvous handler with our additions (ValueError for a bad `--rdzv_conf`
-    value, before any connection)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    """torch's `c10d` rendezvous handler with our additions, its TCPStore hosted by the node that
+    holds the endpoint's address (`c10d_store`). Raises ValueError for a bad `--rdzv_conf` value,
+    and for a loopback address published to peers on another machine (`addresses.loopback_problem`),
+    before any connection; RendezvousConnectionError (one line) when the store cannot be reached."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
 
     check_options(params)
-    c10d_backend, store = create_backend(params)
-    return elastic_handler(params, store, NamedBackend(c10d_backend))
+    if params.get("store_type", "tcp").strip().lower() != "tcp":
+        c10d_backend, store = create_backend(params)  # torch's FileStore: one machine, nothing to decide
+        return elastic_handler(params, store, NamedBackend(c10d_backend))
+    host, port = endpoint_of(params)
+    is_host, _ = hosts_store(params)
+    problem = addresses.loopback_problem(params.local_addr, host, port)
+    if problem is not None and not is_host:
+        raise ValueError(problem)  # the store's node is another machine: the peers are elsewhere
+    if problem is not None:
+        logger.warning("%s (unless every node of the job runs on this machine)", problem)
+    store = create_tcp_store(params)
+    return elastic_handler(params, store, NamedBackend(C10dRendezvousBackend(store, params.run_id)))

@@ -10,6 +10,9 @@
 - a waiting agent looks at the rendezvous state every `SYNC_POLL_S` instead of every second;
 - torch's rendezvous names the method of each event it records from one frame, not from two full
   `inspect.stack()` calls (`torch_internals.name_methods_cheaply`);
+- the workers' gloo and NCCL use the interface that holds this node's published address
+  (`--local_addr`, else its FQDN), unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` are set
+  (`addresses`): set in this agent's environment, which torchrun's workers inherit;
 - the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`,
   set here, in the agent that uses our backend, never at plugin load): the agent-shared store makes
   restarted workers read stale addresses (pytorch/pytorch#135712).
@@ -28,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic_ddp.agent.rendezvous import torch_internals
+from elastic_ddp.agent.rendezvous import addresses, torch_internals
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS, SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled, start_beacon
@@ -64,6 +67,18 @@ def never_share_agent_store() -> None:
     os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
+def name_the_workers_interface(local_addr: str | None) -> None:
+    """Set `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` in this agent's environment (which its
+    workers inherit) to the interface that holds this node's published address, each unless set
+    (`addresses.worker_interface_environment`)."""
+    published = addresses.published_address(local_addr)
+    chosen = addresses.worker_interface_environment(published)
+    if chosen:
+        os.environ.update(chosen)
+        logger.info("the workers' gloo and NCCL use interface %s, which holds this node's address %s (%s)",
+                    next(iter(chosen.values())), published, ", ".join(f"{name} set" for name in chosen))
+
+
 def check_options(params: RendezvousParameters) -> tuple[bool, bool, bool]:
     """(probes, prompt completion, last call extension) from `--rdzv_conf`; ValueError naming a bad value."""
     return probes_enabled(params), prompt_completion_enabled(params), last_call_extension_enabled(params)
@@ -79,6 +94,7 @@ def elastic_handler(params: RendezvousParameters, store: Store, backend: Rendezv
     """
     probes, prompt, extend = check_options(params)
     never_share_agent_store()
+    name_the_workers_interface(params.local_addr)
     handler = create_handler(store, backend, with_shipped_defaults(params))
     node = torch_internals.handler_node(handler)
     beacon, detector = start_beacon(store, node) if probes else (None, None)

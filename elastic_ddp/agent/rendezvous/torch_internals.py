@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _remove_participant_epilogue,
 )
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 # Subclassed by `state_holder.ElasticStateHolder`; its `_sanitize()` drops expired nodes, and `_state`
 # (round, participants, wait_list, redundancy_list, last_heartbeats, complete, deadline) and
@@ -36,6 +37,12 @@ NodeDesc = _NodeDesc
 def remove_participant_epilogue(state: Any, settings: RendezvousSettings) -> None:
     """What torch does after removing a participant: reopen or close the round as it must."""
     _remove_participant_epilogue(state, settings)
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """torch's rule for whether this machine hosts the c10d store at `host` (its host name or an
+    address it resolves to); `c10d_store` uses it only where the interfaces cannot be listed."""
+    return _matches_machine_hostname(host)
 
 
 def handler_node(handler: DynamicRendezvousHandler) -> NodeDesc:

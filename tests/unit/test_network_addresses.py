@@ -1,0 +1,186 @@
+"""This node's addresses (elastic_ddp/agent/rendezvous/addresses.py) and the c10d store's host and
+reachability (c10d_store.py), without a network of several hosts: the interface table read from
+the C library against the stdlib's and iproute2's view of it, the decisions on tables given here.
+tests/cluster/test_network_addresses.py runs them across network namespaces.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+from elastic_ddp.agent.launcher import local_addr_argument
+from elastic_ddp.agent.rendezvous import addresses, c10d_store
+from elastic_ddp.agent.rendezvous.addresses import (
+    holds,
+    interface_addresses,
+    interface_holding,
+    is_loopback,
+    loopback_problem,
+    worker_interface_environment,
+)
+
+ip = ipaddress.ip_address
+# A table of a machine with a loopback, one link with an IPv4 and an IPv6 address, and a second link.
+TABLE = {"lo": [ip("127.0.0.1"), ip("::1")], "eth0": [ip("10.0.0.5"), ip("fd00::5")], "ib0": [ip("192.168.7.5")]}
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the interface table is read on Linux and macOS")
+
+
+@linux_only
+def test_the_table_lists_every_interface_and_the_loopback_addresses():
+    table = interface_addresses()
+    assert table is not None
+    assert {name for _, name in socket.if_nameindex()} <= set(table)
+    assert ip("127.0.0.1") in table["lo"]
+
+
+@pytest.mark.skipif(shutil.which("ip") is None or sys.platform != "linux", reason="needs iproute2 (ip -j addr)")
+def test_the_table_holds_the_addresses_iproute2_lists():
+    """The ctypes reading of getifaddrs against `ip -j addr` (a check of the struct layout)."""
+    listed = json.loads(subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True).stdout)
+    expected = {link["ifname"]: {ip(entry["local"]) for entry in link.get("addr_info", []) if "local" in entry}
+                for link in listed}
+    table = interface_addresses()
+    assert {name: set(found) for name, found in table.items() if name in expected} == expected
+
+
+def test_an_address_is_held_by_the_interface_that_has_it():
+    assert interface_holding("10.0.0.5", TABLE) == "eth0"
+    assert interface_holding("[fd00::5]", TABLE) == "eth0"
+    assert interface_holding("192.168.7.5", TABLE) == "ib0"
+    assert interface_holding("127.0.0.1", TABLE) == "lo"
+    assert interface_holding("10.0.0.6", TABLE) is None
+    assert holds("10.0.0.5", TABLE) is True and holds("10.0.0.6", TABLE) is False
+    assert holds("name.that-does-not-resolve.invalid", TABLE) is False
+
+
+def test_a_host_name_is_held_where_an_address_it_resolves_to_is(monkeypatch):
+    monkeypatch.setattr(addresses, "resolve", lambda host: [ip("127.0.1.1"), ip("192.168.7.5")])
+    assert interface_holding("trainer-3", TABLE) == "ib0"  # not the loopback line of /etc/hosts: no interface has it
+
+
+def test_holding_is_unknown_where_the_interfaces_cannot_be_listed(monkeypatch):
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: None)
+    assert holds("10.0.0.5") is None and interface_holding("10.0.0.5") is None
+
+
+@pytest.mark.parametrize(("host", "expected"), [
+    ("localhost", True), ("LOCALHOST", True), ("127.0.1.1", True), ("::1", True), ("[::1]", True),
+    ("10.0.0.1", False), ("fd00::5", False), ("name.that-does-not-resolve.invalid", False),
+])
+def test_loopback(host, expected):
+    assert is_loopback(host) is expected
+
+
+def test_a_loopback_address_published_to_a_remote_endpoint_is_one_line_naming_local_addr(monkeypatch):
+    monkeypatch.setattr(addresses, "source_address", lambda host, port: "10.0.0.5")
+    line = loopback_problem(None, "10.0.0.1", 29400)
+    assert line is not None and "\n" not in line
+    assert "--local_addr=10.0.0.5" in line and "10.0.0.1:29400" in line and "loopback" in line
+    assert "--local_addr=127.0.1.1" in loopback_problem("127.0.1.1", "10.0.0.1", 29400)
+    assert loopback_problem("10.0.0.5", "10.0.0.1", 29400) is None  # a real address
+    assert loopback_problem(None, "127.0.0.1", 29400) is None  # one machine: loopback is right
+    assert loopback_problem(None, "localhost", 29400) is None
+
+
+def test_without_a_route_the_line_says_what_to_pass(monkeypatch):
+    monkeypatch.setattr(addresses, "source_address", lambda host, port: None)
+    assert "--local_addr=<this node's address" in loopback_problem(None, "10.0.0.1", 29400)
+
+
+def test_the_source_address_toward_a_local_address_is_that_address():
+    assert addresses.source_address("127.0.0.1", 9) == "127.0.0.1"
+
+
+def test_workers_get_the_interface_of_the_published_address_unless_set():
+    assert worker_interface_environment("10.0.0.5", {}, TABLE) == {"GLOO_SOCKET_IFNAME": "eth0",
+                                                                   "NCCL_SOCKET_IFNAME": "eth0"}
+    assert worker_interface_environment("10.0.0.5", {"GLOO_SOCKET_IFNAME": "ib0"}, TABLE) == {
+        "NCCL_SOCKET_IFNAME": "eth0"}
+    both = {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert worker_interface_environment("10.0.0.5", both, TABLE) == {}
+    assert worker_interface_environment("127.0.0.1", {}, TABLE) == {}  # one machine: the libraries' choice works
+    assert worker_interface_environment("10.9.9.9", {}, TABLE) == {}  # held by no interface (NAT): left alone
+
+
+def _params(endpoint: str, **conf) -> RendezvousParameters:
+    return RendezvousParameters("elastic-c10d", endpoint, "run", 1, 2, **conf)
+
+
+def test_the_node_that_holds_the_endpoint_address_hosts_the_store(monkeypatch):
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: TABLE)
+    assert c10d_store.hosts_store(_params("10.0.0.5:29400")) == (True, False)
+    assert c10d_store.hosts_store(_params("10.0.0.1:29400")) == (False, False)
+    assert c10d_store.hosts_store(_params("127.0.0.1:29400")) == (True, False)
+    assert c10d_store.hosts_store(_params("10.0.0.1:29400", is_host="1")) == (True, True)  # is_host decides
+    assert c10d_store.hosts_store(_params("10.0.0.5:29400", is_host="0")) == (False, True)
+
+
+def test_bad_store_settings_name_the_key_and_value():
+    with pytest.raises(ValueError, match=r"--rdzv_conf is_host: got 'maybe'"):
+        c10d_store.hosts_store(_params("10.0.0.5", is_host="maybe"))
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(ValueError, match=rf"--rdzv_conf read_timeout: got '{bad}'"):
+            c10d_store.read_timeout_s(_params("10.0.0.5", read_timeout=bad))
+    assert c10d_store.read_timeout_s(_params("10.0.0.5")) == 60
+
+
+def test_an_endpoint_whose_machine_refuses_is_reachable():
+    """A refusal is the machine's answer (the store is not up yet): torch's client waits for it."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    started = time.monotonic()
+    c10d_store.wait_until_reachable("127.0.0.1", port, timeout_s=5)
+    assert time.monotonic() - started < 1
+
+
+def test_an_endpoint_without_an_answer_is_named_in_one_warning_then_one_error(monkeypatch, caplog):
+    monkeypatch.setattr(c10d_store, "_unanswered", lambda host, port: "no answer within 2 s")
+    monkeypatch.setattr(c10d_store, "PROBE_INTERVAL_S", 0.05)
+    caplog.set_level(logging.WARNING, logger=c10d_store.__name__)
+    with pytest.raises(RendezvousConnectionError) as raised:
+        c10d_store.wait_until_reachable("10.0.0.1", 29400, timeout_s=0.3)
+    message = str(raised.value)
+    assert "\n" not in message and "--rdzv_endpoint=10.0.0.1:29400" in message and "no answer" in message
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "--rdzv_endpoint=10.0.0.1:29400" in warnings[0], warnings
+
+
+def test_an_endpoint_that_answers_later_ends_the_wait(monkeypatch, caplog):
+    answers = iter(["no answer within 2 s", None])
+    monkeypatch.setattr(c10d_store, "_unanswered", lambda host, port: next(answers))
+    monkeypatch.setattr(c10d_store, "PROBE_INTERVAL_S", 0.01)
+    caplog.set_level(logging.WARNING, logger=c10d_store.__name__)
+    c10d_store.wait_until_reachable("10.0.0.1", 29400, timeout_s=5)
+    assert "answers now" in caplog.records[-1].getMessage()
+
+
+def test_a_name_that_does_not_resolve_is_no_answer():
+    assert "does not resolve" in c10d_store._unanswered("name.that-does-not-resolve.invalid", 29400)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--nnodes=2", "--local_addr=10.0.0.5", "-m", "elastic_ddp.train"], "10.0.0.5"),
+    (["--local-addr", "10.0.0.5", "--nnodes", "2", "-m", "elastic_ddp.train"], "10.0.0.5"),
+    (["--nnodes=2", "-m", "elastic_ddp.train", "--local_addr=10.0.0.9"], None),  # the training script's own
+    (["--nnodes=2", "-m", "elastic_ddp.train"], None),
+])
+def test_the_launcher_reads_local_addr_among_torchruns_options(argv, expected):
+    assert local_addr_argument(argv) == expected
+
+
+def test_torchs_own_rule_is_there_for_machines_without_a_table():
+    """The one private torch name this uses (elastic_ddp/agent/rendezvous/torch_internals.py)."""
+    from elastic_ddp.agent.rendezvous.torch_internals import matches_machine_hostname
+
+    assert matches_machine_hostname("localhost") is True and matches_machine_hostname("127.0.0.1") is True
