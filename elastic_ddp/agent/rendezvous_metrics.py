@@ -15,8 +15,9 @@ and this one nothing of the worker side (contract agent-apart): the path above i
 contract, and tests/unit/test_rendezvous_metrics.py checks that both sides name the same file.
 
 The directory is the user's alone (0700, checked); the file holds counts and times, nothing of the
-job's settings. It is removed when the agent exits normally, and by the metrics server when the
-agent has ended (a SIGKILLed one). Writing it never stops the agent: a failure is logged once.
+job's settings. It is removed when the agent exits normally, by the metrics server when the agent
+has ended (a SIGKILLed one), and else by the next agent of the user on the machine (the files of
+pids that no longer run). Writing it never stops the agent: a failure is logged once.
 
 Not guaranteed: with torch's own `--rdzv_backend=c10d` under plain torchrun our code does not run
 in the agent, so there is no file and no series. The counts are the agent's own: a node restarted
@@ -126,9 +127,29 @@ def count_rounds(handler: Handler) -> Handler:
     Its type stays torch's: only the instance's method is replaced."""
     rounds = RendezvousRounds(rendezvous_file(os.getpid()))
     rounds.write()
+    remove_files_of_ended_agents(rounds.path.parent)
     atexit.register(rounds.remove)
     handler.next_rendezvous = rounds.wrap(handler.next_rendezvous)
     return handler
+
+
+def remove_files_of_ended_agents(directory: Path) -> None:
+    """Delete the files of agents (of this user) that no longer run: killed with their whole node."""
+    for path in directory.glob(f"{FILE_PREFIX}*.json"):
+        pid = path.stem.removeprefix(FILE_PREFIX)
+        if pid.isdigit() and not _is_running(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _make_private_directory(directory: Path) -> None:

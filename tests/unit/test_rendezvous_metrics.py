@@ -103,3 +103,13 @@ def test_a_directory_others_can_write_is_refused_and_the_agent_goes_on(tmp_path,
     assert handler.next_rendezvous() == "round info", "the agent's round is unharmed"
     assert "rendezvous metrics: cannot write" in caplog.text
     assert not agent_side.rendezvous_file(os.getpid()).exists()
+
+
+def test_the_files_of_agents_that_no_longer_run_are_removed_by_the_next_agent():
+    dead = agent_side.rendezvous_file(2**22 + 1)  # above Linux's largest pid_max: never a running process
+    alive = agent_side.rendezvous_file(os.getppid())
+    dead.parent.mkdir(mode=0o700)
+    for path in (dead, alive):
+        path.write_text("{}")
+    agent_side.count_rounds(StandInHandler())
+    assert not dead.exists() and alive.exists() and agent_side.rendezvous_file(os.getpid()).exists()
