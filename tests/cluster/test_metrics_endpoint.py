@@ -182,8 +182,10 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     assert f"{P}global_step" not in other_values, "rank 0's node alone has the run's gauges"
     assert other_values[f"{P}agent_rendezvous_rounds_total"] >= 1, "every node serves its own agent's rounds"
     groups = len(job.events("start"))
-    before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 15 and v.get(f"{P}world_size") == 2, 120,
-                         "step 15 in the world of 2 on the endpoint", job)
+    # (rank 0's watchdog reports its first gap once a peer's heartbeat has changed twice)
+    before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 15 and v.get(f"{P}world_size") == 2
+                         and v.get(f"{P}watchdog_longest_heartbeat_gap_seconds", 0) > 0, 120,
+                         "step 15 in the world of 2 on the endpoint, heartbeats seen", job)
     before_at = watch.scrapes[-1][0]
     assert before[f"{P}incarnations_total"] == groups
     assert before[f"{P}agent_rendezvous_rounds_total"] >= 1 and before[f"{P}agent_rendezvous_in_progress"] == 0
@@ -230,7 +232,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     assert grew(grown, f"{P}agent_rendezvous_seconds_total") > 0
     assert grown[f"{P}watchdog_evictions_total"] == 0, "no peer froze: nothing evicted"
     gaps = watch.series(f"{P}watchdog_longest_heartbeat_gap_seconds")
-    assert gaps and max(gaps) < 3 and any(gap > 0 for gap in gaps), gaps
+    assert 0 < max(gaps) < 3, gaps  # (0 again at each group's start, and in the world of 1)
     for name in (f"{P}steps_committed_total", f"{P}incarnations_total", f"{P}downtime_seconds_total",
                  f"{P}agent_rendezvous_rounds_total", f"{P}agent_rendezvous_seconds_total"):
         series = watch.series(name)
