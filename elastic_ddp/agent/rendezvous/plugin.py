@@ -18,6 +18,10 @@ with torch's c10d gets a warning from the worker instead, naming the fix
 
 Every handler created here counts its rendezvous rounds for the node's metrics endpoint
 (`elastic_ddp.agent.rendezvous_metrics`).
+
+`etcd-v3` runs one of two algorithms, chosen with `--rdzv_conf algorithm=`: `dynamic` (the default:
+torch's dynamic rendezvous with our additions, `etcd_handler`) or `keyed` (each node writes keys of
+its own and one write closes a round, `keyed_handler`).
 """
 
 from __future__ import annotations
@@ -54,14 +58,32 @@ def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
         os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
+# `--rdzv_conf algorithm=` of etcd-v3 (see the module docstring); the first is the default.
+ALGORITHMS = ("dynamic", "keyed")
+ALGORITHM_KEY = "algorithm"
+
+
+def take_algorithm(params) -> str:
+    """The `--rdzv_conf algorithm=` of `params` (`RendezvousParameters`), removed from its config so
+    that the backend's own key check does not see it; ValueError naming the key for a bad value."""
+    chosen = params.config.pop(ALGORITHM_KEY, None)
+    chosen = ALGORITHMS[0] if chosen in (None, "") else str(chosen)
+    if chosen not in ALGORITHMS:
+        raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}; expected one of {', '.join(ALGORITHMS)}")
+    return chosen
+
+
 def etcd_v3_handler_factory() -> Callable:
     """Entry point `etcd-v3`: the factory torchrun calls with its `RendezvousParameters`."""
     give_our_workers_their_own_store()
 
     def create_etcd_v3_handler(params):
-        from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
+        if take_algorithm(params) == "keyed":
+            from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler as create
+        else:
+            from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
         return count_rounds(create(params))
 
     return create_etcd_v3_handler

@@ -1,0 +1,263 @@
+"""The keyed rendezvous's board in etcd v3 (`EtcdRoundBoard`), and `create_keyed_etcd_v3_handler`,
+what `--rdzv_backend=etcd-v3 --rdzv_conf algorithm=keyed` builds.
+
+Keys of run `R`, under `<key_prefix>/R/keyed/`:
+
+    record                    the last closed round (`keyed_state.RoundRecord`, JSON), on the closer's run lease
+    closed                    present once `set_closed` was called
+    arrivals/<round>/<node>   a node's arrival at a round (`keyed_state.encode_arrival`), on its node lease
+    alive/<node>              the node's liveness, on its node lease
+
+Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
+(`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval`: when the agent dies
+the lease expires and etcd deletes its arrival and liveness keys; `leave` revokes it at once. If a
+refresh finds the lease expired (etcd unreachable for longer than its TTL), the thread takes a new
+one and writes the node's liveness and last arrival again.
+
+`view` is one transaction of three range reads (record, closed flag, count and earliest of the
+round's arrivals, by create revision); `close_round` is one transaction that compares the record's
+mod revision with the one read. Every operation goes through `EtcdConnection.call` (retries,
+failover, TLS, auth). `counts` counts this board's requests by kind, for the benchmarks.
+
+Not guaranteed: the arrivals of one round are read in one answer, so gRPC's 4 MiB message limit
+bounds a round to about 4000 nodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import socket
+import threading
+
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, RendezvousStateError
+
+from elastic_ddp.agent.rendezvous.etcd_backend import run_key
+from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
+from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
+from elastic_ddp.agent.rendezvous.handler import never_share_agent_store
+from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.keyed_state import (
+    RoundRecord,
+    decode_arrival,
+    decode_record,
+    encode_arrival,
+    node_name,
+)
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+logger = logging.getLogger(__name__)
+
+_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
+
+
+def _prefix_end(prefix: str) -> bytes:
+    raw = prefix.encode()
+    return raw[:-1] + bytes([raw[-1] + 1])  # our prefixes end with "/"
+
+
+def _range(key: str, prefix: bool = False, **fields) -> etcdrpc.RequestOp:
+    request = etcdrpc.RangeRequest(key=key.encode(), range_end=_prefix_end(key) if prefix else b"", **fields)
+    return etcdrpc.RequestOp(request_range=request)
+
+
+class EtcdRoundBoard:
+    """A `keyed_handler.RoundBoard` in etcd (module docstring). Thread-safe."""
+
+    name = "etcd-v3"
+
+    def __init__(self, connection: EtcdConnection, store: EtcdV3Store, run_id: str, settings: KeyedSettings) -> None:
+        self._connection = connection
+        self.store = store
+        self._base = run_key(connection.options.key_prefix, run_id) + "/keyed/"
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._node: NodeDesc | None = None
+        self._arrival_key: str | None = None  # this node's newest arrival
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _txn(self, what: str, success: list, compare: list | None = None, kind: str = "reads") -> etcdrpc.TxnResponse:
+        self.counts[kind] += 1
+
+        def send(client: Etcd3Client) -> etcdrpc.TxnResponse:
+            request = etcdrpc.TxnRequest(compare=compare or [], success=success, failure=[])
+            return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
+                                     metadata=client.metadata)
+
+        return self._connection.call(what, send)
+
+    def _put(self, key: str, value: bytes, lease: int) -> etcdrpc.RequestOp:
+        return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+
+    def _arrival_prefix(self, round_number: int) -> str:
+        return f"{self._base}arrivals/{round_number}/"
+
+    # --- liveness ----------------------------------------------------------------------------
+
+    def start(self, node: NodeDesc) -> None:
+        """See `RoundBoard`: take the node lease, write the liveness key, start refreshing."""
+        with self._lock:
+            if self._keeper is not None:
+                return
+            self._node = node
+            self._new_lease()
+            self._keeper = threading.Thread(target=self._keep_alive, name="keyed-rdzv-lease", daemon=True)
+            self._keeper.start()
+
+    def _new_lease(self) -> None:
+        """Take a node lease and (re)write this node's keys on it; hold `_lock`."""
+        assert self._node is not None
+        self.counts["writes"] += 1
+        self._lease = self._connection.call("take a node lease",
+                                            lambda client: client.lease(self._settings.lease_ttl).id)
+        value = encode_arrival(self._node)
+        puts = [self._put(f"{self._base}alive/{node_name(self._node)}", value, self._lease)]
+        if self._arrival_key is not None:
+            puts.append(self._put(self._arrival_key, value, self._lease))
+        self._txn("write this node's liveness", puts, kind="writes")
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self._settings.keep_alive_interval):
+            try:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._refresh()
+            except RendezvousError as exc:  # etcd unreachable beyond the retry budget: try again next tick
+                logger.warning("the keyed rendezvous could not refresh node %s's lease: %s",
+                               node_name(self._node) if self._node else "?", exc)
+
+    def _refresh(self) -> None:
+        lease = self._lease
+        self.counts["refreshes"] += 1
+
+        def refresh(client: Etcd3Client) -> int:
+            self._connection.lease_id(client)  # keeps this process's run lease (the record's) alive too
+            answers = list(client.refresh_lease(lease))
+            return answers[0].TTL if answers else 0
+
+        if self._connection.call("refresh a node lease", refresh) <= 0:
+            logger.warning("node %s's lease had expired: its keys are written again", node_name(self._node))
+            self._new_lease()
+
+    def leave(self) -> None:
+        """See `RoundBoard`: stop refreshing and revoke the lease (its keys go at once)."""
+        self._stop.set()
+        with self._lock:
+            lease, self._lease = self._lease, None
+            self._arrival_key = None
+        if lease is not None:
+            self.counts["writes"] += 1
+            self._connection.call("revoke a node lease", lambda client: client.revoke_lease(lease))
+
+    # --- rounds ------------------------------------------------------------------------------
+
+    def arrive(self, round_number: int, node: NodeDesc) -> None:
+        """See `RoundBoard`. One transaction: this arrival, and the deletion of the previous one."""
+        key = self._arrival_prefix(round_number) + node_name(node)
+        with self._lock:
+            assert self._lease is not None, "start() first"
+            ops = [self._put(key, encode_arrival(node), self._lease)]
+            if self._arrival_key not in (None, key):
+                ops.append(etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+                    key=self._arrival_key.encode())))
+            self._txn(f"arrive at round {round_number}", ops, kind="writes")
+            self._arrival_key = key
+
+    def view(self, round_number: int) -> BoardView:
+        """See `RoundBoard`. One transaction of three reads."""
+        answer = self._txn("read the round", [
+            _range(self._base + "record"), _range(self._base + "closed", keys_only=True),
+            _range(self._arrival_prefix(round_number), prefix=True, limit=1, keys_only=True,
+                   sort_order=etcdrpc.RangeRequest.ASCEND, sort_target=etcdrpc.RangeRequest.CREATE),
+        ])
+        record_kvs, closed_kvs, arrivals = (op.response_range for op in answer.responses)
+        record, token = None, 0
+        if record_kvs.kvs:
+            record = decode_record(record_kvs.kvs[0].value)
+            if record is None:
+                raise RendezvousStateError(f"the round record at {self._base}record is not valid (schema: "
+                                           "elastic_ddp.agent.rendezvous.keyed_state)")
+            token = record_kvs.kvs[0].mod_revision
+        first = None
+        if arrivals.kvs:
+            first = arrivals.kvs[0].key.decode()[len(self._arrival_prefix(round_number)):]
+        return BoardView(record, token, bool(closed_kvs.kvs), arrivals.count, first)
+
+    def _nodes(self, what: str, prefix: str) -> list[NodeDesc]:
+        """The valid node values under `prefix`, by create revision (invalid ones are skipped)."""
+        answer = self._txn(what, [_range(prefix, prefix=True, sort_order=etcdrpc.RangeRequest.ASCEND,
+                                         sort_target=etcdrpc.RangeRequest.CREATE)])
+        nodes = [decode_arrival(kv.value) for kv in answer.responses[0].response_range.kvs]
+        return [node for node in nodes if node is not None]
+
+    def arrivals(self, round_number: int) -> list[NodeDesc]:
+        """See `RoundBoard`."""
+        return self._nodes(f"read the arrivals at round {round_number}", self._arrival_prefix(round_number))
+
+    def waiting(self, round_number: int) -> list[NodeDesc]:
+        """See `RoundBoard`."""
+        return self.arrivals(round_number)
+
+    def alive(self) -> set[NodeDesc]:
+        """See `RoundBoard`."""
+        return set(self._nodes("read the live nodes", self._base + "alive/"))
+
+    def close_round(self, record: RoundRecord, token: int) -> bool:
+        """See `RoundBoard`: write `record` if the record's mod revision is still `token`."""
+        key = self._base + "record"
+        compare = etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
+                                  mod_revision=token)
+        self.counts["writes"] += 1
+        lease = self._connection.call("take the run lease", self._connection.lease_id)
+        answer = self._txn(f"close round {record.round}", [self._put(key, record.encode(), lease)],
+                           compare=[compare], kind="closes")
+        return bool(answer.succeeded)
+
+    def set_closed(self) -> None:
+        """See `RoundBoard`."""
+        self.counts["writes"] += 1
+        self._connection.call("close the rendezvous", lambda client: client.put(
+            self._base + "closed", b"1", lease=self._connection.lease_id(client)))
+
+    def is_closed(self) -> bool:
+        """See `RoundBoard`."""
+        return self.view(-1).closed
+
+
+def keyed_node(params: RendezvousParameters) -> NodeDesc:
+    """This agent's name, made as torch makes it: `--local_addr` (else the FQDN), pid, a counter."""
+    return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+
+
+def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
+    """The keyed rendezvous on etcd v3 (`--rdzv_conf algorithm=keyed`; `keyed_handler`).
+
+    Raises ValueError for a bad `--rdzv_endpoint`/`--rdzv_conf` value before connecting, and a
+    `RendezvousConnectionError` when etcd cannot be reached (see `etcd_connection`).
+    """
+    options = EtcdV3Options.from_params(params)
+    settings = KeyedSettings.from_params(params)
+    never_share_agent_store()
+    connection = EtcdConnection(options)
+    try:
+        store = EtcdV3Store(connection, params.run_id)
+        board = EtcdRoundBoard(connection, store, params.run_id, settings)
+        board.view(0)  # fails here, not in the first round, if etcd refuses us
+    except BaseException:
+        connection.close()
+        raise
+    logger.info("etcd-v3 keyed rendezvous '%s' on %s (%s): last call %g s, node lease %d s, join timeout %g s",
+                params.run_id, ", ".join(options.endpoint_names), options.protocol, settings.last_call_timeout,
+                settings.lease_ttl, settings.join_timeout)
+    return KeyedRendezvousHandler(board, keyed_node(params), settings)

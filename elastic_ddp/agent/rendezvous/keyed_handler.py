@@ -1,0 +1,224 @@
+"""The keyed rendezvous: torchrun's `RendezvousHandler` at a cost per node that does not grow with
+the number of nodes. Chosen with `--rdzv_conf algorithm=keyed` (etcd-v3); torch's dynamic
+rendezvous stays the default (`algorithm=dynamic`).
+
+torch's dynamic rendezvous keeps one state value that every node changes by compare-and-set:
+three winning writes per node per phase (leave, wait list, join), serialised, so N nodes need
+about 3N winning writes one after another and lose most of their attempts (64 agents on etcd-v3:
+51-57 writes per agent per phase, 48-54 of them lost; docs/benchmarks.md, "Rendezvous at scale").
+Here each node writes only keys of its own, and one write closes a round:
+
+1. **Arrive.** A node reads the last closed round `R` (the *round record*) and writes its arrival
+   for round `R + 1` in a key of its own, bound to its liveness (etcd: its lease; its previous
+   arrival is deleted in the same write). One write per node, never a read-modify-write.
+2. **Wait.** Every `SYNC_POLL_S` it reads, in one request, the round record, the closed flag and
+   the number of arrivals with the earliest one: a constant number of reads per second, each of
+   constant size, whatever the number of nodes.
+3. **Close.** The earliest arrival is the *closer*. It reads the arrivals and, when the completion
+   rule holds (`keyed_rounds.may_close`: at least min_nodes in; no live member of the last round
+   missing; then at once with max_nodes, at once with prompt completion after a first round, else
+   after a last call of `last_call_timeout` with no new arrival), writes the new round record with
+   one conditional write (etcd: a transaction comparing the record's revision with the one it read).
+   If the closer dies its arrival vanishes with its lease and the next earliest takes over.
+4. **Learn.** The others see the new record at their next read: members return their rank (torch's
+   order, sorted node names); spares (arrivals beyond max_nodes, the redundancy list) and late
+   arrivals arrive again for the round after.
+
+Dead nodes: a node's keys live on its lease, refreshed every `keep_alive_interval`; a killed node's
+lease expires after `keep_alive_interval x keep_alive_max_attempt` (5 s shipped) and its liveness
+key goes, so the closer stops waiting for it. `shutdown` revokes the lease at once.
+`num_nodes_waiting` counts the arrivals at the next round (one keys-only read), except when the
+round is full and only spares wait. `set_closed` writes a closed flag that every waiting node sees
+at its next read and every later `next_rendezvous` raises on.
+
+Writes per node per phase: one arrival, plus one for the closer, plus rank 0's two store keys for
+the workers' address; lease refreshes are one per node per `keep_alive_interval`.
+
+Not guaranteed (compared with our dynamic-rendezvous handler): no dead-node probes yet, so a killed
+node holds the next round up for the lease expiry; a node partitioned from etcd for longer than
+its lease loses its keys and comes back as a new arrival. The round record is bound to the closer's
+process lease (`ttl`, 2 h by default): a job that runs longer than that without a new round after
+its closer's process ended loses the record, and its next round starts again from round 0 (ranks
+still consistent, since every node then waits for that round 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, node_name
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BoardView:
+    """One read of the board while waiting for round `round`."""
+
+    record: RoundRecord | None  # the last closed round
+    token: int  # what the closing write compares (etcd: the record's mod revision; 0: no record)
+    closed: bool  # set_closed was called
+    arrived: int  # arrivals at the round waited for
+    first: str | None  # node name of the earliest of them
+
+
+class RoundBoard(Protocol):
+    """Where the nodes of one run meet: a backend (etcd-v3; see `keyed_etcd`). Thread-safe."""
+
+    name: str  # the backend's name (`get_backend`)
+    store: Store  # the agents' store (torchrun's, and rank 0's address for the workers)
+
+    def start(self, node: NodeDesc) -> None: ...  # liveness on; idempotent
+
+    def arrive(self, round_number: int, node: NodeDesc) -> None: ...  # and drop this node's earlier arrival
+
+    def view(self, round_number: int) -> BoardView: ...
+
+    def arrivals(self, round_number: int) -> list[NodeDesc]: ...  # in arrival order
+
+    def alive(self) -> set[NodeDesc]: ...
+
+    def close_round(self, record: RoundRecord, token: int) -> bool: ...  # True if this write won
+
+    def waiting(self, round_number: int) -> list[NodeDesc]: ...
+
+    def set_closed(self) -> None: ...
+
+    def is_closed(self) -> bool: ...
+
+    def leave(self) -> None: ...  # liveness off, this node's keys gone
+
+
+class KeyedRendezvousHandler(RendezvousHandler):
+    """See the module docstring. One instance per agent; `next_rendezvous` from one thread."""
+
+    def __init__(self, board: RoundBoard, node: NodeDesc, settings: KeyedSettings,
+                 poll_s: float = SYNC_POLL_S) -> None:
+        self._board = board
+        self._node = node
+        self._settings = settings
+        self._poll_s = poll_s
+        self._round: RoundRecord | None = None  # the last round this node was a member of
+
+    @property
+    def node(self) -> NodeDesc:
+        return self._node
+
+    @property
+    def settings(self) -> KeyedSettings:
+        return self._settings
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return self._board.name
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class. False: workers never share the agent's store (pytorch/pytorch#135712)."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class. Raises RendezvousClosedError once the run is closed, RendezvousTimeoutError
+        after `join_timeout` without a round (not while a spare), and what the board raises when its
+        backend stays unreachable."""
+        self._board.start(self._node)
+        started = time.monotonic()
+        first = self._board.view(0)
+        if first.closed:
+            raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
+        target = first.record.round + 1 if first.record is not None else 0
+        self._board.arrive(target, self._node)
+        record = self._wait_for(target, started)
+        rank = record.rank_of(self._node)
+        assert rank is not None
+        self._round = record
+        logger.info("node %s joined round %d of the keyed rendezvous '%s' as rank %d of %d in %.2f s",
+                    node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
+                    time.monotonic() - started)
+        store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._board.store)
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
+        return RendezvousInfo(store, rank, len(record.members), bootstrap)
+
+    def _wait_for(self, target: int, started: float) -> RoundRecord:
+        """Wait until a round holds this node; arrive again at the next round when one closes without
+        it (a spare, or a late arrival)."""
+        deadline = started + self._settings.join_timeout
+        seen, quiet_since = -1, time.monotonic()
+        while True:
+            view = self._board.view(target)
+            if view.closed:
+                raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
+            record = view.record
+            if record is not None and record.round >= target:
+                if record.rank_of(self._node) is not None and record.round == target:
+                    return record
+                target = record.round + 1
+                self._board.arrive(target, self._node)
+                seen, quiet_since = -1, time.monotonic()
+                continue
+            if view.arrived != seen:
+                seen, quiet_since = view.arrived, time.monotonic()
+            if view.first == node_name(self._node) and view.arrived >= self._settings.min_nodes:
+                self._try_to_close(target, view, time.monotonic() - quiet_since)
+            spare = record is not None and len(record.members) >= self._settings.max_nodes \
+                and record.rank_of(self._node) is None
+            if not spare and time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"no round of the rendezvous '{self._settings.run_id}' took node {node_name(self._node)} "
+                    f"within join_timeout={self._settings.join_timeout:g} s ({view.arrived} arrived, "
+                    f"min_nodes={self._settings.min_nodes})")
+            time.sleep(self._poll_s)
+
+    def _try_to_close(self, target: int, view: BoardView, quiet_for: float) -> None:
+        arrivals = self._board.arrivals(target)
+        alive = self._board.alive() if view.record is not None else set()
+        if may_close(arrivals, view.record, alive, self._settings, quiet_for):
+            record = closed_round(target, arrivals, view.record, self._settings.max_nodes)
+            if self._board.close_round(record, view.token):
+                logger.info("node %s closed round %d of '%s': %d members, %d spares", node_name(self._node),
+                            target, self._settings.run_id, len(record.members), len(record.spares))
+
+    def is_closed(self) -> bool:
+        """See base class."""
+        return self._board.is_closed()
+
+    def set_closed(self) -> None:
+        """See base class."""
+        self._board.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        """See base class. 0 before this node's first round."""
+        if self._round is None:
+            return 0
+        waiting = self._board.waiting(self._round.round + 1)
+        return waiting_count(waiting, self._round, self._settings.max_nodes)
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._settings.run_id
+
+    def shutdown(self) -> bool:
+        """See base class. Revokes this node's liveness: its keys go at once."""
+        try:
+            self._board.leave()
+        except RendezvousError as exc:  # the keys then expire with the lease
+            logger.warning("the keyed rendezvous '%s' could not remove node %s's keys: %s", self._settings.run_id,
+                           node_name(self._node), exc)
+            return False
+        return True

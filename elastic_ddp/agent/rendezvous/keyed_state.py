@@ -1,0 +1,105 @@
+"""What the keyed rendezvous (`keyed_handler`) keeps in its backend: two small records, plain JSON.
+
+- An **arrival**, one per node and round, in a key of the node's own: the node's name
+  (`NodeDesc`: address, pid, local id). Written once by the node itself; never changed by another.
+- A **round record**, one per run, written only by the node that closes a round: the round's
+  number, its members in rank order and its spares (the redundancy list: nodes that arrived beyond
+  `max_nodes`, waiting for a place).
+
+Both are decoded with a schema check and nothing else: a value that is not JSON, is too long,
+misses a field or has one of the wrong type is refused (`decode_*` returns None, or the caller
+raises `RendezvousStateError`). torch's dynamic rendezvous unpickles the state it reads, so
+whoever can write its key runs code on every agent (findings.md 10); nothing here executes or
+imports what it reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from elastic_ddp.agent.rendezvous.heartbeats import MAX_ADDR_CHARS
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+# An arrival is about 100 bytes; a round record about 80 bytes per node. Anything longer than
+# these bounds is not ours (100 000 nodes with 255-character names still fit the record's).
+MAX_ARRIVAL_BYTES = 1024
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+
+
+def node_name(node: NodeDesc) -> str:
+    """The name of `node`'s keys, unique per node (the name torch prints for it)."""
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
+def encode_node(node: NodeDesc) -> dict:
+    return {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
+
+
+def decode_node(fields: object) -> NodeDesc | None:
+    """The node `fields` describes, or None if it is not a valid node description."""
+    if not isinstance(fields, dict):
+        return None
+    addr, pid, local_id = (fields.get(name) for name in ("addr", "pid", "local_id"))
+    if not (isinstance(addr, str) and 0 < len(addr) <= MAX_ADDR_CHARS and _is_count(pid) and _is_count(local_id)):
+        return None
+    return NodeDesc(addr, pid, local_id)
+
+
+def encode_arrival(node: NodeDesc) -> bytes:
+    """The value of `node`'s arrival key."""
+    return json.dumps(encode_node(node)).encode()
+
+
+def decode_arrival(value: bytes) -> NodeDesc | None:
+    """The node an arrival value names, or None if it is not a valid arrival (see module docstring)."""
+    fields = _json(value, MAX_ARRIVAL_BYTES)
+    return None if fields is None else decode_node(fields)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A closed round: `members` in rank order (rank = index), `spares` waiting beyond max_nodes."""
+
+    round: int
+    members: tuple[NodeDesc, ...]
+    spares: tuple[NodeDesc, ...] = ()
+
+    def rank_of(self, node: NodeDesc) -> int | None:
+        """`node`'s rank in this round, or None if it is not a member."""
+        try:
+            return self.members.index(node)
+        except ValueError:
+            return None
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.round, "members": [encode_node(n) for n in self.members],
+                           "spares": [encode_node(n) for n in self.spares]}).encode()
+
+
+def decode_record(value: bytes) -> RoundRecord | None:
+    """The round record `value` holds, or None if it is not a valid one (see module docstring):
+    also refused are a negative round, no members, and a node named twice."""
+    fields = _json(value, MAX_RECORD_BYTES)
+    if not isinstance(fields, dict) or not _is_count(fields.get("round")):
+        return None
+    members, spares = fields.get("members"), fields.get("spares")
+    if not isinstance(members, list) or not isinstance(spares, list) or not members:
+        return None
+    nodes = [decode_node(item) for item in members + spares]
+    if any(node is None for node in nodes) or len(set(nodes)) != len(nodes):
+        return None
+    return RoundRecord(fields["round"], tuple(nodes[:len(members)]), tuple(nodes[len(members):]))
+
+
+def _json(value: object, limit: int) -> object | None:
+    if not isinstance(value, bytes | bytearray) or len(value) > limit:
+        return None
+    try:
+        return json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63

@@ -1,0 +1,182 @@
+"""The keyed rendezvous (`--rdzv_conf algorithm=keyed`) against a real etcd, several handlers in
+threads of this process (each one an agent: a lease, keys and a lease-refresh thread of its own).
+
+Also the integration cases of torch's test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py
+that apply to any handler, adapted: all nodes join, the redundancy list, a spare moving into the
+next round when a member leaves, get_backend/get_run_id/use_agent_store, set_closed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+
+from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.plugin import etcd_v3_handler_factory
+from elastic_ddp.testbed.local_cluster import wait_for
+from tests.support.rendezvous import rendezvous_together
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = {"join_timeout": "30", "last_call_timeout": "0.5", "keep_alive_interval": "0.5",
+        "keep_alive_max_attempt": "4"}
+
+
+def params(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf: Any) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **{**FAST, **conf})
+
+
+@pytest.fixture
+def make_handlers(etcd_server, run_id):
+    made: list[KeyedRendezvousHandler] = []
+
+    def make(count: int, min_nodes: int, max_nodes: int, **conf: Any) -> list[KeyedRendezvousHandler]:
+        handlers = [create_keyed_etcd_v3_handler(params(etcd_server.endpoint, run_id, min_nodes, max_nodes, **conf))
+                    for _ in range(count)]
+        made.extend(handlers)
+        return handlers
+
+    yield make
+    for handler in made:
+        handler.shutdown()
+
+
+class Background:
+    """`handler.next_rendezvous()` in a thread; `result()` waits for it under a deadline."""
+
+    def __init__(self, handler: KeyedRendezvousHandler) -> None:
+        self.outcome: Any = None
+        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
+        self.thread.start()
+
+    def _run(self, handler: KeyedRendezvousHandler) -> None:
+        try:
+            self.outcome = handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            self.outcome = exc
+
+    def result(self, timeout: float = 30) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"next_rendezvous did not return within {timeout} s"
+        return self.outcome
+
+
+def assert_one_world(infos: list, size: int) -> None:
+    assert all(not isinstance(info, Exception) for info in infos), infos
+    assert sorted(info.rank for info in infos) == list(range(size))
+    assert {info.world_size for info in infos} == {size}
+
+
+def test_all_nodes_join_rendezvous_in_one_round_ranked_by_node_name(make_handlers) -> None:
+    handlers = make_handlers(3, 3, 3)
+    infos = rendezvous_together(handlers, timeout=30)
+    assert_one_world(infos, 3)
+    by_rank = sorted(zip(infos, handlers, strict=True), key=lambda pair: pair[0].rank)
+    names = [handler.node for _, handler in by_rank]
+    assert names == sorted(names)  # torch's rank order: sorted node names
+    assert len({info.bootstrap_store_info.master_port for info in infos}) == 1
+    counts = handlers[0]._board.counts
+    assert counts["writes"] <= 3 and counts["closes"] <= 1  # lease + liveness, one arrival; maybe the close
+
+
+def test_a_node_whose_lease_is_revoked_is_left_out_of_the_next_round(make_handlers) -> None:
+    handlers = make_handlers(3, 2, 3)
+    assert_one_world(rendezvous_together(handlers, timeout=30), 3)
+    killed, survivors = handlers[0], handlers[1:]
+    killed._board.leave()  # as etcd does when a killed agent's lease expires
+    first = Background(survivors[0])
+    wait_for(lambda: survivors[1].num_nodes_waiting() == 1, 10, "a survivor waiting")  # its workers would stop now
+    second = Background(survivors[1])
+    assert_one_world([first.result(), second.result()], 2)
+
+
+def test_a_killed_node_is_left_out_once_its_lease_expires(make_handlers) -> None:
+    handlers = make_handlers(3, 2, 3)
+    assert_one_world(rendezvous_together(handlers, timeout=30), 3)
+    handlers[0]._board._stop.set()  # its refreshes stop, as when the agent is SIGKILLed
+    started = time.monotonic()
+    infos = rendezvous_together(handlers[1:], timeout=30)
+    assert_one_world(infos, 2)
+    assert time.monotonic() - started < 2 * 2 + 3  # lease ttl 2 s (0.5 s x 4), then the round
+
+
+def test_a_joining_node_makes_the_members_restart_and_is_in_the_next_round(make_handlers) -> None:
+    members = make_handlers(2, 2, 3)
+    assert_one_world(rendezvous_together(members, timeout=30), 2)
+    joiner = Background(make_handlers(1, 2, 3)[0])
+    wait_for(lambda: all(member.num_nodes_waiting() == 1 for member in members), 10, "the joiner waiting")
+    infos = rendezvous_together(members, timeout=30)
+    assert_one_world([*infos, joiner.result()], 3)
+
+
+def test_redundancy_list_then_a_spare_takes_a_place_when_a_member_leaves(make_handlers) -> None:
+    members = make_handlers(2, 1, 2)
+    assert_one_world(rendezvous_together(members, timeout=30), 2)
+    spare = Background(make_handlers(1, 1, 2)[0])
+    wait_for(lambda: len(members[0]._board.waiting(1)) == 1, 10, "the spare waiting")
+    assert [member.num_nodes_waiting() for member in members] == [0, 0]  # a full world does not restart
+    with pytest.raises(TimeoutError):  # three last calls pass and the spare forms no round of its own
+        wait_for(lambda: members[0]._board.view(1).record.round > 0, 1.5, "a round of the spare alone")
+    assert spare.thread.is_alive()
+    members[0].shutdown()
+    infos = rendezvous_together(members[1:], timeout=30)
+    assert_one_world([*infos, spare.result()], 2)
+
+
+def test_too_few_nodes_time_out_with_a_clear_error(make_handlers) -> None:
+    handler = make_handlers(1, 2, 2, join_timeout="1")[0]
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout=1"):
+        handler.next_rendezvous()
+
+
+def test_set_closed_ends_waiting_and_later_rendezvous(make_handlers) -> None:
+    first, second = make_handlers(2, 3, 3)
+    waiting = Background(first)
+    wait_for(lambda: first._board.view(0).arrived == 1, 10, "the first arrival")
+    assert not second.is_closed()
+    second.set_closed()
+    assert isinstance(waiting.result(), RendezvousClosedError)
+    assert first.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        second.next_rendezvous()
+
+
+def test_handler_contract_names_and_store(make_handlers, run_id) -> None:
+    handler = make_handlers(1, 1, 1)[0]
+    assert handler.get_backend() == "etcd-v3"
+    assert handler.get_run_id() == run_id
+    assert handler.use_agent_store is False
+    assert handler.num_nodes_waiting() == 0
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    info.store.set("key", b"value")
+    assert info.store.get("key") == b"value"
+    assert handler.shutdown() is True
+
+
+def test_the_entry_point_builds_the_keyed_handler_and_refuses_an_unknown_algorithm(etcd_server, run_id) -> None:
+    create = etcd_v3_handler_factory()
+    handler = create(params(etcd_server.endpoint, run_id, 1, 1, algorithm="keyed"))
+    try:
+        assert isinstance(handler, KeyedRendezvousHandler)
+    finally:
+        handler.shutdown()
+    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected one of dynamic, keyed"):
+        create(params(etcd_server.endpoint, run_id, 1, 1, algorithm="fancy"))
+
+
+def test_a_forged_round_record_is_refused_not_executed(make_handlers, etcd_server, run_id) -> None:
+    handler = make_handlers(1, 1, 1)[0]
+    board = handler._board
+    board._connection.call("forge", lambda client: client.put(board._base + "record", b"\x80\x04cos\nsystem\n."))
+    with pytest.raises(Exception, match="round record .* is not valid"):
+        handler.next_rendezvous()

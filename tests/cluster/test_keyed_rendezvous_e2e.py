@@ -1,0 +1,43 @@
+"""Real torchrun agents on `--rdzv_backend=etcd-v3 --rdzv_conf ...,algorithm=keyed`: a kill and a join.
+
+Each node is a torchrun agent on 127.0.0.1 (elastic_ddp.testbed.local_cluster) training
+`elastic_ddp.train` on a real etcd; the job is held until the scenario is done. Checks the exit
+codes, the final global step and that every sample of every epoch was used exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.testbed.local_cluster import RDZV_CONF
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
+
+BATCH, EPOCHS, DATASET = 64, 3, 4096
+TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET), "--global_batch_size",
+                 str(BATCH), "--micro_batch_size", "16", "--snapshot_every_steps", "5", "--log_interval", "10"]
+
+
+def test_keyed_rendezvous_survives_a_kill_and_takes_a_join_exactly_once(local_jobs, etcd_server, tmp_path) -> None:
+    job = local_jobs(TRAINING_ARGS, nproc_per_node=1, rdzv_backend="etcd-v3", rdzv_endpoint=etcd_server.endpoint,
+                     run_id="keyed-e2e", agent_env={"OMP_NUM_THREADS": "1"},
+                     rdzv_conf=f"{RDZV_CONF},algorithm=keyed", **hold_settings(tmp_path / "hold"))
+    first = job.add_node("first")
+    job.add_node("second")
+    world_reached(job, 2)
+    job.wait_for_step(job.last_step() + 5, timeout=90)
+    first.kill()
+    job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120, "the job to go on in world 1")
+    job.add_node("joiner")
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2
+                                 and e["previous_world_size"] == 1, 120, "the joiner in world 2")
+    assert restore["global_step"] < EPOCHS * DATASET // BATCH, "joined too late to prove anything"
+    release(tmp_path / "hold")
+    exits = job.wait(timeout=180)
+    assert exits["second"] == 0 and exits["joiner"] == 0, node_logs(job)
+    record = etcd_server.etcdctl("get", "--print-value-only", "/elastic_ddp/rendezvous/keyed-e2e/keyed/record").stdout
+    assert '"round": ' in record, "the nodes did not run the keyed rendezvous"
+    assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * DATASET // BATCH
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)

@@ -1,0 +1,80 @@
+"""The keyed rendezvous's pure parts: the completion rule, who is in a round, the JSON schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, decode_arrival, decode_record, encode_arrival
+from elastic_ddp.agent.rendezvous.plugin import take_algorithm
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+A, B, C, D = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(4))
+
+
+def settings(min_nodes: int = 2, max_nodes: int = 3, prompt: bool = True) -> KeyedSettings:
+    return KeyedSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
+                         keep_alive_max_attempt=5, prompt_completion=prompt)
+
+
+def test_a_first_round_waits_for_min_nodes_then_a_quiet_last_call() -> None:
+    assert not may_close([A], None, set(), settings(), quiet_for=10)
+    assert not may_close([A, B], None, set(), settings(), quiet_for=0.5)
+    assert may_close([A, B], None, set(), settings(), quiet_for=1.0)
+    assert may_close([A, B, C], None, set(), settings(), quiet_for=0)  # max_nodes: at once
+
+
+def test_a_live_member_of_the_last_round_that_has_not_arrived_holds_the_round() -> None:
+    last = RoundRecord(0, (A, B, C))
+    assert not may_close([A, B], last, {A, B, C}, settings(), quiet_for=60)
+    assert not may_close([A, B, D], last, {A, B, C, D}, settings(), quiet_for=60)  # not even at max_nodes
+    assert may_close([A, B], last, {A, B}, settings(), quiet_for=0)  # C is dead: prompt completion
+    assert not may_close([A, B], last, {A, B}, settings(prompt=False), quiet_for=0.5)
+    assert may_close([A, B], last, {A, B}, settings(prompt=False), quiet_for=1)
+
+
+def test_members_keep_their_places_spares_wait_and_ranks_follow_node_names() -> None:
+    record = closed_round(1, [D, C, A], RoundRecord(0, (A, C)), max_nodes=2)
+    assert record == RoundRecord(1, (A, C), (D,))
+    assert closed_round(0, [C, A, B], None, max_nodes=3).members == (A, B, C)
+
+
+def test_only_a_member_or_room_in_the_world_makes_waiting_nodes_count() -> None:
+    full = RoundRecord(0, (A, B))
+    assert waiting_count([C], full, max_nodes=2) == 0
+    assert waiting_count([C, A], full, max_nodes=2) == 2
+    assert waiting_count([C], full, max_nodes=3) == 1
+    assert waiting_count([], full, max_nodes=3) == 0
+
+
+def test_records_and_arrivals_round_trip_and_anything_else_is_refused() -> None:
+    record = RoundRecord(7, (A, B), (C,))
+    assert decode_record(record.encode()) == record
+    assert decode_arrival(encode_arrival(A)) == A
+    pickled = b"\x80\x04cos\nsystem\n."
+    refused = [pickled, b"{}", b"[]", json.dumps({"round": -1, "members": [], "spares": []}).encode(),
+               json.dumps({"round": 1, "members": [{"addr": "h", "pid": 1, "local_id": 0}] * 2, "spares": []}).encode(),
+               json.dumps({"round": 1, "members": [{"addr": "h", "pid": "1", "local_id": 0}], "spares": []}).encode(),
+               json.dumps({"round": True, "members": [{"addr": "h", "pid": 1, "local_id": 0}], "spares": []}).encode()]
+    assert [decode_record(value) for value in refused] == [None] * len(refused)
+    assert decode_arrival(b"x" * 2000) is None
+    assert decode_arrival(pickled) is None
+
+
+def test_settings_take_the_shipped_defaults_and_name_a_bad_key() -> None:
+    params = RendezvousParameters("etcd-v3", "localhost:2379", "run", 1, 4, last_call_timeout="2")
+    loaded = KeyedSettings.from_params(params)
+    assert (loaded.last_call_timeout, loaded.keep_alive_interval, loaded.lease_ttl) == (2, 1, 5)
+    with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
+        KeyedSettings.from_params(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, keep_alive_interval="soon"))
+
+
+def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:
+    params = RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="keyed")
+    assert take_algorithm(params) == "keyed" and "algorithm" not in params.config
+    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4)) == "dynamic"
+    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'x'; expected one of dynamic, keyed"):
+        take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="x"))
