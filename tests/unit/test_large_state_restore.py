@@ -12,16 +12,19 @@ peers must keep running (a copy inside torch.load held the GIL for 0.25 s per 40
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.restore_agreement import MEMORY, agree_on_latest_snapshot
+from elastic_ddp.snapshot.exchange.transport import CHUNK_BYTES, FrameLimits, ProcessGroupTransport
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import MemoryTier
 from elastic_ddp.snapshot.serialization import snapshot_from_bytes, write_snapshot
@@ -79,6 +82,29 @@ def _reset_peak() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def ticking() -> Iterator[list[float]]:
+    """A thread that wakes every millisecond, as the watchdog's does every interval; yields a list
+    whose item is the longest it waited between two wake-ups (for the GIL, mostly)."""
+    longest, stop = [0.0], threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            longest[0] = max(longest[0], now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield longest
+    finally:
+        stop.set()
+        ticker.join(timeout=5)
+
+
 def test_a_restore_holds_at_most_twice_the_state_beside_it(offered_twice):
     store, memory = offered_twice
     gc.collect()
@@ -95,25 +121,10 @@ def test_a_restore_holds_at_most_twice_the_state_beside_it(offered_twice):
 
 def test_a_restore_leaves_the_heartbeat_thread_running(offered_twice):
     store, memory = offered_twice
-    longest, stop = [0.0], threading.Event()
-
-    def tick() -> None:
-        last = time.monotonic()
-        while not stop.is_set():
-            time.sleep(0.001)
-            now = time.monotonic()
-            longest[0] = max(longest[0], now - last)
-            last = now
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
+    with ticking() as longest:
         started = time.monotonic()
         restored = agree_on_latest_snapshot(store, context(), FINGERPRINT, memory)
         took = time.monotonic() - started
-    finally:
-        stop.set()
-        ticker.join(timeout=5)
     assert restored is not None and restored.snapshot.global_step == 5
     assert longest[0] < LONGEST_TICK_GAP_S, (
         f"during a {took:.2f} s restore of a {STATE_MB} MB state another thread waited {longest[0]:.3f} s for "
@@ -133,3 +144,26 @@ def test_bytes_from_a_peer_load_in_place(offered_twice):
     peak_extra = _status_mb("VmHWM") - before
     assert snapshot.global_step == 5
     assert peak_extra <= 1.25 * STATE_MB, f"loading {STATE_MB} MB of received bytes peaked at {peak_extra:.0f} MB"
+
+
+def test_receiving_a_large_state_leaves_the_heartbeat_thread_running(monkeypatch):
+    """The receiving side of the snapshot transport (a joining node restoring from a peer): its
+    buffer is neither zeroed nor copied under the GIL (a bytearray and a bytes() of 1 GB held it
+    0.5-2.6 s here). The broadcasts are stand-ins that fill what they are given, as gloo does."""
+    sent = torch.randint(0, 256, (STATE_MB * 2**20,), dtype=torch.uint8)
+    header = b'{"global_step": 5}'
+    pieces = [torch.tensor([len(header), len(sent)], dtype=torch.int64), torch.frombuffer(bytearray(header),
+                                                                                          dtype=torch.uint8)]
+    pieces += list(torch.split(sent, CHUNK_BYTES))
+
+    def broadcast(self, tensor, source_rank):
+        tensor.copy_(pieces.pop(0))
+
+    monkeypatch.setattr(ProcessGroupTransport, "_broadcast", broadcast)
+    monkeypatch.setattr(ProcessGroupTransport, "_vote", lambda self, accepts: [True, True])
+    with ticking() as longest:
+        frame = ProcessGroupTransport().receive(0, FrameLimits(max_payload_bytes=len(sent)))
+    assert frame.header == {"global_step": 5} and len(frame.payload) == len(sent)
+    assert torch.equal(torch.frombuffer(frame.payload, dtype=torch.uint8), sent)
+    assert longest[0] < LONGEST_TICK_GAP_S, (
+        f"while {STATE_MB} MB arrived another thread waited {longest[0]:.3f} s for the GIL")
