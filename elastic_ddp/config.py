@@ -34,6 +34,7 @@ from elastic_ddp.config_checks import (
     check_non_negative,
     check_positive,
     check_seed,
+    check_sharding,
 )
 from elastic_ddp.config_file import ConfigFileError, load_config_file
 from elastic_ddp.workload.sampler import steps_per_epoch
@@ -169,6 +170,12 @@ class TrainingConfig:
     dist_backend: str = _help(
         "Process-group backend: auto (nccl on CUDA, gloo on the CPU), nccl or gloo. gloo on CUDA lets several "
         "ranks share one GPU (nccl refuses that), at gloo's speed.", default="auto")
+    sharding: str = _help("none (DDP: every rank holds the whole state) or fsdp (FSDP2: parameters, gradients and "
+                          "optimizer state sharded over the ranks; snapshots through DCP; docs/sharding.md).",
+                          default="none")
+    shard_blocks: str = _help("With --sharding fsdp: comma-separated globs over submodule names (e.g. 'layers.*') "
+                              "that are sharded as units; default: the model's sharding_blocks(), else every "
+                              "submodule with parameters of its own.", default="")
 
     def __post_init__(self) -> None:
         self._check_workload()
@@ -214,6 +221,7 @@ class TrainingConfig:
                              f"({self.collective_timeout_s:g} s)")
         check_seed(self.seed)
         check_metrics_endpoint(self.metrics_port, self.metrics_addr, self.memory_dir)
+        check_sharding(self, torch.cuda.is_available())
         check_checkpoint_dir(self.checkpoint_dir)
         check_local_location("--event_log", self.event_log, directory=False)
         for name in ("audit_log", "tensorboard_dir"):

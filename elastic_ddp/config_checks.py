@@ -119,3 +119,22 @@ def check_device(device: str, dist_backend: str, cuda_available: bool) -> None:
     if dist_backend == "nccl" and on_cpu:
         raise ValueError(f"--dist_backend: got 'nccl' with --device {device} (the CPU here); expected auto or "
                          "gloo (nccl needs CUDA devices)")
+
+
+def check_sharding(config: Any, cuda_available: bool) -> None:
+    """--sharding and what it cannot be combined with yet (docs/sharding.md)."""
+    if config.sharding not in ("none", "fsdp"):
+        raise ValueError(f"--sharding: got {config.sharding!r}; expected none or fsdp")
+    if config.sharding != "fsdp":
+        if config.shard_blocks:
+            raise ValueError(f"--shard_blocks: got {config.shard_blocks!r} with --sharding {config.sharding}; "
+                             "expected --sharding fsdp too (or no --shard_blocks)")
+        return
+    on_cuda = config.device == "cuda" or (config.device == "auto" and cuda_available)
+    if config.use_amp and on_cuda:
+        raise ValueError("--use_amp: fp16 with a GradScaler on CUDA is not supported with --sharding fsdp yet; "
+                         "expected no --use_amp there (bf16 autocast on the CPU works)")
+    if local_path(config.checkpoint_dir) is None:
+        raise ValueError(f"--checkpoint_dir: got {config.checkpoint_dir!r}; with --sharding fsdp expected a "
+                         "directory every node can read (a shared filesystem): sharded snapshots are not written "
+                         "to object stores yet")

@@ -24,15 +24,13 @@ import os
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.cadence import SnapshotCadence
+from elastic_ddp.snapshot.exchange.cadence_agreement import agree_on_next_snapshot
 from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
@@ -40,6 +38,7 @@ from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import HEADROOM, KeptCopy, MemoryTier, scope_token, state_bytes
+from elastic_ddp.snapshot.sharded.session import ShardedSnapshotSession
 from elastic_ddp.snapshot.staging import StagingBuffers, settled_device_work
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
 
@@ -159,7 +158,8 @@ class SnapshotSession:
         if self.writer is not None:
             self._submit(state, rng_per_rank, final)
         if self.cadence.on_budget:
-            self._agree_on_the_next_snapshot(state.global_step, time.monotonic() - started)
+            agree_on_next_snapshot(self.cadence, state.global_step, time.monotonic() - started, self.context,
+                                   self.events)
 
     def _submit(self, state: TrainingState, rng_per_rank: list[dict[str, Any]], final: bool) -> None:
         """Rank 0: copy `state` into staging and queue its write."""
@@ -172,21 +172,6 @@ class SnapshotSession:
         blocked_seconds = self.writer.submit(capture, final=final, global_step=state.global_step)
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
-
-    def _agree_on_the_next_snapshot(self, global_step: int, blocked_seconds: float) -> None:
-        """On the budget: rank 0 chooses when the next snapshot is due (from what this one cost
-        it), and every rank learns that step (one small broadcast per snapshot)."""
-        next_due = self.cadence.next_due(global_step, blocked_seconds) if self.context.is_main else 0
-        if self.context.in_process_group:
-            agreed = torch.tensor([next_due], dtype=torch.int64, device=self.context.collective_device)
-            dist.broadcast(agreed, src=0)
-            next_due = int(agreed.item())
-        self.cadence.agree(next_due)
-        interval = self.cadence.interval
-        if self.context.is_main and interval is not None:
-            self.events.emit(schema.SNAPSHOT_CADENCE, global_step=global_step, every_steps=interval.every_steps,
-                             interval_s=round(interval.seconds, 3), blocked_seconds=round(blocked_seconds, 4),
-                             budget=self.cadence.budget)
 
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> KeptCopy | None:
         """Keep the last committed step of `state` in this node's memory, as training stops early
@@ -277,3 +262,11 @@ class SnapshotSession:
 
     def _failed(self, global_step: int, reason: str) -> None:
         self.events.emit(schema.SNAPSHOT_FAILED, global_step=global_step, error=reason)
+
+
+def open_snapshot_session(config: TrainingConfig, context: DistributedContext, events: EventLog,
+                          fingerprint: dict[str, Any], incarnation: int) -> SnapshotSession | ShardedSnapshotSession:
+    """The snapshot session of one incarnation: rank 0's single files, or every rank's shards
+    under `--sharding fsdp` (snapshot/sharded/session.py). Both keep the same contract."""
+    session = ShardedSnapshotSession if config.sharding == "fsdp" else SnapshotSession
+    return session(config, context, events, fingerprint, incarnation)

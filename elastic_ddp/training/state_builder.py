@@ -20,6 +20,7 @@ import torch
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.snapshot.training_state import ScalerState, StepCounter, TrainingState
+from elastic_ddp.training.sharding import ShardingError
 from elastic_ddp.workload.sampler import ElasticSampler
 
 
@@ -53,6 +54,9 @@ def build_training_state(model: torch.nn.Module, dataset_size: int, config: Trai
                          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainingState:
     """The state of a run of `model` (already on `device`) over `dataset_size` samples, with the
     defaults of the module docstring for what is None."""
+    if optimizer is not None and config.sharding == "fsdp":
+        raise ShardingError("--sharding fsdp: got an optimizer built before the model was sharded; expected none "
+                            "(the trainer builds --optimizer over the sharded parameters)")
     optimizer = optimizer or build_optimizer(config, model.parameters())
     sampler = ElasticSampler(dataset_size, config.global_batch_size, config.seed, config.drop_last)
     if scheduler is None:

@@ -54,10 +54,11 @@ from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix
 from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
 from elastic_ddp.runtime.drain import DrainSignal
-from elastic_ddp.snapshot.manager import SnapshotSession
+from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
 from elastic_ddp.snapshot.training_state import run_fingerprint
 from elastic_ddp.training.evaluation import Evaluator
 from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.training.sharding import place_model
 from elastic_ddp.training.state_builder import autocast_dtype, build_training_state
 from elastic_ddp.training.step_hooks import MinimumStepTime
 from elastic_ddp.training.stop_guard import StopGuard
@@ -85,7 +86,7 @@ class Trainer:
                  startup: StartupTimeline | None = None):
         self.config = config
         self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
-        self.model = model.to(self.context.device)
+        self.model = place_model(model, config.sharding, config.shard_blocks, self.context.device)
         self.ddp_model: nn.Module = self.model
         self.state = build_training_state(self.model, len(dataset), config, self.context.device, optimizer, scheduler)
         self.fingerprint = run_fingerprint(self.model, len(dataset), config.global_batch_size, config.seed,
@@ -143,8 +144,8 @@ class Trainer:
         self.run_log = RunLog(self.config, self.context, incarnation, self.state.sampler.steps_per_epoch,
                               self.startup, self.log_prefix)
         try:
-            self.snapshots = SnapshotSession(self.config, self.context, self.run_log.events, self.fingerprint,
-                                             incarnation)
+            self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
+                                                   incarnation)
             try:
                 yield self.run_log, self.snapshots
             finally:
@@ -153,7 +154,7 @@ class Trainer:
             self.run_log.close()
 
     def _wrap_model(self) -> None:
-        if self.context.in_process_group:
+        if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
             device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
             self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
             keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo

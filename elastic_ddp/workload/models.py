@@ -42,6 +42,10 @@ class MiniResNet(nn.Module):
         features = self.layers(self.stem(x))
         return self.head(features.mean(dim=(2, 3)))
 
+    def sharding_blocks(self) -> list[nn.Module]:
+        """The units `--sharding fsdp` shards: the stem, each residual block, the head."""
+        return [self.stem, *self.layers, self.head]
+
 
 class MLP(nn.Module):
     def __init__(self, num_classes: int = NUM_CLASSES, hidden: int = 256):
@@ -52,6 +56,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    def sharding_blocks(self) -> list[nn.Module]:
+        """The units `--sharding fsdp` shards: each linear layer."""
+        return [module for module in self.net if isinstance(module, nn.Linear)]
 
 
 def build_model(name: str, seed: int) -> nn.Module:

@@ -1,0 +1,151 @@
+"""Sharded snapshots on disk: one directory per step, committed atomically, verified before use.
+
+Layout in the checkpoint directory (a filesystem every node reads, since each rank writes its own
+shard and a resharded restore reads the shards of others):
+
+    sharded-000000120/          a committed step: never changed after its rename
+        __0_0.distcp ...        DCP's files, one or more per rank (tensors only)
+        .metadata               DCP's index of them (pickled by torch: read through safe_reader)
+        trainer.snap            everything that is not sharded, as a format-2 snapshot file
+        checksums.json          written last: every file above with its size and BLAKE3 checksum
+    .sharded-000000125.tmp-INC  a step being written by incarnation INC (or abandoned by it)
+
+The commit is the rename of the temporary directory to its final name, after every file and the
+directory are fsynced; `checksums.json` is written just before it, so a committed directory lists
+every file it holds. A reader trusts nothing it finds: the manifest is strict JSON with a fixed
+shape, every listed name is a plain file name, and each file's size and checksum must match before
+any byte of it is loaded. Pruning removes only committed steps beyond `keep_last`, oldest first,
+and only after a newer one was committed, so the newest valid step is never removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM, checksum_of, checksum_text, new_hasher
+from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
+
+MANIFEST = "checksums.json"
+TRAINER_FILE = "trainer.snap"
+MANIFEST_FORMAT = 1
+MAX_MANIFEST_BYTES = 1 << 20
+_COMMITTED = re.compile(r"^sharded-(\d{9})$")
+_TEMPORARY = re.compile(r"^\.sharded-(\d{9})\.tmp-(\d+)$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_CHUNK = 8 << 20
+
+
+class ShardedSnapshotError(Exception):
+    """A sharded snapshot directory that must not be loaded; the message says which and why."""
+
+
+def committed_directory(root: Path, step: int) -> Path:
+    return root / f"sharded-{step:09d}"
+
+
+def temporary_directory(root: Path, step: int, incarnation: int) -> Path:
+    return root / f".sharded-{step:09d}.tmp-{incarnation}"
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every committed sharded snapshot under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(match.group(1)), entry) for entry in root.iterdir()
+             if (match := _COMMITTED.match(entry.name)) and entry.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def file_checksum(path: Path) -> str:
+    """The BLAKE3 checksum of the file at `path`, read in 8 MB pieces (the hash releases the GIL)."""
+    hasher = new_hasher(DEFAULT_ALGORITHM)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            hasher.update(chunk)
+    return checksum_text(DEFAULT_ALGORITHM, hasher.hexdigest())
+
+
+def commit(temporary: Path, step: int) -> tuple[Path, str, int]:
+    """List every file of `temporary` in its manifest, make it durable and rename it to the step's
+    committed name. Returns (committed directory, the manifest's checksum, bytes in all files).
+    A step committed already (by an earlier incarnation) is kept as it is, and `temporary` removed."""
+    files = {}
+    for path in sorted(temporary.iterdir()):
+        if path.name == MANIFEST or not path.is_file():
+            continue
+        files[path.name] = {"size": path.stat().st_size, "checksum": file_checksum(path)}
+        _fsync(path)
+    manifest = encode_object({"format": MANIFEST_FORMAT, "global_step": step, "files": files})
+    with open(temporary / MANIFEST, "wb") as handle:
+        handle.write(manifest)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync(temporary)
+    final = committed_directory(temporary.parent, step)
+    if final.exists():
+        shutil.rmtree(temporary, ignore_errors=True)
+    else:
+        os.rename(temporary, final)
+        _fsync(final.parent)
+    return final, checksum_of(manifest), sum(entry["size"] for entry in files.values()) + len(manifest)
+
+
+def verify(directory: Path) -> str:
+    """Check every file `directory`'s manifest lists (name, size, checksum); returns the manifest's
+    checksum. Raises ShardedSnapshotError naming the directory and the first problem found."""
+    manifest_path = directory / MANIFEST
+    try:
+        if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ShardedSnapshotError(f"{manifest_path}: larger than {MAX_MANIFEST_BYTES} bytes")
+        raw = manifest_path.read_bytes()
+        document = parse_object(raw)
+    except (OSError, StrictJSONError) as exc:
+        raise ShardedSnapshotError(f"{manifest_path}: unreadable ({exc})") from exc
+    files = document.get("files")
+    step = committed_step_of(directory)
+    if (document.get("format") != MANIFEST_FORMAT or document.get("global_step") != step
+            or not isinstance(files, dict) or TRAINER_FILE not in files or ".metadata" not in files):
+        raise ShardedSnapshotError(f"{manifest_path}: not a manifest of step {step} listing {TRAINER_FILE} and "
+                                   ".metadata")
+    for name, entry in files.items():
+        if not _FILE_NAME.match(name) or name == MANIFEST or not isinstance(entry, dict):
+            raise ShardedSnapshotError(f"{manifest_path}: lists {name[:80]!r}, which is no file name of a snapshot")
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise ShardedSnapshotError(f"{path}: listed but unreadable ({exc})") from exc
+        if size != entry.get("size"):
+            raise ShardedSnapshotError(f"{path}: {size} bytes; the manifest says {entry.get('size')}")
+        if file_checksum(path) != entry.get("checksum"):
+            raise ShardedSnapshotError(f"{path}: its checksum does not match the manifest's (torn or changed)")
+    return checksum_of(raw)
+
+
+def committed_step_of(directory: Path) -> int:
+    match = _COMMITTED.match(directory.name)
+    if match is None:
+        raise ShardedSnapshotError(f"{directory}: not a committed sharded snapshot directory")
+    return int(match.group(1))
+
+
+def prune(root: Path, keep_last: int, incarnation: int) -> list[Path]:
+    """Remove committed steps beyond the newest `keep_last`, and the temporary directories of
+    other incarnations (abandoned writes). Returns what was removed."""
+    removed = [directory for _, directory in committed_steps(root)[keep_last:]]
+    removed += [entry for entry in root.iterdir()
+                if (match := _TEMPORARY.match(entry.name)) and int(match.group(2)) != incarnation]
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return removed
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

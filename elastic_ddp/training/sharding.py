@@ -1,0 +1,82 @@
+"""Sharded training (`--sharding fsdp`): the model's blocks and its root under FSDP2's `fully_shard`.
+
+Which submodules are blocks, in this order of precedence:
+
+- `--shard_blocks GLOB[,GLOB...]`: every submodule whose qualified name (as in
+  `model.named_modules()`, e.g. `layers.0`) matches one of the patterns (`fnmatch`: `layers.*`);
+- the model's own `sharding_blocks()` method, returning the submodules to shard (the built-in
+  models have one: the MLP's linear layers, the ResNet's stem, residual blocks and head);
+- otherwise every submodule that holds parameters of its own (`Linear`, `Conv2d`, norms...).
+
+The root is always sharded last, so that what is left (parameters outside any block) is sharded too.
+Each rank must build the same initial weights before this runs (the built-in models do, from
+`--seed`): `fully_shard` keeps this rank's slice of the weights it is given.
+
+Contract: call it with the default process group up and before the optimizer is built, since
+`fully_shard` replaces the module's parameters by sharded ones (`DTensor`s). Gradients are
+reduce-scattered and averaged over the ranks at the end of each backward, as DDP averages them, so
+the trainer's global-batch maths is unchanged. Limits of this first version: every micro-batch of
+a step synchronises its gradients (no `no_sync` yet: same result, more traffic), and buffers
+(BatchNorm's running statistics) are not synchronised across ranks as DDP's broadcast does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+logger = logging.getLogger(__name__)
+
+SHARDING_MODES = ("none", "fsdp")
+
+
+class ShardingError(ValueError):
+    """The model cannot be sharded as asked; the message names the flag and what is accepted."""
+
+
+def shard_blocks(model: nn.Module, patterns: tuple[str, ...] = ()) -> list[str]:
+    """The qualified names of the submodules `shard_model` shards as blocks, in module order."""
+    named = dict(model.named_modules())
+    if patterns:
+        names = [name for name in named if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+        if not names:
+            raise ShardingError(f"--shard_blocks: got {','.join(patterns)}, which matches no submodule of "
+                                f"{type(model).__name__}; expected globs over names such as "
+                                f"{', '.join([name for name in named if name][:4])}")
+        return _outermost(names)
+    if hasattr(model, "sharding_blocks"):
+        wanted = {id(module) for module in model.sharding_blocks()}
+        return [name for name, module in named.items() if name and id(module) in wanted]
+    return [name for name, module in named.items() if name and any(True for _ in module.parameters(recurse=False))]
+
+
+def place_model(model: nn.Module, sharding: str, shard_blocks: str, device: torch.device) -> nn.Module:
+    """`model` on `device`, sharded when `sharding` is fsdp (`shard_blocks`: comma-separated globs)."""
+    model = model.to(device)
+    if sharding == "fsdp":
+        shard_model(model, tuple(pattern.strip() for pattern in shard_blocks.split(",") if pattern.strip()))
+    return model
+
+
+def shard_model(model: nn.Module, patterns: tuple[str, ...] = ()) -> nn.Module:
+    """`fully_shard` every block of `model` (see the module docstring), then the root; returns `model`."""
+    if not dist.is_initialized():
+        raise ShardingError("--sharding fsdp: got no process group; expected a run under torchrun (or "
+                            "--sharding none)")
+    modules = dict(model.named_modules())
+    names = shard_blocks(model, patterns)
+    for name in names:
+        fully_shard(modules[name])
+    fully_shard(model)
+    logger.info("sharded %d block(s) and the root over %d rank(s)", len(names), dist.get_world_size())
+    return model
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """`names` without those inside another one (a block's submodules belong to the block)."""
+    return [name for name in names if not any(name.startswith(other + ".") for other in names if other != name)]

@@ -1,0 +1,54 @@
+"""Sharded training (`--sharding fsdp`) with real torchrun nodes on 127.0.0.1 and real gloo: a node
+SIGKILLed (the shards of 2 ranks resharded over 1), then a node joining (1 over 2); every sample
+exactly once, and the final model that of an uninterrupted, unsharded run.
+
+    .venv/bin/python -m pytest -q tests/cluster/test_sharded_cluster.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.equivalence import run_reference
+from elastic_ddp.snapshot.sharded import step_directories as steps
+from elastic_ddp.snapshot.sharded.safe_reader import read_tensors
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DATASET, BATCH, EPOCHS = 768, 32, 2
+STEPS = EPOCHS * DATASET // BATCH
+TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
+                 "--global_batch_size", str(BATCH), "--micro_batch_size", "16", "--snapshot_every_steps", "4",
+                 "--log_interval", "4"]
+PARAMETER_TOLERANCE = 1e-4  # world sizes 2, 1, 2 sum the gradients in other orders (as tests/cluster/test_zero_loss.py)
+
+
+def test_a_sharded_job_reshards_after_a_kill_and_a_join(local_jobs, tmp_path):
+    hold = tmp_path / "hold"
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=[*TRAINING_ARGS, "--sharding", "fsdp"], nproc_per_node=1,
+                     **hold_settings(hold))
+    host = job.add_node("host")
+    lost = job.add_node("lost")
+    world_reached(job, 2)
+    job.wait_for_step(6, timeout=90)
+    lost.kill()
+    shrunk = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 90, "restore in world 1")
+    job.add_node("joiner")
+    grown = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 120, "restore in world 2")
+    release(hold)
+    assert host.wait(timeout=180) == 0, node_logs(job)
+
+    assert (shrunk["previous_world_size"], grown["previous_world_size"]) == (2, 1)
+    assert shrunk["source"] == "file" and shrunk["global_step"] % 4 == 0  # from the newest sharded snapshot
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)
+    (final_step, newest), *_ = steps.committed_steps(job.checkpoint_dir)
+    assert final_step == STEPS
+    sharded = {name[len("model."):]: value for name, value in read_tensors(newest).items()
+               if name.startswith("model.")}
+    expected = load_snapshot(run_reference(tmp_path / "reference", TRAINING_ARGS))["model"]
+    assert sharded.keys() == expected.keys()
+    difference = max((sharded[name] - value).abs().max().item() for name, value in expected.items())
+    assert difference <= PARAMETER_TOLERANCE, f"largest parameter difference {difference:g}"

@@ -1,0 +1,112 @@
+"""Sharded training (`--sharding fsdp`) in one process with a real gloo group of one rank: FSDP2
+shards, DCP snapshots committed per step, a resume equal to an uninterrupted run, and snapshots
+that are torn or would run code refused. tests/cluster/test_sharded_cluster.py reshards across
+world sizes with real torchrun nodes.
+
+    .venv/bin/python -m pytest -q tests/unit/test_sharded_training.py
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_ddp import load_snapshot
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
+from elastic_ddp.snapshot.sharded import step_directories as steps
+from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError, read_tensors
+from elastic_ddp.training.sharding import ShardingError, shard_blocks
+from elastic_ddp.workload.models import MLP, MiniResNet
+from tests.support.training import Crash, crash_at, make_trainer, small_config
+
+
+def _sharded(tmp_path, **overrides):
+    return small_config(tmp_path, sharding="fsdp", **overrides)
+
+
+def _final_model(config) -> dict[str, torch.Tensor]:
+    (_, newest), *_ = steps.committed_steps(tmp_path_of(config))
+    return {name[len("model."):]: value for name, value in read_tensors(newest).items() if name.startswith("model.")}
+
+
+def tmp_path_of(config) -> Path:
+    return Path(config.checkpoint_dir)
+
+
+def test_blocks_come_from_the_model_or_the_globs():
+    assert shard_blocks(MLP()) == ["net.1", "net.3", "net.5"]
+    assert shard_blocks(MiniResNet()) == ["stem", "layers.0", "layers.1", "head"]
+    assert shard_blocks(MLP(), ("net.[13]",)) == ["net.1", "net.3"]
+    with pytest.raises(ShardingError, match=r"^--shard_blocks: got layers\.\*, which matches no submodule of MLP; "
+                                            r"expected globs over names such as net, net\.0, net\.1, net\.2$"):
+        shard_blocks(MLP(), ("layers.*",))
+
+
+def test_sharding_without_a_process_group_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ShardingError, match=r"^--sharding fsdp: got no process group; expected a run under torchrun"):
+        make_trainer(_sharded(tmp_path))
+
+
+def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_gloo_group, tmp_path):
+    plain = small_config(tmp_path / "plain")
+    make_trainer(plain).fit()
+    expected = load_snapshot(plain.checkpoint_dir)["model"]
+
+    reference = _sharded(tmp_path / "reference")
+    make_trainer(reference).fit()
+    uninterrupted = _final_model(reference)
+    assert uninterrupted.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(uninterrupted[name], value, rtol=0, atol=1e-6)
+
+    interrupted = _sharded(tmp_path / "interrupted")
+    with pytest.raises(Crash):
+        make_trainer(interrupted, after_step=crash_at(5)).fit()
+    assert [step for step, _ in steps.committed_steps(tmp_path_of(interrupted))] == [4]
+    make_trainer(interrupted).fit()
+    restore = next(e for e in read_events(tmp_path_of(interrupted) / EVENT_LOG_NAME) if e["event"] == "restore")
+    assert restore["global_step"] == 4 and restore["source"] == "file"
+    resumed = _final_model(interrupted)
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    assert len(steps.committed_steps(tmp_path_of(interrupted))) <= interrupted.keep_last
+
+
+def test_a_torn_shard_is_refused_and_the_older_step_restored(one_rank_gloo_group, tmp_path):
+    config = _sharded(tmp_path, keep_last=3)
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(9)).fit()
+    (newest_step, newest), (older_step, _), *_ = steps.committed_steps(tmp_path_of(config))
+    shard = next(path for path in newest.iterdir() if path.suffix == ".distcp")
+    with open(shard, "r+b") as handle:
+        handle.seek(10)
+        handle.write(b"\xff\xfe")
+    trainer = make_trainer(config, after_step=crash_at(older_step + 1))
+    with pytest.raises(Crash):
+        trainer.fit()
+    restores = [e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore"]
+    assert (newest_step, restores[-1]["global_step"]) == (8, older_step) == (8, 6)  # 6: the epoch end
+
+
+def test_an_index_that_would_run_code_is_refused_before_anything_is_loaded(one_rank_gloo_group, tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system, which a DCP index never holds"):
+        RestrictedUnpickler(io.BytesIO(pickle.dumps(Payload())), "planted").load()
+
+    config = _sharded(tmp_path)
+    make_trainer(config).fit()
+    (step, newest), *_ = steps.committed_steps(tmp_path_of(config))
+    (newest / ".metadata").write_bytes(pickle.dumps(Payload()))
+    steps.commit(newest.rename(steps.temporary_directory(newest.parent, step, 0)), step)  # re-listed: checksums match
+    make_trainer(config).fit()  # refuses it, restores the step before
+    assert not (tmp_path / "ran").exists()
+    restores = [e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore"]
+    assert restores[-1]["global_step"] < step
