@@ -81,3 +81,57 @@ def test_a_partitioned_node_is_left_behind_never_trains_alone_and_rejoins_after_
     assert restore["source"] == "memory" and restore["lost_steps"] <= 1, restore
     assert training_again_s <= TRAINING_AGAIN_BOUND_S, f"{training_again_s:.1f} s\n{node_logs(job)}"
     assert_exactly_once(job, dataset_size, epochs, batch)
+
+
+# The bound on the other nodes stopping once the store's node is cut off (docs/failure-semantics.md):
+# 5 s of silence (the heartbeat expiry) and a 2 s probe (elastic_ddp/agent/rendezvous/store_watch.py),
+# then torchrun's 30 s shutdown timeout for a worker blocked in a collective; 5 s to spare.
+STORE_LOST_BOUND_S = 5 + 2 + 30 + 5
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_store_host_stops_the_others_with_one_line_and_a_relaunch_resumes(
+        local_jobs, network_bed, tmp_path):
+    """n0 hosts the c10d store and is cut off: n1 and n2 stop within `STORE_LOST_BOUND_S`, each
+    with one line naming the endpoint it cannot reach; relaunched with n1 as the rendezvous
+    host, they resume from the newest state they hold, and the run ends exactly once.
+
+    That state is the newest snapshot: their workers, blocked in a collective with n0 and in the
+    peer watchdog's store read, are SIGKILLed by torchrun and keep no memory copy."""
+    bed = network_bed(["n0", "n1", "n2"])
+    hold = tmp_path / "hold"
+    dataset_size, epochs, batch = 1024, 30, 64
+    args = ["--model", "mlp", "--epochs", str(epochs), "--dataset_size", str(dataset_size),
+            "--global_batch_size", str(batch), "--snapshot_every_steps", "5", "--log_interval", "10"]
+    # At least two nodes: n0, alone on its side, never trains as a group of its own.
+    job = start_job(local_jobs, bed, hold, args, ["n0", "n1", "n2"], nnodes="2:3")
+    n0, n1, n2 = job.nodes
+    world_reached(job, 3)
+    job.wait_for_event(lambda e: e["event"] == "snapshot" and e["global_step"] >= 10, 60, "a snapshot at step 10")
+    partitioned_at = time.monotonic()
+    bed.apply(NetworkFault.parse("partition n0"))
+    last_step = job.last_step()
+    endpoint = job.rdzv_endpoint
+    stopped = {}
+    for node in (n1, n2):
+        node.wait(STORE_LOST_BOUND_S + 30)
+        stopped[node.name] = time.monotonic() - partitioned_at
+    last_lines = {node.name: node.log_text().strip().splitlines()[-1] for node in (n1, n2)}
+    print(f"store's node partitioned: stopped after {', '.join(f'{k} {v:.1f} s' for k, v in stopped.items())}: "
+          f"{last_lines['n1']}")
+    assert max(stopped.values()) <= STORE_LOST_BOUND_S, node_logs(job)
+    for node in (n1, n2):
+        assert f"--rdzv_endpoint={endpoint}" in last_lines[node.name], node.log_text()[-3000:]
+    n0.stop()
+    relaunched_at = time.time()
+    relaunched = start_job(local_jobs, bed, hold, args, ["n1", "n2"], nnodes="2:2")
+    release(hold)
+    restore = relaunched.wait_for_event(lambda e: e["event"] == "restore" and e["time"] > relaunched_at, 90,
+                                        "the relaunched group's restore")
+    codes = relaunched.wait(120)
+    newest = max(e["global_step"] for e in job.events("snapshot") if e["time"] < relaunched_at)
+    print(f"relaunched with n1 as the rendezvous host: restored step {restore['global_step']} from "
+          f"{restore['source']} (the newest snapshot: step {newest}; last step before the partition: {last_step})")
+    assert codes == {"n1": 0, "n2": 0}, f"{codes}\n{node_logs(relaunched)}"
+    assert restore["global_step"] >= newest, restore
+    assert_exactly_once(relaunched, dataset_size, epochs, batch)

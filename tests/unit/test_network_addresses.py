@@ -145,7 +145,7 @@ def test_an_endpoint_whose_machine_refuses_is_reachable():
 
 
 def test_an_endpoint_without_an_answer_is_named_in_one_warning_then_one_error(monkeypatch, caplog):
-    monkeypatch.setattr(c10d_store, "_unanswered", lambda host, port: "no answer within 2 s")
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: "no answer within 2 s")
     monkeypatch.setattr(c10d_store, "PROBE_INTERVAL_S", 0.05)
     caplog.set_level(logging.WARNING, logger=c10d_store.__name__)
     with pytest.raises(RendezvousConnectionError) as raised:
@@ -158,7 +158,7 @@ def test_an_endpoint_without_an_answer_is_named_in_one_warning_then_one_error(mo
 
 def test_an_endpoint_that_answers_later_ends_the_wait(monkeypatch, caplog):
     answers = iter(["no answer within 2 s", None])
-    monkeypatch.setattr(c10d_store, "_unanswered", lambda host, port: next(answers))
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: next(answers))
     monkeypatch.setattr(c10d_store, "PROBE_INTERVAL_S", 0.01)
     caplog.set_level(logging.WARNING, logger=c10d_store.__name__)
     c10d_store.wait_until_reachable("10.0.0.1", 29400, timeout_s=5)
@@ -166,7 +166,7 @@ def test_an_endpoint_that_answers_later_ends_the_wait(monkeypatch, caplog):
 
 
 def test_a_name_that_does_not_resolve_is_no_answer():
-    assert "does not resolve" in c10d_store._unanswered("name.that-does-not-resolve.invalid", 29400)
+    assert "does not resolve" in c10d_store.unanswered("name.that-does-not-resolve.invalid", 29400)
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -11,7 +11,9 @@ instead of after a heartbeat expiry, a last call and torch's once-a-second polli
 Addresses (`addresses`, `c10d_store`): the node whose interface holds the endpoint's address
 hosts the store (`is_host` still decides where given), the workers' gloo and NCCL use the
 interface that holds this node's published address, and a node that would publish a loopback
-address to another machine, or that cannot reach the endpoint, says so in one line.
+address to another machine, or that cannot reach the endpoint, says so in one line. When the
+store's node is cut off while other nodes answer, this node stops with one line naming the
+endpoint (`store_watch`); when this node itself is cut off, it waits and rejoins.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store, endpoint_of, hosts_store
-from elastic_ddp.agent.rendezvous.handler import check_options, elastic_handler
+from elastic_ddp.agent.rendezvous.handler import check_options, elastic_handler, with_shipped_defaults
+from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +38,13 @@ BACKEND_NAME = "elastic-c10d"
 
 
 class NamedBackend(RendezvousBackend):
-    """torch's c10d backend under our backend name (torchrun checks that the two agree)."""
+    """torch's c10d backend under our backend name (torchrun checks that the two agree), its
+    requests run through `watch` where given (a store whose node is cut off: `store_watch`)."""
 
-    def __init__(self, backend: RendezvousBackend, name: str = BACKEND_NAME):
+    def __init__(self, backend: RendezvousBackend, name: str = BACKEND_NAME, watch: StoreWatch | None = None):
         self._backend = backend
         self._name = name
+        self._watch = watch
 
     @property
     def name(self) -> str:
@@ -48,11 +53,15 @@ class NamedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
-        return self._backend.get_state()
+        if self._watch is None:
+            return self._backend.get_state()
+        return self._watch.call("read the rendezvous state", self._backend.get_state)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """See base class."""
-        return self._backend.set_state(state, token)
+        if self._watch is None:
+            return self._backend.set_state(state, token)
+        return self._watch.call("write the rendezvous state", lambda: self._backend.set_state(state, token))
 
 
 def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
@@ -74,4 +83,12 @@ def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
     if problem is not None:
         logger.warning("%s (unless every node of the job runs on this machine)", problem)
     store = create_tcp_store(params)
-    return elastic_handler(params, store, NamedBackend(C10dRendezvousBackend(store, params.run_id)))
+    watch = StoreWatch(host, port, silence_s=heartbeat_expiry_s(with_shipped_defaults(params)))
+    backend = NamedBackend(C10dRendezvousBackend(store, params.run_id), watch=watch)
+    return elastic_handler(params, store, backend, store_watch=watch)
+
+
+def heartbeat_expiry_s(params: RendezvousParameters) -> float:
+    """Seconds after its last heartbeat that a node counts as gone: keep_alive_interval x
+    keep_alive_max_attempt (torch's keys; 5 s shipped)."""
+    return float(params.get_as_int("keep_alive_interval", 5)) * params.get_as_int("keep_alive_max_attempt", 3)

@@ -109,7 +109,7 @@ def wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     warned = False
     while True:
-        reason = _unanswered(host, port)
+        reason = unanswered(host, port)
         if reason is None:
             if warned:
                 logger.warning("the rendezvous endpoint %s:%d answers now", host, port)
@@ -127,7 +127,7 @@ def wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
         time.sleep(min(PROBE_INTERVAL_S, left))
 
 
-def _unanswered(host: str, port: int) -> str | None:
+def unanswered(host: str, port: int) -> str | None:
     """Why `host:port` gave no answer to one TCP connect, or None if it accepted or refused."""
     try:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()

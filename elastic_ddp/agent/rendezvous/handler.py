@@ -40,6 +40,7 @@ from elastic_ddp.agent.rendezvous.state_holder import (
     last_call_extension_enabled,
     prompt_completion_enabled,
 )
+from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,12 @@ def check_options(params: RendezvousParameters) -> tuple[bool, bool, bool]:
 
 
 def elastic_handler(params: RendezvousParameters, store: Store, backend: RendezvousBackend,
-                    heartbeats: HeartbeatChannel | None = None, nodes_per_poll: int = 0) -> DynamicRendezvousHandler:
+                    heartbeats: HeartbeatChannel | None = None, nodes_per_poll: int = 0,
+                    store_watch: StoreWatch | None = None) -> DynamicRendezvousHandler:
     """torch's dynamic rendezvous handler on `store` and `backend`, with our additions (module
     docstring); heartbeats go through `heartbeats` where given, else through the state as in torch;
-    `nodes_per_poll`: see `ElasticStateHolder`.
+    `nodes_per_poll`: see `ElasticStateHolder`; `store_watch`, the watch that `backend` runs its
+    requests through, learns from the dead-node beacons whether other nodes answer.
 
     Call it once per agent, before its first `next_rendezvous`, and use only the returned handler.
     """
@@ -98,6 +101,8 @@ def elastic_handler(params: RendezvousParameters, store: Store, backend: Rendezv
     handler = create_handler(store, backend, with_shipped_defaults(params))
     node = torch_internals.handler_node(handler)
     beacon, detector = start_beacon(store, node) if probes else (None, None)
+    if store_watch is not None and detector is not None:
+        store_watch.peers_answer = lambda: detector.any_answers(node)
     holder = torch_internals.new_state_holder(ElasticStateHolder, backend, handler, node=node, detector=detector,
                                               beacon=beacon, prompt_completion=prompt, extend_last_call=extend,
                                               heartbeats=heartbeats, nodes_per_poll=nodes_per_poll)

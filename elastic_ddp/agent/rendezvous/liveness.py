@@ -202,6 +202,13 @@ class DeadNodeDetector:
                 self._exited.add(node)
         return [node for node in nodes if node in self._exited]
 
+    def any_answers(self, other_than: NodeDesc) -> bool:
+        """Whether a node reached before, other than `other_than` (this agent's), answers a probe
+        now: accepts, or refuses (its machine is reachable). Tells a cut-off network from a cut-off
+        peer (`store_watch`); one probe per reached node, `timeout` each at most."""
+        return any(probe(address, self._timeout) is not Answer.UNKNOWN
+                   for node, address in list(self._reached.items()) if node != other_than)
+
     def has_exited(self, node: NodeDesc) -> bool:
         """Whether `node` is known to have exited (as of the last `dead` that named it)."""
         return node in self._exited

@@ -1,0 +1,107 @@
+"""A rendezvous store that goes silent (elastic_ddp/agent/rendezvous/store_watch.py): the store's node
+cut off while other nodes answer stops this node with one line; this node cut off waits and goes on.
+Requests here block on an event as a TCPStore request blocks on a blackholed connection;
+tests/cluster/test_network_partition.py does it with real partitions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from elastic_ddp.agent.rendezvous import c10d_store
+from elastic_ddp.agent.rendezvous.liveness import Beacon, DeadNodeDetector, beacon_key
+from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+SILENCE_S = 0.05
+
+
+@pytest.fixture
+def endpoint_silent(monkeypatch):
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: "no answer within 2 s")
+
+
+def _blocked_call(watch: StoreWatch, release: threading.Event) -> threading.Thread:
+    """A request that blocks until `release`, called from a thread; its outcome lands in thread.outcome."""
+    def call() -> None:
+        try:
+            thread.outcome = watch.call("read the rendezvous state", lambda: release.wait() and "state")
+        except RendezvousConnectionError as exc:
+            thread.outcome = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.outcome = None
+    thread.start()
+    return thread
+
+
+def test_answers_and_errors_come_back_as_from_the_store():
+    watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
+    assert watch.call("read", lambda: ("state", 1)) == ("state", 1)
+    with pytest.raises(KeyError):
+        watch.call("read", lambda: {}["missing"])
+
+
+def test_the_store_node_cut_off_while_others_answer_stops_this_node_with_one_line(endpoint_silent):
+    watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
+    watch.peers_answer = lambda: True
+    release = threading.Event()
+    thread = _blocked_call(watch, release)
+    thread.join(5)
+    assert isinstance(thread.outcome, RendezvousConnectionError), thread.outcome
+    message = str(thread.outcome)
+    assert "\n" not in message and "--rdzv_endpoint=10.0.0.1:29400" in message and "cut off" in message
+    with pytest.raises(RendezvousConnectionError, match="--rdzv_endpoint=10.0.0.1:29400"):
+        watch.call("write the rendezvous state", lambda: "never run")  # at once: the store is lost
+    release.set()
+
+
+def test_this_node_cut_off_waits_and_goes_on_when_the_store_answers(endpoint_silent, caplog):
+    caplog.set_level(logging.WARNING, logger="elastic_ddp.agent.rendezvous.store_watch")
+    watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
+    judged = threading.Event()
+    watch.peers_answer = lambda: judged.set() or False
+    release = threading.Event()
+    thread = _blocked_call(watch, release)
+    assert judged.wait(5)
+    judged.clear()
+    assert judged.wait(5)  # judged again, still waiting
+    release.set()
+    thread.join(5)
+    assert thread.outcome == "state"  # the request's own answer
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2 and "seems cut off" in messages[0] and "answers again" in messages[1], messages
+
+
+def test_a_slow_store_whose_machine_answers_is_waited_for(monkeypatch):
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: None)
+    watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
+    watch.peers_answer = lambda: pytest.fail("peers asked although the endpoint answers")
+    release = threading.Event()
+    thread = _blocked_call(watch, release)
+    thread.join(0.3)
+    assert thread.is_alive()
+    release.set()
+    thread.join(5)
+    assert thread.outcome == "state"
+
+
+def test_other_nodes_answer_once_reached_and_this_node_does_not_count():
+    store = dist.HashStore()
+    this, other = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
+    beacons = {node: Beacon() for node in (this, other)}
+    for node, beacon in beacons.items():
+        store.set(beacon_key(node), str(beacon.port))
+    detector = DeadNodeDetector(store)
+    assert not detector.any_answers(this)  # nobody reached yet
+    detector.observe([this, other])
+    assert detector.any_answers(this)
+    beacons[other].close()
+    assert detector.any_answers(this)  # a refusal: its machine answers, the network works
+    assert detector.any_answers(other)  # from `other`'s side, this node answers
+    beacons[this].close()
