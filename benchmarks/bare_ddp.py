@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -83,6 +84,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--log_interval", type=int, default=10)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--sharding", default="none", choices=("none", "fsdp"),
+                        help="fsdp: a bare FSDP2 loop (fully_shard on the model's sharding_blocks() and the root)")
     return parser.parse_args(argv)
 
 
@@ -122,7 +125,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int,
     the process CPU time (`time.process_time()`) at the end of every optimizer step."""
     use_cuda = device.type == "cuda"
     model = build_model(args.model, args.seed).to(device)
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    if args.sharding == "fsdp":  # written out here, as torchtitan's tutorial loop would
+        for block in model.sharding_blocks():
+            fully_shard(block)
+        ddp_model = fully_shard(model)
+    else:
+        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     dataset = SyntheticImageDataset(args.dataset_size, args.seed)
     if args.augment:
         dataset = RandomHorizontalFlip(dataset)

@@ -79,6 +79,7 @@ class Workload:
     world_size: int = 2
     device: str = "cpu"
     use_amp: bool = False
+    sharding: str = "none"  # fsdp: both sides shard the model with FSDP2 (the bare side: a bare FSDP2 loop)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -87,7 +88,7 @@ class Workload:
     def shared_args(self) -> list[str]:
         return ["--model", self.model, "--epochs", str(self.epochs), "--dataset_size", str(self.dataset_size),
                 "--global_batch_size", str(self.global_batch_size), "--device", self.device,
-                "--use_amp" if self.use_amp else "--no-use_amp"]
+                "--use_amp" if self.use_amp else "--no-use_amp", "--sharding", self.sharding]
 
 
 FULL_WORKLOADS = (Workload("mini_resnet", epochs=4), Workload("mlp", epochs=24))
@@ -249,12 +250,13 @@ def _rows(workloads: Sequence[Workload], bare: dict[str, list[RunResult]],
 
 def _describe(workload: Workload) -> str:
     amp = ", AMP" if workload.use_amp else ""
+    amp += ", FSDP2 (both sides)" if workload.sharding == "fsdp" else ""
     return (f"{workload.world_size} workers, {workload.device}{amp}, batch {workload.global_batch_size}, "
             f"{workload.epochs} epochs of {workload.steps_per_epoch} steps")
 
 
 def workloads_for(quick: bool, models: Sequence[str] | None = None, device: str = "cpu", use_amp: bool = False,
-                  world_size: int | None = None) -> list[Workload]:
+                  world_size: int | None = None, sharding: str = "none") -> list[Workload]:
     """The quick or full workloads, for `models` (all by default), on `device` with `world_size` workers."""
     chosen = QUICK_WORKLOADS if quick else FULL_WORKLOADS
     # A GPU step is much shorter: more epochs keep the measured window long enough.
@@ -264,7 +266,8 @@ def workloads_for(quick: bool, models: Sequence[str] | None = None, device: str 
         if models and workload.model not in models:
             continue
         result.append(Workload(workload.model, workload.epochs * epochs_scale, workload.dataset_size,
-                               workload.global_batch_size, world_size or workload.world_size, device, use_amp))
+                               workload.global_batch_size, world_size or workload.world_size, device, use_amp,
+                               sharding))
     return result
 
 
@@ -275,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=("mini_resnet", "mlp"), default=None)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--use_amp", action="store_true", help="mixed precision (fp16 + GradScaler on CUDA)")
+    parser.add_argument("--sharding", choices=("none", "fsdp"), default="none",
+                        help="fsdp: elastic_ddp --sharding fsdp against a bare FSDP2 loop (default: DDP on both)")
     parser.add_argument("--world_size", type=int, default=None,
                         help="workers (default 2; with --device cuda, the number of GPUs)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
@@ -287,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         world_size = torch.cuda.device_count()
     repetitions = args.repetitions or (1 if args.quick else 5)
-    workloads = workloads_for(args.quick, args.models, args.device, args.use_amp, world_size)
+    workloads = workloads_for(args.quick, args.models, args.device, args.use_amp, world_size, args.sharding)
     with tempfile.TemporaryDirectory(prefix="elastic-ddp-throughput-") as work_dir:
         rows = measure(workloads, repetitions, Path(work_dir), progress=lambda line: print(line, file=sys.stderr),
                        profile_dir=args.profile)

@@ -139,11 +139,8 @@ class SnapshotSession:
         unless this step is saved already. Call it after every committed step on every rank: when
         it saves it is a collective (every rank's RNG), and rank 0 queues the write. Returns whether
         it saved."""
-        step = state.global_step
-        if final:
-            due = self.last_saved_step != step
-        else:
-            due = self.cadence.due(step, epoch_ended, training_done=state.sampler.epoch >= self.config.epochs)
+        due = self.cadence.save_due(state.global_step, self.last_saved_step, epoch_ended=epoch_ended, final=final,
+                                    training_done=state.sampler.epoch >= self.config.epochs)
         if due:
             self._save_now(state, final)
         return due

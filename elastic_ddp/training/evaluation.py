@@ -17,11 +17,13 @@ Not covered: models whose eval-mode forward depends on how the set is split into
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 
 from elastic_ddp.runtime.distributed import DistributedContext
@@ -67,6 +69,11 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
     correct = torch.zeros((), dtype=torch.float64, device=device)
     classified = torch.zeros((), dtype=torch.float64, device=device)  # samples whose targets are class indices
     was_training = model.training
+    # A sharded model's forward is a collective (each block gathers its parameters), so every rank
+    # makes the same number of forward calls: ranks with a smaller share forward sample 0 and
+    # drop it. Unsharded, each rank only forwards its own share.
+    sharded = any(isinstance(parameter, DTensor) for parameter in model.parameters())
+    calls = math.ceil(math.ceil(len(dataset) / world_size) / batch_size) if sharded else 0
     model.eval()
     try:
         with torch.no_grad():
@@ -74,10 +81,13 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
                 inputs, targets = (item.to(device) for item in
                                    default_collate([dataset[i] for i in range(first, min(stop, first + batch_size))]))
                 outputs = model(inputs)
+                calls -= 1
                 loss_sum += loss_fn(outputs, targets).double().sum()
                 if _are_class_indices(outputs, targets):
                     correct += (outputs.argmax(dim=1) == targets).sum()
                     classified += len(targets)
+            for _ in range(calls):
+                model(default_collate([dataset[0]])[0].to(device))
     finally:
         model.train(was_training)
     sums = torch.stack([loss_sum, correct, classified])

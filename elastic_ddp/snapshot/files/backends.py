@@ -165,7 +165,7 @@ class LocalDirectoryStorage(StorageBackend):
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
-        _fsync_directory(self.directory)
+        fsync_path(self.directory)
 
     def create_if_absent(self, name: str, data: bytes, limit: int) -> bytes:
         """See base class. A hard link of a complete temporary file: the first writer wins."""
@@ -284,8 +284,9 @@ class _WriteAll:
         """Nothing is buffered here."""
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync the file or directory at `path` (a directory's fsync makes its renames durable)."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:

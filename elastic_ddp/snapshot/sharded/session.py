@@ -133,11 +133,8 @@ class ShardedSnapshotSession:
 
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
         """As `SnapshotSession.save`: on the cadence, at the end of training, and on `final`."""
-        step = state.global_step
-        if final:
-            due = self.last_saved_step != step
-        else:
-            due = self.cadence.due(step, epoch_ended, training_done=state.sampler.epoch >= self.config.epochs)
+        due = self.cadence.save_due(state.global_step, self.last_saved_step, epoch_ended=epoch_ended, final=final,
+                                    training_done=state.sampler.epoch >= self.config.epochs)
         if due:
             self._save_now(state)
         return due

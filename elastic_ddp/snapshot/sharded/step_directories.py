@@ -25,6 +25,7 @@ import re
 import shutil
 from pathlib import Path
 
+from elastic_ddp.snapshot.files.backends import fsync_path
 from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM, checksum_of, checksum_text, new_hasher
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 
@@ -77,19 +78,19 @@ def commit(temporary: Path, step: int) -> tuple[Path, str, int]:
         if path.name == MANIFEST or not path.is_file():
             continue
         files[path.name] = {"size": path.stat().st_size, "checksum": file_checksum(path)}
-        _fsync(path)
+        fsync_path(path)
     manifest = encode_object({"format": MANIFEST_FORMAT, "global_step": step, "files": files})
     with open(temporary / MANIFEST, "wb") as handle:
         handle.write(manifest)
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync(temporary)
+    fsync_path(temporary)
     final = committed_directory(temporary.parent, step)
     if final.exists():
         shutil.rmtree(temporary, ignore_errors=True)
     else:
         os.rename(temporary, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     return final, checksum_of(manifest), sum(entry["size"] for entry in files.values()) + len(manifest)
 
 
@@ -142,10 +143,3 @@ def prune(root: Path, keep_last: int, incarnation: int) -> list[Path]:
         shutil.rmtree(directory, ignore_errors=True)
     return removed
 
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
