@@ -5,8 +5,9 @@ measuring process.
     agent = AgentProcess(context, (backend, endpoint, run_id, max_nodes, is_host))
     agent.wait_built(); agent.start(entering=True); ...; agent.stop(); agent.counts(); agent.kill()
 
-An agent is torch's real `DynamicRendezvousHandler`, built as torchrun builds it for the backend,
-running torchrun's monitor loop between rounds. Its processes are forked from a server that
+An agent is the handler torchrun builds for the backend (torch's real `DynamicRendezvousHandler`,
+or for `etcd-v3-keyed` the keyed rendezvous of `--rdzv_conf algorithm=keyed`), running torchrun's
+monitor loop between rounds. Its processes are forked from a server that
 imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
 where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
 it is in `next_rendezvous` and the waiting count it last saw in shared memory, so the measuring
@@ -42,6 +43,8 @@ from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RD
 from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.handler import elastic_handler
 from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
+from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
@@ -102,31 +105,53 @@ class CountingBackend(RendezvousBackend):
         return counts
 
 
+class KeyedCounter:
+    """The keyed rendezvous's etcd requests (`EtcdRoundBoard.counts`) in `CountingBackend.take`'s
+    shape: reads, writes (arrivals, closes, lease grants, liveness), lost closes, lease refreshes."""
+
+    def __init__(self, handler: KeyedRendezvousHandler):
+        self._counts = handler._board.counts
+        self._taken = dict(self._counts)
+
+    def take(self) -> tuple[int, int, int, int]:
+        now = dict(self._counts)
+        delta = {key: now.get(key, 0) - self._taken.get(key, 0) for key in now}
+        self._taken = now
+        return (delta.get("reads", 0), delta.get("writes", 0) + delta.get("closes", 0), delta.get("lost_closes", 0),
+                delta.get("refreshes", 0))
+
+
 @dataclass
 class Agent:
     """One agent as torchrun builds it, inside its agent process."""
 
-    handler: DynamicRendezvousHandler
-    counter: CountingBackend
+    handler: DynamicRendezvousHandler | KeyedRendezvousHandler
+    counter: CountingBackend | KeyedCounter
     round: int = 0
 
     def rendezvous(self) -> None:
         self.handler.next_rendezvous()
-        self.round = self.handler._state_holder.state.round  # noqa: SLF001 - the round just completed
+        if isinstance(self.handler, KeyedRendezvousHandler):
+            self.round = self.handler._round.round
+        else:
+            self.round = self.handler._state_holder.state.round
 
 
 def _params(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> RendezvousParameters:
     conf = {key: value for key, value in SHIPPED_RDZV_DEFAULTS.items()}
     conf["join_timeout"] = int(PHASE_TIMEOUT_S)
-    if backend != "etcd-v3":
+    if not backend.startswith("etcd-v3"):
         conf["is_host"] = is_host
-    return RendezvousParameters(backend, endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
+    return RendezvousParameters(backend.removesuffix("-keyed"), endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
                                 **conf)
 
 
 def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> Agent:
     """An agent as torchrun would build it for `backend` (see the module docstring)."""
     params = _params(backend, endpoint, run_id, max_nodes, is_host)
+    if backend == "etcd-v3-keyed":
+        handler = create_keyed_etcd_v3_handler(params)
+        return Agent(handler, KeyedCounter(handler))
     if backend == "etcd-v3":
         counters: list[CountingBackend] = []
 

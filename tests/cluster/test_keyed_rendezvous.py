@@ -100,13 +100,27 @@ def test_a_node_whose_lease_is_revoked_is_left_out_of_the_next_round(make_handle
 
 
 def test_a_killed_node_is_left_out_once_its_lease_expires(make_handlers) -> None:
-    handlers = make_handlers(3, 2, 3)
+    handlers = make_handlers(3, 2, 3, probe_dead_nodes="0")
     assert_one_world(rendezvous_together(handlers, timeout=30), 3)
     handlers[0]._board._stop.set()  # its refreshes stop, as when the agent is SIGKILLed
     started = time.monotonic()
     infos = rendezvous_together(handlers[1:], timeout=30)
     assert_one_world(infos, 2)
     assert time.monotonic() - started < 2 * 2 + 3  # lease ttl 2 s (0.5 s x 4), then the round
+
+
+def test_a_killed_node_whose_beacon_refuses_is_left_out_before_its_lease_expires(make_handlers) -> None:
+    handlers = make_handlers(3, 2, 3, keep_alive_interval="1", keep_alive_max_attempt="20")  # a 20 s lease
+    assert_one_world(rendezvous_together(handlers, timeout=30), 3)
+    killed, survivors = handlers[0], handlers[1:]
+    port = killed._witness.port
+    wait_for(lambda: all((killed.node, port) in s._witness._reached for s in survivors), 10,
+             "the survivors to reach the killed node's beacon")
+    killed._board._stop.set()  # no more refreshes, and the beacon closes: as a SIGKILLed agent's
+    killed._witness.close()
+    started = time.monotonic()
+    assert_one_world(rendezvous_together(survivors, timeout=30), 2)
+    assert time.monotonic() - started < 5, "the survivors waited for the killed node's lease"
 
 
 def test_a_joining_node_makes_the_members_restart_and_is_in_the_next_round(make_handlers) -> None:

@@ -6,7 +6,7 @@ Keys of run `R`, under `<key_prefix>/R/keyed/`:
     record                    the last closed round (`keyed_state.RoundRecord`, JSON), on the closer's run lease
     closed                    present once `set_closed` was called
     arrivals/<round>/<node>   a node's arrival at a round (`keyed_state.encode_arrival`), on its node lease
-    alive/<node>              the node's liveness, on its node lease
+    alive/<node>              the node's liveness and beacon port (`keyed_probes`), on its node lease
 
 Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
 (`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval`: when the agent dies
@@ -17,7 +17,9 @@ one and writes the node's liveness and last arrival again.
 `view` is one transaction of three range reads (record, closed flag, count and earliest of the
 round's arrivals, by create revision); `close_round` is one transaction that compares the record's
 mod revision with the one read. Every operation goes through `EtcdConnection.call` (retries,
-failover, TLS, auth). `counts` counts this board's requests by kind, for the benchmarks.
+failover, TLS, auth). `counts` counts this board's requests by kind, for the benchmarks: `reads`,
+`writes` (lease, liveness, arrivals, set_closed, revoke), `closes` (of which `lost_closes` lost their
+comparison) and `refreshes` (of the node lease).
 
 Not guaranteed: the arrivals of one round are read in one answer, so gRPC's 4 MiB message limit
 bounds a round to about 4000 nodes.
@@ -41,11 +43,14 @@ from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.agent.rendezvous.handler import never_share_agent_store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import (
     RoundRecord,
+    decode_alive,
     decode_arrival,
     decode_record,
+    encode_alive,
     encode_arrival,
     node_name,
 )
@@ -79,6 +84,7 @@ class EtcdRoundBoard:
         self._lock = threading.Lock()
         self._lease: int | None = None
         self._node: NodeDesc | None = None
+        self._port: int | None = None
         self._arrival_key: str | None = None  # this node's newest arrival
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -104,12 +110,12 @@ class EtcdRoundBoard:
 
     # --- liveness ----------------------------------------------------------------------------
 
-    def start(self, node: NodeDesc) -> None:
+    def start(self, node: NodeDesc, port: int | None) -> None:
         """See `RoundBoard`: take the node lease, write the liveness key, start refreshing."""
         with self._lock:
             if self._keeper is not None:
                 return
-            self._node = node
+            self._node, self._port = node, port
             self._new_lease()
             self._keeper = threading.Thread(target=self._keep_alive, name="keyed-rdzv-lease", daemon=True)
             self._keeper.start()
@@ -120,10 +126,10 @@ class EtcdRoundBoard:
         self.counts["writes"] += 1
         self._lease = self._connection.call("take a node lease",
                                             lambda client: client.lease(self._settings.lease_ttl).id)
-        value = encode_arrival(self._node)
-        puts = [self._put(f"{self._base}alive/{node_name(self._node)}", value, self._lease)]
+        puts = [self._put(f"{self._base}alive/{node_name(self._node)}", encode_alive(self._node, self._port),
+                          self._lease)]
         if self._arrival_key is not None:
-            puts.append(self._put(self._arrival_key, value, self._lease))
+            puts.append(self._put(self._arrival_key, encode_arrival(self._node), self._lease))
         self._txn("write this node's liveness", puts, kind="writes")
 
     def _keep_alive(self) -> None:
@@ -194,34 +200,35 @@ class EtcdRoundBoard:
             first = arrivals.kvs[0].key.decode()[len(self._arrival_prefix(round_number)):]
         return BoardView(record, token, bool(closed_kvs.kvs), arrivals.count, first)
 
-    def _nodes(self, what: str, prefix: str) -> list[NodeDesc]:
-        """The valid node values under `prefix`, by create revision (invalid ones are skipped)."""
+    def _values(self, what: str, prefix: str) -> list[bytes]:
+        """The values under `prefix`, by create revision."""
         answer = self._txn(what, [_range(prefix, prefix=True, sort_order=etcdrpc.RangeRequest.ASCEND,
                                          sort_target=etcdrpc.RangeRequest.CREATE)])
-        nodes = [decode_arrival(kv.value) for kv in answer.responses[0].response_range.kvs]
-        return [node for node in nodes if node is not None]
+        return [kv.value for kv in answer.responses[0].response_range.kvs]
 
     def arrivals(self, round_number: int) -> list[NodeDesc]:
-        """See `RoundBoard`."""
-        return self._nodes(f"read the arrivals at round {round_number}", self._arrival_prefix(round_number))
+        """See `RoundBoard`. Values that do not decode are skipped."""
+        values = self._values(f"read the arrivals at round {round_number}", self._arrival_prefix(round_number))
+        return [node for node in map(decode_arrival, values) if node is not None]
 
     def waiting(self, round_number: int) -> list[NodeDesc]:
         """See `RoundBoard`."""
         return self.arrivals(round_number)
 
-    def alive(self) -> set[NodeDesc]:
-        """See `RoundBoard`."""
-        return set(self._nodes("read the live nodes", self._base + "alive/"))
+    def alive(self) -> dict[NodeDesc, int | None]:
+        """See `RoundBoard`. Values that do not decode are skipped."""
+        found = [decode_alive(value) for value in self._values("read the live nodes", self._base + "alive/")]
+        return dict(entry for entry in found if entry is not None)
 
     def close_round(self, record: RoundRecord, token: int) -> bool:
         """See `RoundBoard`: write `record` if the record's mod revision is still `token`."""
         key = self._base + "record"
         compare = etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
                                   mod_revision=token)
-        self.counts["writes"] += 1
         lease = self._connection.call("take the run lease", self._connection.lease_id)
         answer = self._txn(f"close round {record.round}", [self._put(key, record.encode(), lease)],
                            compare=[compare], kind="closes")
+        self.counts["lost_closes"] += int(not answer.succeeded)
         return bool(answer.succeeded)
 
     def set_closed(self) -> None:
@@ -260,4 +267,4 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     logger.info("etcd-v3 keyed rendezvous '%s' on %s (%s): last call %g s, node lease %d s, join timeout %g s",
                 params.run_id, ", ".join(options.endpoint_names), options.protocol, settings.last_call_timeout,
                 settings.lease_ttl, settings.join_timeout)
-    return KeyedRendezvousHandler(board, keyed_node(params), settings)
+    return KeyedRendezvousHandler(board, keyed_node(params), settings, ExitWitness(settings.probe_dead_nodes))

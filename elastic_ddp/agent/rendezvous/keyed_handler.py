@@ -26,7 +26,9 @@ Here each node writes only keys of its own, and one write closes a round:
 
 Dead nodes: a node's keys live on its lease, refreshed every `keep_alive_interval`; a killed node's
 lease expires after `keep_alive_interval x keep_alive_max_attempt` (5 s shipped) and its liveness
-key goes, so the closer stops waiting for it. `shutdown` revokes the lease at once.
+key goes, so the closer stops waiting for it. Sooner, with dead-node probes (`keyed_probes`, on
+unless `probe_dead_nodes=0`): the closer probes the beacon of a missing member it reached before,
+and a refusal (the agent process has exited) counts as dead. `shutdown` revokes the lease at once.
 `num_nodes_waiting` counts the arrivals at the next round (one keys-only read), except when the
 round is full and only spares wait. `set_closed` writes a closed flag that every waiting node sees
 at its next read and every later `next_rendezvous` raises on.
@@ -34,8 +36,8 @@ at its next read and every later `next_rendezvous` raises on.
 Writes per node per phase: one arrival, plus one for the closer, plus rank 0's two store keys for
 the workers' address; lease refreshes are one per node per `keep_alive_interval`.
 
-Not guaranteed (compared with our dynamic-rendezvous handler): no dead-node probes yet, so a killed
-node holds the next round up for the lease expiry; a node partitioned from etcd for longer than
+Not guaranteed: a frozen or powered-off node (no refusal) holds the next round up for its lease
+expiry, as in torch; a node partitioned from etcd for longer than
 its lease loses its keys and comes back as a new arrival. The round record is bound to the closer's
 process lease (`ttl`, 2 h by default): a job that runs longer than that without a new round after
 its closer's process ended loses the record, and its next round starts again from round 0 (ranks
@@ -60,6 +62,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, node_name
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
@@ -84,7 +87,7 @@ class RoundBoard(Protocol):
     name: str  # the backend's name (`get_backend`)
     store: Store  # the agents' store (torchrun's, and rank 0's address for the workers)
 
-    def start(self, node: NodeDesc) -> None: ...  # liveness on; idempotent
+    def start(self, node: NodeDesc, port: int | None) -> None: ...  # liveness (and beacon port) on; idempotent
 
     def arrive(self, round_number: int, node: NodeDesc) -> None: ...  # and drop this node's earlier arrival
 
@@ -92,7 +95,7 @@ class RoundBoard(Protocol):
 
     def arrivals(self, round_number: int) -> list[NodeDesc]: ...  # in arrival order
 
-    def alive(self) -> set[NodeDesc]: ...
+    def alive(self) -> dict[NodeDesc, int | None]: ...  # live nodes and their beacon ports
 
     def close_round(self, record: RoundRecord, token: int) -> bool: ...  # True if this write won
 
@@ -109,8 +112,9 @@ class KeyedRendezvousHandler(RendezvousHandler):
     """See the module docstring. One instance per agent; `next_rendezvous` from one thread."""
 
     def __init__(self, board: RoundBoard, node: NodeDesc, settings: KeyedSettings,
-                 poll_s: float = SYNC_POLL_S) -> None:
+                 witness: ExitWitness | None = None, poll_s: float = SYNC_POLL_S) -> None:
         self._board = board
+        self._witness = witness or ExitWitness(enabled=False)
         self._node = node
         self._settings = settings
         self._poll_s = poll_s
@@ -137,7 +141,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """See base class. Raises RendezvousClosedError once the run is closed, RendezvousTimeoutError
         after `join_timeout` without a round (not while a spare), and what the board raises when its
         backend stays unreachable."""
-        self._board.start(self._node)
+        self._board.start(self._node, self._witness.port)
         started = time.monotonic()
         first = self._board.view(0)
         if first.closed:
@@ -148,6 +152,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         rank = record.rank_of(self._node)
         assert rank is not None
         self._round = record
+        self._witness.observe_soon(self._board.alive, [m for m in record.members if m != self._node])
         logger.info("node %s joined round %d of the keyed rendezvous '%s' as rank %d of %d in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     time.monotonic() - started)
@@ -187,7 +192,12 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def _try_to_close(self, target: int, view: BoardView, quiet_for: float) -> None:
         arrivals = self._board.arrivals(target)
-        alive = self._board.alive() if view.record is not None else set()
+        alive: set[NodeDesc] = set()
+        if view.record is not None:
+            ports = self._board.alive()
+            arrived = set(arrivals)
+            suspects = {m: ports[m] for m in view.record.members if m in ports and m not in arrived}
+            alive = set(ports) - self._witness.exited(suspects)
         if may_close(arrivals, view.record, alive, self._settings, quiet_for):
             record = closed_round(target, arrivals, view.record, self._settings.max_nodes)
             if self._board.close_round(record, view.token):
@@ -215,6 +225,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """See base class. Revokes this node's liveness: its keys go at once."""
+        self._witness.close()
         try:
             self._board.leave()
         except RendezvousError as exc:  # the keys then expire with the lease

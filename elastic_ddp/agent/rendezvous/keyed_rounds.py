@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.liveness import probes_enabled
 from elastic_ddp.agent.rendezvous.state_holder import prompt_completion_enabled
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
@@ -34,6 +35,8 @@ class KeyedSettings:
     keep_alive_max_attempt: int
     # Close at once when every live member of the last round is in (`prompt_completion=0`: off).
     prompt_completion: bool = True
+    # Beacon probes find a killed member before its lease expires (`probe_dead_nodes=0`: off).
+    probe_dead_nodes: bool = True
 
     @property
     def lease_ttl(self) -> int:
@@ -62,7 +65,7 @@ class KeyedSettings:
                    join_timeout=number("join_timeout"), last_call_timeout=number("last_call_timeout"),
                    keep_alive_interval=number("keep_alive_interval"),
                    keep_alive_max_attempt=int(number("keep_alive_max_attempt", int)),
-                   prompt_completion=prompt_completion_enabled(params))
+                   prompt_completion=prompt_completion_enabled(params), probe_dead_nodes=probes_enabled(params))
 
 
 def may_close(arrivals: list[NodeDesc], previous: RoundRecord | None, alive: set[NodeDesc],

@@ -2,6 +2,8 @@
 
 - An **arrival**, one per node and round, in a key of the node's own: the node's name
   (`NodeDesc`: address, pid, local id). Written once by the node itself; never changed by another.
+- A **liveness** value, one per node, in a key of the node's own: its name and, with dead-node
+  probes on, its beacon port (`keyed_probes`).
 - A **round record**, one per run, written only by the node that closes a round: the round's
   number, its members in rank order and its spares (the redundancy list: nodes that arrived beyond
   `max_nodes`, waiting for a place).
@@ -55,6 +57,23 @@ def decode_arrival(value: bytes) -> NodeDesc | None:
     """The node an arrival value names, or None if it is not a valid arrival (see module docstring)."""
     fields = _json(value, MAX_ARRIVAL_BYTES)
     return None if fields is None else decode_node(fields)
+
+
+def encode_alive(node: NodeDesc, port: int | None) -> bytes:
+    """The value of `node`'s liveness key; `port`: its beacon's, None without probes."""
+    return json.dumps({**encode_node(node), "port": port}).encode()
+
+
+def decode_alive(value: bytes) -> tuple[NodeDesc, int | None] | None:
+    """(node, beacon port or None) from a liveness value, or None if it is not a valid one."""
+    fields = _json(value, MAX_ARRIVAL_BYTES)
+    node = decode_node(fields)
+    if node is None:
+        return None
+    port = fields.get("port")  # type: ignore[union-attr]
+    if port is not None and not (_is_count(port) and 0 < port < 65536):
+        return None
+    return node, port
 
 
 @dataclass(frozen=True)
