@@ -184,3 +184,30 @@ def test_torchs_own_rule_is_there_for_machines_without_a_table():
     from elastic_ddp.agent.rendezvous.torch_internals import matches_machine_hostname
 
     assert matches_machine_hostname("localhost") is True and matches_machine_hostname("127.0.0.1") is True
+
+
+_SECOND_AGENT = """
+import logging, sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store
+logging.basicConfig(level=logging.INFO)
+conf = dict(item.split("=") for item in sys.argv[2:])
+store = create_tcp_store(RendezvousParameters("elastic-c10d", sys.argv[1], "run", 1, 2, read_timeout="5", **conf))
+store.set("from-the-second", b"1")
+"""
+
+
+def test_a_second_agent_of_the_machine_joins_the_store_the_first_hosts():
+    """As in torch: the endpoint's address is this machine's for both agents (processes), the port
+    is taken for the second, which joins as a client; with is_host=1 it stops with one line."""
+    host = c10d_store.create_tcp_store(_params("127.0.0.1:0", read_timeout="5"))
+    endpoint = f"127.0.0.1:{host.port}"
+    second = subprocess.run([sys.executable, "-c", _SECOND_AGENT, endpoint], check=False, capture_output=True,
+                            text=True, timeout=60)
+    assert second.returncode == 0 and "joining it as a client" in second.stderr, second.stderr
+    assert host.get("from-the-second") == b"1"
+    forced = subprocess.run([sys.executable, "-c", _SECOND_AGENT, endpoint, "is_host=1"], check=False,
+                            capture_output=True, text=True, timeout=60)
+    last_line = forced.stderr.strip().splitlines()[-1]
+    assert forced.returncode != 0 and f"could not host the c10d rendezvous store at --rdzv_endpoint {endpoint}: " \
+        in last_line, forced.stderr
