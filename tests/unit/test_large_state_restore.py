@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ import pytest
 import torch
 
 from elastic_ddp.runtime.distributed import DistributedContext
-from elastic_ddp.snapshot.exchange.restore_agreement import MEMORY, agree_on_latest_snapshot
+from elastic_ddp.snapshot import memory_copies
+from elastic_ddp.snapshot.exchange import restore_agreement
+from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.transport import CHUNK_BYTES, FrameLimits, ProcessGroupTransport
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import MemoryTier
@@ -167,3 +170,57 @@ def test_receiving_a_large_state_leaves_the_heartbeat_thread_running(monkeypatch
     assert torch.equal(torch.frombuffer(frame.payload, dtype=torch.uint8), sent)
     assert longest[0] < LONGEST_TICK_GAP_S, (
         f"while {STATE_MB} MB arrived another thread waited {longest[0]:.3f} s for the GIL")
+
+
+# ------------------------------------------------------------------ which candidates get loaded
+
+def small_snapshot(step: int, incarnation: int = 0) -> Snapshot:
+    return Snapshot(states={"progress": {"global_step": step}, "sampler": {"epoch": 0, "samples_consumed": step},
+                            "model": {"w": torch.full((4,), float(step))}},
+                    rng_per_rank=[], fingerprint=FINGERPRINT, world_size=2, incarnation=incarnation, wall_time=0.0)
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """A store, a memory tier, and the list of the files whose payload was loaded."""
+    store = SnapshotStore(tmp_path / "ck")
+    memory = MemoryTier(tmp_path / "memory", "run", str(tmp_path / "ck"), FINGERPRINT, "b" * 32)
+    memory.open()
+    loaded: list[str] = []
+    for module in (restore_agreement, memory_copies):
+        real = module.snapshot_from_file
+
+        def spying(path, source, check_seal=None, real=real):
+            snapshot, seal = real(path, source, check_seal)
+            loaded.append(os.path.basename(path))
+            return snapshot, seal
+
+        monkeypatch.setattr(module, "snapshot_from_file", spying)
+    return store, memory, loaded
+
+
+def save_file(store: SnapshotStore, snapshot: Snapshot) -> None:
+    store.write_stream(snapshot.global_step, 0, snapshot.global_step, functools.partial(write_snapshot, snapshot))
+
+
+@pytest.mark.parametrize(("file_step", "memory_step", "winner"), [(5, 7, MEMORY), (9, 7, FILE), (7, 7, MEMORY)])
+def test_only_the_better_source_is_loaded(sources, file_step, memory_step, winner):
+    store, memory, loaded = sources
+    save_file(store, small_snapshot(file_step))
+    memory.keep(small_snapshot(memory_step))
+    restored = agree_on_latest_snapshot(store, context(), FINGERPRINT, memory)
+    assert restored.source == winner and restored.snapshot.global_step == max(file_step, memory_step)
+    assert len(loaded) == 1, f"loaded {loaded}: the other source cannot win and must not be read"
+
+
+def test_the_other_source_is_loaded_when_the_better_ones_newest_is_refused(sources):
+    store, memory, loaded = sources
+    save_file(store, small_snapshot(5))
+    kept = memory.keep(small_snapshot(7))
+    with open(kept.path, "r+b") as copy:  # a damaged copy: refused by its checksum
+        copy.seek(kept.size_bytes // 2)
+        copy.write(b"\xff" * 8)
+    restored = agree_on_latest_snapshot(store, context(), FINGERPRINT, memory)
+    assert restored.source == FILE and restored.snapshot.global_step == 5
+    assert [item["global_step"] for item in restored.refused] == [7]
+    assert len(loaded) == 1 and loaded[0].startswith("snapshot-"), loaded

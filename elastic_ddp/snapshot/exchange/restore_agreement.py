@@ -23,6 +23,16 @@ every rank's model and optimizer identical; only their own RNG stream differs, a
 memory copy derives every rank's stream afresh): each holder loads its own, the others receive one.
 Snapshot files count as the same only with the same checksum.
 
+Memory and the GIL at size: a rank ranks its two sources by what their files say about
+themselves (copy names, the manifest, the newest file's header) and loads the better one first,
+the other only if it may still win; a local file or copy is verified with a streamed checksum and
+loaded through a window onto the open file (`files.verified_file`), so a rank holds one loaded
+state beside its model in the common case (two at most, when the better source's newest is
+refused) and no copy of the bytes; these stay in the file, mapped, until served or written. A
+receiver holds the bytes that arrived and the state loaded from them (2x the state). No step of
+this holds the GIL for long, so the peer watchdog's heartbeat goes on during a restore
+(tests/unit/test_large_state_restore.py, docs/benchmarks.md "Large state").
+
 When no rank has a usable state but some rank found only snapshots of an incompatible run, every
 rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than silently
 starting from scratch over someone else's checkpoints.
