@@ -7,7 +7,8 @@ torch's `c10d` hosts the store on the node whose host name matches the endpoint
 Debian and Ubuntu) or to an address of another interface, no node does: every agent waits 60 s
 for a store nobody started, then fails with a traceback. Here the node that hosts it is the one
 whose own interface holds an address the endpoint resolves to (`addresses.holds`), whatever its
-host name resolves to; `--rdzv_conf is_host=1` (or 0) still decides where given. As in torch, a
+host name resolves to, or one that torch's rule picks; `--rdzv_conf is_host=1` (or 0) still
+decides where given. As in torch, a
 node that finds the endpoint's address its own but cannot listen there (another agent of this
 machine hosts it already) joins as a client, unless `is_host=1` was given.
 
@@ -71,8 +72,9 @@ def hosts_store(params: RendezvousParameters) -> tuple[bool, bool]:
     if forced is not None:
         return forced, True
     host, _ = endpoint_of(params)
-    held = addresses.holds(host)
-    return (torch_internals.matches_machine_hostname(host) if held is None else held), False
+    # torch's rule too, so that every node torch makes the host stays the host (a name that
+    # resolves only later, a CNAME that torch matches by its canonical name).
+    return bool(addresses.holds(host)) or torch_internals.matches_machine_hostname(host), False
 
 
 def create_tcp_store(params: RendezvousParameters) -> TCPStore:

@@ -41,7 +41,7 @@ def remove_participant_epilogue(state: Any, settings: RendezvousSettings) -> Non
 
 def matches_machine_hostname(host: str) -> bool:
     """torch's rule for whether this machine hosts the c10d store at `host` (its host name or an
-    address it resolves to); `c10d_store` uses it only where the interfaces cannot be listed."""
+    address it resolves to); `c10d_store` hosts where this or its own interface rule says so."""
     return _matches_machine_hostname(host)
 
 
