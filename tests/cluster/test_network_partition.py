@@ -5,6 +5,8 @@ Two nodes, each a host of its own (a network namespace with its own address on a
 elastic_ddp/testbed/netns.py), plain torchrun with `--rdzv_backend=elastic-c10d`; n0 hosts the
 store, n1 is partitioned (its switch port down: its packets vanish, nothing is refused) for longer
 than the peer watchdog's bound. The nodes get the README's flags alone (tests/support/network.py).
+Then three nodes, n0 (the store's node) partitioned: the others stop in a stated bound with one
+line naming the endpoint, and a relaunch without n0 resumes (elastic_ddp/agent/rendezvous/store_watch.py).
 
     .venv/bin/python -m pytest tests/cluster/test_network_partition.py -q -s
 """
