@@ -7,14 +7,19 @@ exactly once, and the final model that of an uninterrupted, unsharded run.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.chaos.equivalence import run_reference
+from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.snapshot.sharded.safe_reader import read_tensors
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from tests.support.cluster import REPO, assert_exactly_once, hold_settings, node_logs, release, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,6 +28,7 @@ STEPS = EPOCHS * DATASET // BATCH
 TRAINING_ARGS = ["--model", "mlp", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
                  "--global_batch_size", str(BATCH), "--micro_batch_size", "16", "--snapshot_every_steps", "4",
                  "--log_interval", "4"]
+DOCS = REPO / "docs"
 PARAMETER_TOLERANCE = 1e-4  # world sizes 2, 1, 2 sum the gradients in other orders (as tests/cluster/test_zero_loss.py)
 
 
@@ -52,3 +58,21 @@ def test_a_sharded_job_reshards_after_a_kill_and_a_join(local_jobs, tmp_path):
     assert sharded.keys() == expected.keys()
     difference = max((sharded[name] - value).abs().max().item() for name, value in expected.items())
     assert difference <= PARAMETER_TOLERANCE, f"largest parameter difference {difference:g}"
+
+
+def test_a_users_model_trains_sharded_from_the_command_line(tmp_path):
+    """docs/examples/digits.toml (a user's model, data, loss and AdamW by import path), sharded over
+    two ranks, with evaluation (a collective in sharded mode: every rank forwards alike)."""
+    checkpoint_dir = tmp_path / "ck"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "elastic_ddp.train", "--config", str(DOCS / "examples" / "digits.toml"), "--sharding", "fsdp",
+               "--epochs", "3", "--checkpoint_dir", str(checkpoint_dir), "--progress", "log"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": os.pathsep.join([str(DOCS / "examples"), str(REPO)])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [event for event in read_events(checkpoint_dir / "events.jsonl") if event["event"] == "eval"]
+    assert evals and evals[-1]["samples"] == 360, evals
+    assert evals[-1]["accuracy"] > 0.8, evals[-1]  # ten classes: far above chance after 3 epochs
+    (final_step, _), *_ = steps.committed_steps(checkpoint_dir)
+    assert final_step == evals[-1]["global_step"]
