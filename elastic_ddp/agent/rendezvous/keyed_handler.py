@@ -37,7 +37,8 @@ Writes per node per phase: one arrival, plus one for the closer, plus rank 0's t
 the workers' address; lease refreshes are one per node per `keep_alive_interval`.
 
 Not guaranteed: a frozen or powered-off node (no refusal) holds the next round up for its lease
-expiry, as in torch; a node partitioned from etcd for longer than
+expiry, as in torch; so does a closer killed while it waits (nobody probes a waiting node's
+beacon: the next earliest arrival takes over when its lease expires); a node partitioned from etcd for longer than
 its lease loses its keys and comes back as a new arrival. The round record is bound to the closer's
 process lease (`ttl`, 2 h by default): a job that runs longer than that without a new round after
 its closer's process ended loses the record, and its next round starts again from round 0 (ranks
