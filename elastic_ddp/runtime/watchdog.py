@@ -3,16 +3,20 @@
 A peer that dies makes gloo raise at once, but one that freezes (SIGSTOP, a hung driver, a network
 partition that keeps sockets open) leaves the survivors waiting in their next collective until the
 collective timeout (60 s by default), and NCCL usually waits like that for a dead peer too. So each
-rank runs `PeerWatchdog`, a background thread that, every `interval_s`:
+rank runs `PeerWatchdog`, a heartbeat thread that, every `interval_s`:
 
 - writes its heartbeat, a counter, under its rank in the worker group's store (the TCPStore every
   worker already reaches at MASTER_ADDR:MASTER_PORT, through a connection of its own); and
 - reads every other rank's heartbeat in one request, and notes, by its own clock, when each one
   last changed.
 
-A peer whose heartbeat has not changed for `bound_s` is *silent*; so are all of them when the store
-itself has not answered for `bound_s` (its host, rank 0's worker, is frozen or gone). Then the
-watchdog calls `on_silent(reason)` once, from its thread: the trainer keeps its last committed step
+and a watching thread that never touches the store: a TCPStore request to a store that is cut off
+by a partition, or whose process is frozen, blocks for ever whatever its timeout (seen with torch
+2.13), so the heartbeat thread may block while the watching one goes on judging.
+
+A peer whose heartbeat has not changed for `bound_s` is *silent*; so are all of them when a request
+to the store has waited unanswered for `bound_s` (its host, rank 0's worker, is frozen, gone or cut
+off). Then the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
 in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
@@ -64,72 +68,103 @@ class PeerWatchdog:
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # watches
+        self._exchanger: threading.Thread | None = None  # beats and reads
+        self._answered: tuple[float, dict[int, bytes | None] | None] = (0.0, None)  # when the store last answered, what
+        self._asked_at: float | None = None  # when the oldest request still unanswered was made
         self._beats = 0
         self.longest_gap_s = 0.0  # the longest a live peer's heartbeat stayed unchanged, for the record
 
     def start(self) -> PeerWatchdog:
-        """Connect to the store, publish the first heartbeat and start watching (a thread)."""
+        """Connect to the store, publish the first heartbeat and start watching (two threads)."""
         if self._store is None:
             self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                         timeout=timedelta(seconds=max(1.0, self.interval_s * 2)),
                                         wait_for_workers=False)
         self._store = dist.PrefixStore(self._prefix, self._store)
         self._beat()
+        self._answered = (time.monotonic(), None)
+        self._exchanger = threading.Thread(target=self._exchange, name="elastic-ddp-heartbeat", daemon=True)
         self._thread = threading.Thread(target=self._watch, name="elastic-ddp-watchdog", daemon=True)
+        self._exchanger.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         """Stop watching (and heartbeating): after the bound, peers find this rank silent."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval_s * 4)
+        for thread in (self._thread, self._exchanger):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.interval_s * 4)
 
     def leave(self) -> None:
-        """This rank stops training on its own: peers stop watching it; this watchdog stops."""
+        """This rank stops training on its own: peers stop watching it; this watchdog stops. Waits
+        at most a few intervals for the store (a store cut off from this node never answers)."""
         self.stop()
         # A warning when the margin to the bound got thin, so that every rank reports it.
         log = logger.warning if self.longest_gap_s > self.bound_s / 2 else logger.info
         log("peer watchdog: the longest a peer's heartbeat stayed unchanged was %.2f s (bound %g s)",
             self.longest_gap_s, self.bound_s)
-        try:
-            self._store.set(str(self.rank), LEFT)
-        except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
-            logger.debug("could not mark rank %d as left: %s", self.rank, exc)
+
+        def mark_left() -> None:
+            try:
+                self._store.set(str(self.rank), LEFT)
+            except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
+                logger.debug("could not mark rank %d as left: %s", self.rank, exc)
+        marking = threading.Thread(target=mark_left, name="elastic-ddp-watchdog-leave", daemon=True)
+        marking.start()
+        marking.join(timeout=self.interval_s * 4)
 
     def _beat(self) -> None:
         self._beats += 1
         self._store.set(str(self.rank), str(self._beats))
 
+    def _exchange(self) -> None:
+        """The heartbeat thread: beat and read the peers' heartbeats every interval. A store request
+        can block for ever (a TCPStore cut off by a partition, or whose process is frozen, never
+        answers, whatever its timeout: seen with torch 2.13), so the watching happens elsewhere."""
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        while not self._stop.wait(self.interval_s):
+            if self._asked_at is None:
+                self._asked_at = time.monotonic()  # cleared once the store answered
+            try:
+                self._beat()
+                self._answered = (time.monotonic(), self._read(peers))
+                self._asked_at = None
+            except Exception as exc:  # noqa: BLE001 - a store that does not answer is what is watched
+                logger.debug("peer watchdog: the store did not answer: %s", exc)
+
     def _watch(self) -> None:
+        """The watching thread: judges the newest heartbeats the other thread read, and the time
+        since the store last answered, without ever waiting on the store itself."""
         peers = [rank for rank in range(self.world_size) if rank != self.rank]
         started = time.monotonic()
         last_value: dict[int, bytes | None] = {rank: None for rank in peers}
         changed_at = {rank: started for rank in peers}
-        store_answered_at = started
+        seen_at = None
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            try:
-                self._beat()
-                values = self._read(peers)
-                store_answered_at = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - a store that does not answer is what is watched
-                if now - store_answered_at > self.bound_s:
-                    self._fire(f"the worker group's store (rank 0's) has not answered for {now - store_answered_at:.1f} s "
-                               f"({type(exc).__name__})")
-                    return
+            answered_at, values = self._answered
+            asked_at = self._asked_at
+            # Counted from the first unanswered request, not from the last answer: a heartbeat
+            # thread starved of CPU (it asked nothing) is not a silent store.
+            if asked_at is not None and now - asked_at > self.bound_s:
+                self._fire(f"the worker group's store (rank 0's) has not answered for {now - asked_at:.1f} s "
+                           "(cut off, frozen or gone)")
+                return
+            if values is None or answered_at == seen_at:
                 continue
+            seen_at = answered_at
             silent = []
             for rank, value in values.items():
                 if value == LEFT:
-                    changed_at[rank] = now
+                    changed_at[rank] = answered_at
                     continue
                 if value != last_value[rank]:
-                    if last_value[rank] is not None and now - changed_at[rank] > self.longest_gap_s:
-                        self._new_longest_gap(now - changed_at[rank])
-                    last_value[rank], changed_at[rank] = value, now
-                elif now - changed_at[rank] > self.bound_s:
+                    if last_value[rank] is not None and answered_at - changed_at[rank] > self.longest_gap_s:
+                        self._new_longest_gap(answered_at - changed_at[rank])
+                    last_value[rank], changed_at[rank] = value, answered_at
+                elif answered_at - changed_at[rank] > self.bound_s:
                     silent.append(rank)
             if silent:
                 self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone without "

@@ -4,6 +4,9 @@ every peer silent."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -27,7 +30,8 @@ def store():
 
 
 def client(store) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=1))
+    # 5 s to connect: a loaded 2-core machine (load average 11) took over 1 s.
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
 
 
 def watchdogs(store, world_size: int, incarnation: int = 1):
@@ -82,6 +86,39 @@ def test_a_store_that_stops_answering_counts_as_every_peer_silent():
     del server  # rank 0's worker, which hosts the store, is gone
     assert fired[0].wait(15) and fired[1].wait(15)
     assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+
+
+def test_a_store_that_never_answers_stops_the_worker_within_the_bound(tmp_path):
+    """A store cut off by a partition, or whose process is frozen, never answers: its requests
+    block for ever whatever their timeout (a TCPStore whose process got SIGSTOP here). Before the
+    heartbeats moved to a thread of their own the watchdog blocked with them and never fired."""
+    port_file = tmp_path / "port"
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+        "wait_for_workers=False); open(sys.argv[1], 'w').write(str(s.port)); time.sleep(600)"), str(port_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text()):
+            assert time.monotonic() < deadline and server.poll() is None, "the store process did not start"
+            time.sleep(0.05)
+        stores = [dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False,
+                                timeout=timedelta(seconds=5)) for _ in range(2)]
+        fired = [threading.Event(), threading.Event()]
+        reasons: list[str] = []
+        bound_s = 2 * BOUND_S  # the store is another process: round trips are slower on a loaded machine
+        dogs = [PeerWatchdog(rank, 2, 1, bound_s, lambda reason, rank=rank: (reasons.append(reason), fired[rank].set()),
+                             INTERVAL_S, store=stores[rank]).start() for rank in range(2)]
+        assert not fired[0].wait(QUIET_WINDOW_S / 4), reasons  # both beat: nothing to see
+        server.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        assert fired[0].wait(10) and fired[1].wait(10), "the watchdog waited on the store"
+        assert time.monotonic() - frozen_at < bound_s + 1.0
+        assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+        for dog in dogs:
+            dog.stop()
+    finally:
+        server.kill()
+        server.wait(timeout=10)
 
 
 def test_heartbeats_of_another_incarnation_do_not_count(store):
