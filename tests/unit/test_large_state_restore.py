@@ -224,3 +224,14 @@ def test_the_other_source_is_loaded_when_the_better_ones_newest_is_refused(sourc
     assert restored.source == FILE and restored.snapshot.global_step == 5
     assert [item["global_step"] for item in restored.refused] == [7]
     assert len(loaded) == 1 and loaded[0].startswith("snapshot-"), loaded
+
+
+def test_a_listed_file_that_is_gone_is_skipped_with_its_reason(sources):
+    store, memory, _ = sources
+    save_file(store, small_snapshot(5))
+    save_file(store, small_snapshot(6))
+    os.remove(store.describe(store.manifest_entries()[-1].file))
+    restored = agree_on_latest_snapshot(store, context(), FINGERPRINT, memory)
+    assert restored.snapshot.global_step == 5 and torch.equal(restored.snapshot.states["model"]["w"],
+                                                               torch.full((4,), 5.0))
+    assert [(item["global_step"], "cannot be read" in item["reason"]) for item in restored.refused] == [(6, True)]

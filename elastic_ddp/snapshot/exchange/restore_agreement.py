@@ -165,7 +165,11 @@ def _read_file(store: SnapshotStore, entry: ManifestEntry) -> tuple[Buffer, Snap
     is read whole (`read_verified`)."""
     where = store.describe(entry.file)
     directory = store.storage.local_directory
-    if directory is None or format_of(store.storage.read_range(entry.file, 0, 8)) != FORMAT_VERSION:
+    try:
+        in_place = directory is not None and format_of(store.storage.read_range(entry.file, 0, 8)) == FORMAT_VERSION
+    except OSError as exc:
+        raise SnapshotStoreError(f"{where}: cannot be read ({exc.strerror or exc})") from exc
+    if not in_place:
         data = store.read_verified(entry)
         return data, snapshot_from_bytes(data, where)
 
