@@ -194,3 +194,46 @@ def test_a_forged_round_record_is_refused_not_executed(make_handlers, etcd_serve
     board._connection.call("forge", lambda client: client.put(board._base + "record", b"\x80\x04cos\nsystem\n."))
     with pytest.raises(Exception, match="round record .* is not valid"):
         handler.next_rendezvous()
+
+
+def _one_node_round(handler: KeyedRendezvousHandler) -> None:
+    try:
+        assert handler.next_rendezvous().rank == 0
+    finally:
+        assert handler.shutdown()
+
+
+def test_over_tls(tls_etcd_server, run_id) -> None:
+    assert tls_etcd_server.tls is not None
+    _one_node_round(create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, run_id, 1, 1, protocol="https",
+                                                        ca_cert=str(tls_etcd_server.tls.ca_cert))))
+
+
+def test_with_auth(auth_etcd_server, run_id, tmp_path) -> None:
+    (tmp_path / "password").write_text(f"{auth_etcd_server.auth_password}\n")
+    _one_node_round(create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, run_id, 1, 1, user="root",
+                                                        password_file=str(tmp_path / "password"))))
+
+
+def test_members_ride_out_an_etcd_restart_and_meet_again(etcd_server, run_id) -> None:
+    handlers = [create_keyed_etcd_v3_handler(params(etcd_server.endpoint, run_id, 2, 2)) for _ in range(2)]
+    try:
+        assert_one_world(rendezvous_together(handlers, timeout=30), 2)
+        etcd_server.restart(down_for=3.0)  # longer than the 2 s node lease: etcd renews leases on restart
+        assert [handler.num_nodes_waiting() for handler in handlers] == [0, 0]
+        assert_one_world(rendezvous_together(handlers, timeout=60), 2)
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
+def test_a_round_forms_after_the_etcd_leader_is_killed(etcd_cluster, run_id) -> None:
+    handlers = [create_keyed_etcd_v3_handler(params(etcd_cluster.endpoints, run_id, 2, 2)) for _ in range(2)]
+    try:
+        assert_one_world(rendezvous_together(handlers, timeout=30), 2)
+        leader = etcd_cluster.leader()
+        leader.stop()  # SIGKILL
+        assert_one_world(rendezvous_together(handlers, timeout=60), 2)
+    finally:
+        for handler in handlers:
+            handler.shutdown()
