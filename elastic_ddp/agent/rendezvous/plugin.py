@@ -97,6 +97,10 @@ def elastic_c10d_handler_factory() -> Callable:
         from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
+        if take_algorithm(params) == "keyed":
+            raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}=keyed: only --rdzv_backend=etcd-v3 has the keyed "
+                             f"rendezvous so far; use {ALGORITHM_KEY}=dynamic (the default) with elastic-c10d")
+
         return count_rounds(create_c10d_handler(params))
 
     return create_elastic_c10d_handler
