@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, EtcdTlsError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +140,24 @@ def test_unknown_keys_are_warned_about_but_torch_keys_are_not(caplog: pytest.Log
     with caplog.at_level(logging.WARNING):
         EtcdV3Options.from_params(params("h", ttl_s="5", timeout="900", last_call_timeout="1"))
     assert "ignores the rdzv_conf key(s) ttl_s;" in caplog.text  # and nothing else
+
+
+class _Unavailable(grpc.RpcError):
+    def __init__(self, details: str):
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_handshake_that_times_out_on_plain_http_is_retried_not_called_a_tls_error(files: dict[str, str]) -> None:
+    """gRPC says "tcp handshaker shutdown" when a connection does not come up in time (seen with 256
+    agents on one etcd): on plain http that is an endpoint to retry, not a certificate problem."""
+    plain = EtcdConnection(EtcdV3Options.from_params(params("127.0.0.1:2379")))
+    failure = plain._failure(0, "read the rendezvous state", _Unavailable("tcp handshaker shutdown"))
+    assert not isinstance(failure, EtcdTlsError) and "handshaker" in str(failure)
+    tls = EtcdConnection(EtcdV3Options.from_params(params("127.0.0.1:2379", protocol="https", ca_cert=files["ca.pem"])))
+    assert isinstance(tls._failure(0, "read", _Unavailable("SSL handshake failed")), EtcdTlsError)

@@ -206,7 +206,10 @@ class EtcdConnection:
             return RendezvousConnectionError(f"etcd at {endpoint} failed to {what}: {exc!r}")
         code, detail = rpc.code(), rpc.details() or ""
         lowered = detail.lower()
-        if code in _TRANSIENT_CODES and any(marker in lowered for marker in _TLS_MARKERS):
+        # Only a TLS connection has a TLS handshake: on plain http, gRPC's "tcp handshaker shutdown"
+        # (a connection that did not come up in time) is an unavailable endpoint, retried.
+        tls = self._options.protocol == "https"
+        if tls and code in _TRANSIENT_CODES and any(marker in lowered for marker in _TLS_MARKERS):
             return EtcdTlsError(
                 f"TLS handshake with etcd at {endpoint} failed: {detail}. The server certificate must be "
                 f"signed by the CA in ca_cert={self._options.ca_cert} and name the host {endpoint}")
