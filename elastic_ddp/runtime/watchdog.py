@@ -191,4 +191,5 @@ class PeerWatchdog:
 
     def _fire(self, reason: str) -> None:
         logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)
+        self._stop.set()  # the heartbeat thread too: this worker is ending
         self.on_silent(reason)

@@ -59,7 +59,10 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     assert seconds < 120, f"the quick start took {seconds:.0f} s"
     assert run_dir is not None and run_dir.is_dir(), out[-3000:]
 
-    assert re.search(r"World size +3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) -> 3 on 3 nodes", out), out
+    # The first group may form before the third agent arrives (its world then goes 2 -> 3 first: seen
+    # in a CI run on a loaded machine); what the quick start shows is the kill and the return after it.
+    assert re.search(r"World size +(2 on 2 nodes \([^)]*\) -> )?3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) "
+                     r"-> 3 on 3 nodes", out), out
     lost = re.search(r"node lost: world 3 -> 2, resumed from step (\d+) from memory .*, lost 0 steps "
                      r"\(0\.0 s\), (\d+\.\d) s without training", out)
     assert lost, out
@@ -73,7 +76,7 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     events = read_events(run_dir / "ck" / "events.jsonl")
     assert [e["world_size"] for e in events if e["event"] == "start"][-3:] == [3, 2, 3]
     restores = [e for e in events if e["event"] == "restore"]
-    assert [r["lost_steps"] for r in restores] == [0, 0]
+    assert [r["lost_steps"] for r in restores][-2:] == [0, 0] and all(r["lost_steps"] == 0 for r in restores)
 
 
 def test_the_plain_run_without_a_failure_is_one_flag_away(tmp_path):

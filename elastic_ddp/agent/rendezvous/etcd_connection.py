@@ -81,6 +81,13 @@ def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
     return None
 
 
+def is_lease_not_found(exc: BaseException) -> bool:
+    """Whether `exc` is etcd's answer that a lease does not exist (expired, or revoked already)."""
+    rpc = _rpc_error(exc)
+    return (rpc is not None and rpc.code() == grpc.StatusCode.NOT_FOUND
+            and "lease not found" in (rpc.details() or "").lower())
+
+
 class EtcdConnection:
     """Clients for every endpoint, the one that worked last tried first. Thread-safe.
 

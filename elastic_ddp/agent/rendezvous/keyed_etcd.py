@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousPara
 
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
-from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
 from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.agent.rendezvous.handler import never_share_agent_store
@@ -164,7 +164,7 @@ class EtcdRoundBoard:
             self._arrival_key = None
         if lease is not None:
             self.counts["writes"] += 1
-            self._connection.call("revoke a node lease", lambda client: client.revoke_lease(lease))
+            self._connection.call("revoke a node lease", lambda client: _revoke(client, lease))
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -268,3 +268,13 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
                 params.run_id, ", ".join(options.endpoint_names), options.protocol, settings.last_call_timeout,
                 settings.lease_ttl, settings.join_timeout)
     return KeyedRendezvousHandler(board, keyed_node(params), settings, ExitWitness(settings.probe_dead_nodes))
+
+
+def _revoke(client: Etcd3Client, lease: int) -> None:
+    """Revoke `lease`; one that etcd no longer has (it expired: the node stopped refreshing it) is
+    gone already, which is what revoking asks. Retrying it spent the whole retry budget (30 s)."""
+    try:
+        client.revoke_lease(lease)
+    except Exception as exc:
+        if not is_lease_not_found(exc):
+            raise
