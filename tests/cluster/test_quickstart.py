@@ -59,10 +59,10 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     assert seconds < 120, f"the quick start took {seconds:.0f} s"
     assert run_dir is not None and run_dir.is_dir(), out[-3000:]
 
-    # The first group may form before the third agent arrives (its world then goes 2 -> 3 first: seen
-    # in a CI run on a loaded machine); what the quick start shows is the kill and the return after it.
-    assert re.search(r"World size +(2 on 2 nodes \([^)]*\) -> )?3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) "
-                     r"-> 3 on 3 nodes", out), out
+    # The first groups may form before every agent arrived (1 -> 2 -> 3 or 2 -> 3 first: seen in CI
+    # runs on a loaded machine); what the quick start shows is the kill and the return after it.
+    assert re.search(r"World size +(.* -> )?3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) -> 3 on 3 nodes \([^)]*\)$", out,
+                     re.MULTILINE), out
     lost = re.search(r"node lost: world 3 -> 2, resumed from step (\d+) from memory .*, lost 0 steps "
                      r"\(0\.0 s\), (\d+\.\d) s without training", out)
     assert lost, out
