@@ -56,6 +56,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.runlog import schema
+from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
 from elastic_ddp.testbed.local_cluster import (
     AGENT_ENV,
     LAUNCHER,
@@ -65,9 +68,6 @@ from elastic_ddp.testbed.local_cluster import (
     LocalJob,
     LocalNode,
 )
-from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
-from elastic_ddp.runlog import schema
-from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
@@ -189,6 +189,10 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                   "rendezvous_complete": _since(first_after(survivor, frozen_at, "Rendezvous complete"), frozen_at),
                   **_phases(unfrozen, events, frozen_at)}
         return {"setting": setting, "kill": kill, "join": join, "freeze": freeze}
+    except TimeoutError as error:
+        # Without the nodes' own words a time-out says nothing (seen on a 16-core GPU machine).
+        logs = "\n".join(f"===== {node.name}\n{node.log_text()[-3000:]}" for node in job.nodes)
+        raise TimeoutError(f"{setting}: {error}\n{logs}") from None
     finally:
         job.stop()
 

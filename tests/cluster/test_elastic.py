@@ -15,7 +15,7 @@ import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, pause_at, release, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -57,6 +57,9 @@ def test_a_node_added_mid_run_grows_the_world(local_jobs, tmp_path):
     job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2, **hold_settings(hold))
     job.add_node("first")
     job.wait_for_step(5, timeout=90)
+    # The join must land mid-run however slowly the joiner starts (CUDA workers on an H200 took
+    # longer than the 67 held steps left): the group waits after step 8 until it is stopped for it.
+    pause_at(hold, 8)
     job.add_node("joiner")
     restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 4, 120,
                                  "the job to continue in world size 4")
