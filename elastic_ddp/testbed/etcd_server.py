@@ -108,10 +108,13 @@ class EtcdServer:
     auth_password: str | None = None
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
+    # Where it listens, and what it (and its etcdctl) runs in: `NetworkBed.prefix` puts it on a host of its own.
+    host: str = "127.0.0.1"
+    command_prefix: tuple[str, ...] = ()
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
@@ -119,7 +122,7 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def log_path(self) -> Path:
@@ -144,7 +147,7 @@ class EtcdServer:
         assert not self.is_running(), f"{self.name} is already running"
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen([*self.command_prefix, *self.command()], stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> EtcdServer:
@@ -157,7 +160,7 @@ class EtcdServer:
 
     def etcdctl(self, *args: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
         """Run etcdctl against this member (with its CA and the root credentials when set)."""
-        command = [etcd_binary("etcdctl"), "--endpoints", self.client_url, "--command-timeout=2s",
+        command = [*self.command_prefix, etcd_binary("etcdctl"), "--endpoints", self.client_url, "--command-timeout=2s",
                    "--dial-timeout=1s"]
         if self.tls:
             command.append(f"--cacert={self.tls.ca_cert}")
