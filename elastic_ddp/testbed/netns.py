@@ -11,11 +11,14 @@ its own. Nothing is created in the host's namespace, so no host interface, route
 is touched (`ip netns list` shows the namespaces while the bed is up, `ip link` on the host never
 changes). Root only (`why_unavailable` says why not, in one line).
 
-Faults, as data (`NetworkFault`, e.g. from the text `partition n1`, `heal n1`, `blip n1 1`):
-a partition sets the node's port on the switch down. Its packets then vanish: no reset, no
-refusal, a peer's `connect()` times out, as across a pulled cable or a dead switch port; the node
-keeps its own address and loopback. `heal` sets the port up again; `blip` is a partition healed
-after SECONDS.
+Faults, as data (`NetworkFault`, e.g. from the text `partition n1`, `heal n1`, `blip n1 1`,
+`partition n2 e1`, `partition-etcd e1 n2`): a partition of one node sets its port on the switch
+down. Its packets then vanish: no reset, no refusal, a peer's `connect()` times out, as across a
+pulled cable or a dead switch port; the node keeps its own address and loopback. A partition of
+several nodes cuts them off together: their ports move to a bridge of their own, so they still
+reach each other (a minority side). `heal` puts the ports back on `br0`, up; `blip` is a one-node
+partition healed after SECONDS. `partition-etcd MEMBER [NODE ...]` is a partition whose first node
+must be one of the bed's `etcd_members` (nodes that run an etcd member, tests/support/network.py).
 
 Names are unique per bed (`edb<pid>x<random>-<node>`), so runs side by side never meet. Teardown
 is guaranteed: `close()` (the context manager's exit, the pytest fixture's finalizer, and an
@@ -54,7 +57,8 @@ NODE_LINK = "eth0"  # the node's one link (GLOO_SOCKET_IFNAME=eth0 names it on e
 SUBNET = "10.213.0"  # a /24: node i has SUBNET.(i+1)
 IP_TIMEOUT_S = 10
 
-ACTIONS = ("partition", "heal", "blip")
+ACTIONS = ("partition", "heal", "blip", "partition-etcd")
+SIDED = ("partition", "heal", "partition-etcd")  # the actions that take more nodes
 
 
 class NetworkBedError(RuntimeError):
@@ -63,37 +67,52 @@ class NetworkBedError(RuntimeError):
 
 @dataclass(frozen=True)
 class NetworkFault:
-    """One network fault: `partition NODE`, `heal NODE` or `blip NODE SECONDS`."""
+    """One network fault: `partition NODE [NODE ...]`, `heal NODE [NODE ...]`, `blip NODE SECONDS`
+    or `partition-etcd MEMBER [NODE ...]`; `side` holds the nodes after the first."""
 
     action: str
     node: str
     seconds: float | None = None
+    side: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"network fault action: got {self.action!r}; expected one of {', '.join(ACTIONS)}")
-        if not self.node:
+        if not self.node or not all(self.side):
             raise ValueError("network fault node: got an empty name; expected a node of the bed")
         if (self.action == "blip") != (self.seconds is not None):
             raise ValueError(f"network fault seconds: {self.action} {'needs' if self.action == 'blip' else 'takes no'} "
                              f"SECONDS (got {self.seconds})")
         if self.seconds is not None and self.seconds <= 0:
             raise ValueError(f"network fault seconds: got {self.seconds}; expected more than 0")
+        if self.side and self.action not in SIDED:
+            raise ValueError(f"network fault {self.action}: takes one node (got {self.node}, {', '.join(self.side)})")
+        if len({self.node, *self.side}) != 1 + len(self.side):
+            raise ValueError(f"network fault nodes: got {self.node} {' '.join(self.side)}; expected distinct names")
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return (self.node, *self.side)
 
     @classmethod
     def parse(cls, text: str) -> NetworkFault:
-        """`partition NODE`, `heal NODE` or `blip NODE SECONDS`; ValueError naming what is wrong."""
+        """`partition NODE [NODE ...]`, `heal NODE [NODE ...]`, `blip NODE SECONDS` or
+        `partition-etcd MEMBER [NODE ...]`; ValueError naming what is wrong."""
         words = text.split()
-        if len(words) not in (2, 3):
-            raise ValueError(f"network fault {text!r}: expected 'partition NODE', 'heal NODE' or 'blip NODE SECONDS'")
+        usage = (f"network fault {text!r}: expected 'partition NODE [NODE ...]', 'heal NODE [NODE ...]', "
+                 "'blip NODE SECONDS' or 'partition-etcd MEMBER [NODE ...]'")
+        if len(words) < 2 or (words[0] not in SIDED and len(words) != 3):
+            raise ValueError(usage)
+        if words[0] in SIDED:
+            return cls(words[0], words[1], side=tuple(words[2:]))
         try:
-            seconds = float(words[2]) if len(words) == 3 else None
+            seconds = float(words[2])
         except ValueError:
             raise ValueError(f"network fault {text!r}: SECONDS must be a number") from None
         return cls(words[0], words[1], seconds)
 
     def describe(self) -> str:
-        return f"{self.action} {self.node}" + (f" {self.seconds:g}" if self.seconds is not None else "")
+        return " ".join([self.action, *self.nodes]) + (f" {self.seconds:g}" if self.seconds is not None else "")
 
 
 def why_unavailable() -> str | None:
@@ -183,10 +202,14 @@ class NetworkBed:
     """Nodes in network namespaces of their own on one bridge (module docstring). Use it as a
     context manager, or call `close()`; `nodes` are the names faults and `prefix` take."""
 
-    def __init__(self, nodes: Sequence[str]):
+    def __init__(self, nodes: Sequence[str], etcd_members: Sequence[str] = ()):
         if len(set(nodes)) != len(nodes) or not 1 <= len(nodes) <= 250:
             raise ValueError(f"nodes: got {list(nodes)}; expected 1 to 250 distinct names")
+        if not set(etcd_members) <= set(nodes):
+            raise ValueError(f"etcd_members: got {list(etcd_members)}; expected nodes of the bed ({', '.join(nodes)})")
         self.nodes = list(nodes)
+        self.etcd_members = list(etcd_members)
+        self._sides = 0  # bridges made for partitions of several nodes
         self.name = f"{BED_PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
         self._created: list[str] = []
         self._closed = False
@@ -260,13 +283,32 @@ class NetworkBed:
                               capture_output=True, timeout=timeout + IP_TIMEOUT_S)
         return done.returncode == 0
 
-    def partition(self, node: str) -> None:
-        """Cut `node` off: its port on the switch goes down, its packets vanish (no reset)."""
-        _ip("-n", self.switch, "link", "set", self.port(node), "down")
+    def partition(self, node: str, *side: str) -> None:
+        """Cut `node` off (its port on the switch down: its packets vanish, no reset); with `side`,
+        cut them all off together: their ports move to a bridge of their own, where they still
+        reach each other and nothing else."""
+        if not side:
+            _ip("-n", self.switch, "link", "set", self.port(node), "down")
+            return
+        ports = [self.port(name) for name in (node, *side)]
+        self._sides += 1
+        bridge = f"br{self._sides}"
+        _ip("-n", self.switch, "link", "add", bridge, "type", "bridge")
+        _ip("-n", self.switch, "link", "set", bridge, "up")
+        for port in ports:
+            _ip("-n", self.switch, "link", "set", port, "master", bridge)
 
-    def heal(self, node: str) -> None:
-        """Connect `node` again."""
-        _ip("-n", self.switch, "link", "set", self.port(node), "up")
+    def partition_etcd(self, member: str, *side: str) -> None:
+        """Cut off the node of etcd member `member` (with `side` on its side)."""
+        if member not in self.etcd_members:
+            raise ValueError(f"etcd member: got {member!r}; expected one of {', '.join(self.etcd_members) or 'none'}")
+        self.partition(member, *side)
+
+    def heal(self, node: str, *side: str) -> None:
+        """Connect `node` (and `side`) again: the port back on the bridge of every node, up."""
+        for port in [self.port(name) for name in (node, *side)]:
+            _ip("-n", self.switch, "link", "set", port, "master", BRIDGE)
+            _ip("-n", self.switch, "link", "set", port, "up")
 
     def blip(self, node: str, seconds: float) -> None:
         """Partition `node` for `seconds`, then heal it (returns after the heal)."""
@@ -281,7 +323,7 @@ class NetworkBed:
         if fault.action == "blip":
             self.blip(fault.node, fault.seconds)
         else:
-            getattr(self, fault.action)(fault.node)
+            getattr(self, fault.action.replace("-", "_"))(*fault.nodes)
 
     def close(self) -> None:
         """Kill every process in the bed's namespaces and delete them; safe to call again."""
