@@ -9,7 +9,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, decode_arrival, decode_record, encode_arrival
-from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory, take_algorithm
+from elastic_ddp.agent.rendezvous.plugin import take_algorithm
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 A, B, C, D = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(4))
@@ -78,9 +78,3 @@ def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:
     assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4)) == "dynamic"
     with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'x'; expected one of dynamic, keyed"):
         take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="x"))
-
-
-def test_elastic_c10d_refuses_the_keyed_algorithm_before_connecting() -> None:
-    create = elastic_c10d_handler_factory()
-    with pytest.raises(ValueError, match="only --rdzv_backend=etcd-v3 has the keyed rendezvous so far"):
-        create(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, algorithm="keyed"))

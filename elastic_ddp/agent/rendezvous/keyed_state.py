@@ -3,8 +3,9 @@
 - An **arrival**, one per node and round, in a key of the node's own: the node's name
   (`NodeDesc`: address, pid, local id). Written once by the node itself; never changed by another.
 - A **liveness** value, one per node, in a key of the node's own: its name and, with dead-node
-  probes on, its beacon port (`keyed_probes`).
-- A **round record**, one per run, written only by the node that closes a round: the round's
+  probes on, its beacon port (`keyed_probes`); in a store without leases (c10d) also the time the
+  node last wrote it (a heartbeat, `keyed_c10d`).
+- A **round record**, one per run (c10d: one per round), written only by the node that closes a round: the round's
   number, its members in rank order and its spares (the redundancy list: nodes that arrived beyond
   `max_nodes`, waiting for a place).
 
@@ -59,9 +60,13 @@ def decode_arrival(value: bytes) -> NodeDesc | None:
     return None if fields is None else decode_node(fields)
 
 
-def encode_alive(node: NodeDesc, port: int | None) -> bytes:
-    """The value of `node`'s liveness key; `port`: its beacon's, None without probes."""
-    return json.dumps({**encode_node(node), "port": port}).encode()
+def encode_alive(node: NodeDesc, port: int | None, at: float | None = None) -> bytes:
+    """The value of `node`'s liveness key; `port`: its beacon's, None without probes; `at`: the
+    writer's wall-clock time, for a backend without leases (a heartbeat; 0: the node left)."""
+    fields = {**encode_node(node), "port": port}
+    if at is not None:
+        fields["at"] = at
+    return json.dumps(fields).encode()
 
 
 def decode_alive(value: bytes) -> tuple[NodeDesc, int | None] | None:
@@ -74,6 +79,18 @@ def decode_alive(value: bytes) -> tuple[NodeDesc, int | None] | None:
     if port is not None and not (_is_count(port) and 0 < port < 65536):
         return None
     return node, port
+
+
+def decode_heartbeat(value: bytes) -> tuple[NodeDesc, int | None, float] | None:
+    """(node, beacon port or None, time) from a heartbeat (`encode_alive` with `at`), or None if
+    it is not a valid one."""
+    alive = decode_alive(value)
+    if alive is None:
+        return None
+    at = json.loads(value).get("at")
+    if not isinstance(at, int | float) or isinstance(at, bool) or not 0 <= at < 2**40:
+        return None
+    return alive[0], alive[1], float(at)
 
 
 @dataclass(frozen=True)

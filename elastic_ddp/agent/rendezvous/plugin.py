@@ -19,9 +19,10 @@ with torch's c10d gets a warning from the worker instead, naming the fix
 Every handler created here counts its rendezvous rounds for the node's metrics endpoint
 (`elastic_ddp.agent.rendezvous_metrics`).
 
-`etcd-v3` runs one of two algorithms, chosen with `--rdzv_conf algorithm=`: `dynamic` (the default:
-torch's dynamic rendezvous with our additions, `etcd_handler`) or `keyed` (each node writes keys of
-its own and one write closes a round, `keyed_handler`).
+`etcd-v3` and `elastic-c10d` each run one of two algorithms, chosen with `--rdzv_conf algorithm=`:
+`dynamic` (the default: torch's dynamic rendezvous with our additions, `etcd_handler`, `c10d`) or
+`keyed` (each node writes keys of its own and one write closes a round, `keyed_handler`, in etcd
+`keyed_etcd`, in the TCPStore `keyed_c10d`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
         os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
-# `--rdzv_conf algorithm=` of etcd-v3 (see the module docstring); the first is the default.
+# `--rdzv_conf algorithm=` of etcd-v3 and elastic-c10d (see the module docstring); the first is the default.
 ALGORITHMS = ("dynamic", "keyed")
 ALGORITHM_KEY = "algorithm"
 
@@ -98,9 +99,9 @@ def elastic_c10d_handler_factory() -> Callable:
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         if take_algorithm(params) == "keyed":
-            raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}=keyed: only --rdzv_backend=etcd-v3 has the keyed "
-                             f"rendezvous so far; use {ALGORITHM_KEY}=dynamic (the default) with elastic-c10d")
+            from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
 
+            return count_rounds(create_keyed_c10d_handler(params))
         return count_rounds(create_c10d_handler(params))
 
     return create_elastic_c10d_handler

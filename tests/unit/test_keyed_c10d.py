@@ -1,0 +1,138 @@
+"""The keyed rendezvous in a real TCPStore (`keyed_c10d`): handlers of one process, one store.
+
+Each handler has a store client of its own, as each agent has; threads stand in for the agents.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+
+from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard
+from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+pytestmark = pytest.mark.timeout(60)
+
+A, B, C = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(3))
+
+
+MADE: list[KeyedRendezvousHandler] = []
+
+
+@pytest.fixture
+def server():
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
+    yield store
+    while MADE:  # their heartbeat threads stop before the store does
+        MADE.pop()._board.leave()
+
+
+def settings(min_nodes: int = 2, max_nodes: int = 2, expiry_beats: int = 5) -> KeyedSettings:
+    return KeyedSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=0.3,
+                         keep_alive_interval=0.2, keep_alive_max_attempt=expiry_beats, probe_dead_nodes=False)
+
+
+def handler(server: TCPStore, node: NodeDesc, chosen: KeyedSettings) -> KeyedRendezvousHandler:
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
+    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, poll_s=0.02))
+    return MADE[-1]
+
+
+def join_all(handlers: list[KeyedRendezvousHandler]) -> dict[NodeDesc, object]:
+    """next_rendezvous of each handler on a thread of its own: node -> (rank, world size) or the error."""
+    results: dict[NodeDesc, object] = {}
+
+    def join(h: KeyedRendezvousHandler) -> None:
+        try:
+            info = h.next_rendezvous()
+            results[h.node] = (info.rank, info.world_size)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[h.node] = exc
+
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_a_round_ranks_by_node_name_keeps_a_spare_and_takes_it_when_a_member_leaves(server) -> None:
+    chosen = settings(max_nodes=2)
+    a, b, c = (handler(server, node, chosen) for node in (C, A, B))  # C arrives first: ranks ignore arrival order
+    first = join_all([a, b])
+    assert first == {C: (1, 2), A: (0, 2)}
+    spare = threading.Thread(target=lambda: join_all([c]), daemon=True)
+    spare.start()
+    board = c._board
+    while board._slots.get(1) is None:  # the spare has arrived at the next round
+        threading.Event().wait(0.01)
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0  # a full world is not restarted for a spare
+    assert a.shutdown()
+    second = join_all([b])  # B restarts its workers; A left: B and the spare C form round 1
+    spare.join(timeout=30)
+    assert second == {A: (0, 2)}
+    assert board._latest == RoundRecord(1, (A, B))
+
+
+def test_joining_is_one_add_and_one_set_and_one_node_closes(server) -> None:
+    chosen = settings(max_nodes=3)
+    handlers = [handler(server, node, chosen) for node in (A, B, C)]
+    results = join_all(handlers)
+    assert sorted(results.values()) == [(0, 3), (1, 3), (2, 3)]
+    closes = [h._board.counts["closes"] for h in handlers]
+    assert sum(closes) >= 1 and sum(h._board.counts["lost_closes"] for h in handlers) == sum(closes) - 1
+    for h in handlers:  # start: heartbeat, registry add and set; arrival: add and set; the closer's hint
+        assert h._board.counts["writes"] - (1 if h._board.counts["closes"] - h._board.counts["lost_closes"] else 0) \
+            == 5
+
+
+def test_an_arrival_whose_heartbeats_stop_is_left_out_and_the_next_one_closes(server) -> None:
+    chosen = settings(min_nodes=2, max_nodes=3, expiry_beats=2)
+    frozen, b, c = (handler(server, node, chosen) for node in (A, B, C))
+    frozen._board.start(A, None)
+    frozen._board.arrive(0, A)  # the earliest arrival, the closer, then silent (frozen)
+    frozen._board._stop.set()
+    results = join_all([b, c])
+    assert results == {B: (0, 2), C: (1, 2)}
+
+
+def test_set_closed_ends_a_waiting_node_and_every_later_round(server) -> None:
+    chosen = settings(min_nodes=2, max_nodes=2)
+    a, b = handler(server, A, chosen), handler(server, B, chosen)
+    results: dict = {}
+    waiting = threading.Thread(target=lambda: results.update(join_all([a])), daemon=True)
+    waiting.start()
+    while a._board._slots.get(0) is None:
+        threading.Event().wait(0.01)
+    b.set_closed()
+    waiting.join(timeout=30)
+    assert isinstance(results[A], RendezvousClosedError) and a.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+
+
+def test_a_record_that_is_not_our_json_is_refused_never_unpickled(server) -> None:
+    server.set("keyed/run/round/0", pickle.dumps(RoundRecord(0, (A,))))
+    with pytest.raises(RendezvousStateError, match="keyed/run/round/0 is not valid"):
+        handler(server, A, settings()).next_rendezvous()
+
+
+def test_elastic_c10d_takes_the_keyed_algorithm_and_names_a_bad_key_before_connecting() -> None:
+    create = elastic_c10d_handler_factory()
+    with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
+        create(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, algorithm="keyed",
+                                    keep_alive_interval="soon"))
