@@ -28,6 +28,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,20 @@ def place_model(model: nn.Module, sharding: str, shard_blocks: str, device: torc
 
 
 def shard_model(model: nn.Module, patterns: tuple[str, ...] = ()) -> nn.Module:
-    """`fully_shard` every block of `model` (see the module docstring), then the root; returns `model`."""
+    """`fully_shard` every block of `model` (see the module docstring), then the root, over a mesh of
+    every rank on the device `model` is on; returns `model`."""
     if not dist.is_initialized():
         raise ShardingError("--sharding fsdp: got no process group; expected a run under torchrun (or "
                             "--sharding none)")
+    # The mesh follows where the model is (--device), not the machine: left to itself, fully_shard
+    # builds a CUDA mesh whenever a GPU exists and moves a `--device cpu` model there (seen on an H200).
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     modules = dict(model.named_modules())
     names = shard_blocks(model, patterns)
     for name in names:
-        fully_shard(modules[name])
-    fully_shard(model)
+        fully_shard(modules[name], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     logger.info("sharded %d block(s) and the root over %d rank(s)", len(names), dist.get_world_size())
     return model
 
