@@ -8,7 +8,6 @@ Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `
     closed                    a counter, above 0 once `set_closed` was called
     arrivals/<n>/count        a counter: `add` hands each node arriving at round n a slot of its own
     arrivals/<n>/<slot>       the node in that slot (`keyed_state.encode_arrival`)
-    nodes/count, nodes/<i>    the same for every node that ever started (for `alive`)
     alive/<node>              the node's heartbeat: its name, beacon port and wall-clock time
 
 Arriving is one atomic `add` and one `set` of the node's own slot; closing round n is one
@@ -16,7 +15,8 @@ Arriving is one atomic `add` and one `set` of the node's own slot; closing round
 then the `latest` hint. A waiting node checks every `SYNC_POLL_S` whether `round/<n>` exists
 (`check`: one key, no value read) and reads two counters and the heartbeat of the earliest live
 arrival (the closer): a constant number of requests of constant size, whatever the number of
-nodes. Only the closer reads all the arrivals and heartbeats. The store's `wait` with a timeout
+nodes. Only the closer reads all the arrivals and their heartbeats, and those of the last round's
+members (`alive`). The store's `wait` with a timeout
 would do instead of `check`, but torch 2.13 logs two warning lines at every such timeout.
 
 The store has no leases, so liveness is by heartbeat time, as in torch's dynamic rendezvous: a
@@ -122,14 +122,12 @@ class StoreRoundBoard:
         return encode_alive(self._node, self._port, at=at)
 
     def start(self, node: NodeDesc, port: int | None) -> None:
-        """See `RoundBoard`: write the heartbeat, register the node, start beating."""
+        """See `RoundBoard`: write the heartbeat, start beating."""
         with self._lock:
             if self._beater is not None:
                 return
             self._node, self._port = node, port
             self._set(f"alive/{node_name(node)}", self._heartbeat(time.time()))
-            slot = self._add("nodes/count", 1)
-            self._set(f"nodes/{slot}", encode_arrival(node))
             beats = self.store.clone() if hasattr(self.store, "clone") else self.store
             self._beater = threading.Thread(target=self._beat, args=(beats,), name="keyed-rdzv-heartbeat", daemon=True)
             self._beater.start()
@@ -183,9 +181,11 @@ class StoreRoundBoard:
         return [next(beats) if node is not None else None for node in nodes]
 
     def alive(self) -> dict[NodeDesc, int | None]:
-        """See `RoundBoard`: the registered nodes whose heartbeat is recent."""
-        count = self._add("nodes/count", 0)
-        nodes = self._nodes_at([f"nodes/{slot}" for slot in range(1, count + 1)])
+        """See `RoundBoard`, for the nodes of the last closed round (members and spares), the only
+        ones the handler asks about: those whose heartbeat is recent. One read."""
+        with self._lock:
+            latest = self._latest
+        nodes = list(latest.members + latest.spares) if latest is not None else []
         return dict(entry for entry in self._live(nodes) if entry is not None)
 
     # --- rounds ------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The keyed rendezvous: torchrun's `RendezvousHandler` at a cost per node that does not grow with
-the number of nodes. Chosen with `--rdzv_conf algorithm=keyed` (etcd-v3); torch's dynamic
-rendezvous stays the default (`algorithm=dynamic`).
+the number of nodes. Chosen with `--rdzv_conf algorithm=keyed` (etcd-v3: `keyed_etcd`; elastic-c10d,
+in the TCPStore: `keyed_c10d`, where leases are heartbeat times and the closing write a
+`compare_set` of the round's own key); torch's dynamic rendezvous stays the default
+(`algorithm=dynamic`). What follows says it for etcd.
 
 torch's dynamic rendezvous keeps one state value that every node changes by compare-and-set:
 three winning writes per node per phase (leave, wait list, join), serialised, so N nodes need
@@ -83,7 +85,7 @@ class BoardView:
 
 
 class RoundBoard(Protocol):
-    """Where the nodes of one run meet: a backend (etcd-v3; see `keyed_etcd`). Thread-safe."""
+    """Where the nodes of one run meet: a backend (etcd-v3: `keyed_etcd`; a c10d store: `keyed_c10d`). Thread-safe."""
 
     name: str  # the backend's name (`get_backend`)
     store: Store  # the agents' store (torchrun's, and rank 0's address for the workers)
