@@ -65,21 +65,24 @@ def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_glo
     for name, value in expected.items():
         torch.testing.assert_close(uninterrupted[name], value, rtol=0, atol=1e-6)
 
-    interrupted = _sharded(tmp_path / "interrupted")
-    with pytest.raises(Crash):
-        make_trainer(interrupted, after_step=crash_at(5)).fit()
-    assert [step for step, _ in steps.committed_steps(tmp_path_of(interrupted))] == [4]
-    make_trainer(interrupted).fit()
-    restore = next(e for e in read_events(tmp_path_of(interrupted) / EVENT_LOG_NAME) if e["event"] == "restore")
-    assert restore["global_step"] == 4 and restore["source"] == "file"
-    resumed = _final_model(interrupted)
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
-    assert len(steps.committed_steps(tmp_path_of(interrupted))) <= interrupted.keep_last
+    for memory_copies, restored_step, source in ((False, 4, "file"), (True, 5, "memory")):
+        interrupted = _sharded(tmp_path / f"interrupted-{source}", memory_copies=memory_copies)
+        with pytest.raises(Crash):
+            make_trainer(interrupted, after_step=crash_at(5)).fit()
+        assert [step for step, _ in steps.committed_steps(tmp_path_of(interrupted))] == [4]
+        make_trainer(interrupted).fit()
+        restore = next(e for e in read_events(tmp_path_of(interrupted) / EVENT_LOG_NAME) if e["event"] == "restore")
+        assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (
+            restored_step, source, 5 - restored_step)
+        resumed = _final_model(interrupted)
+        for name, value in uninterrupted.items():
+            assert torch.equal(resumed[name], value), name
+        assert len(steps.committed_steps(tmp_path_of(interrupted))) <= interrupted.keep_last
+    assert not any((tmp_path / "interrupted-memory" / "memory").rglob("shard-*"))  # the finished run removed them
 
 
 def test_a_torn_shard_is_refused_and_the_older_step_restored(one_rank_gloo_group, tmp_path):
-    config = _sharded(tmp_path, keep_last=3)
+    config = _sharded(tmp_path, keep_last=3, memory_copies=False)
     with pytest.raises(Crash):
         make_trainer(config, after_step=crash_at(9)).fit()
     (newest_step, newest), (older_step, _), *_ = steps.committed_steps(tmp_path_of(config))
@@ -101,7 +104,7 @@ def test_an_index_that_would_run_code_is_refused_before_anything_is_loaded(one_r
     with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system, which a DCP index never holds"):
         RestrictedUnpickler(io.BytesIO(pickle.dumps(Payload())), "planted").load()
 
-    config = _sharded(tmp_path)
+    config = _sharded(tmp_path, memory_copies=False)
     make_trainer(config).fit()
     (step, newest), *_ = steps.committed_steps(tmp_path_of(config))
     (newest / ".metadata").write_bytes(pickle.dumps(Payload()))

@@ -13,10 +13,16 @@ finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2
   every rank learns it, and DCP reads the shards this rank now owns, whatever the world size that
   wrote them (resharding); the rest loads from `trainer.snap` as a format-2 snapshot.
 
-Limits of this first version (docs/sharding.md): the checkpoint directory must be one filesystem
-that every node reads (no replication to other nodes' disks); there are no memory copies, so a
-failure resumes from the newest sharded snapshot and loses the steps since (the restore event says
-so with `source: file` and `lost_steps`); writes are synchronous.
+- memory copies (`--memory_copies`, on by default): at each committed step and after a restore,
+  every rank keeps its part of the state in memory and a copy goes to a rank on another node
+  (memory_shards.py); a worker that stops early writes what it holds to its node's memory
+  directory, and the next group restores the newest step whose parts its nodes still hold,
+  resharded, when it is at least as new as the newest durable step (memory_restore.py). A failure
+  of one node then costs no committed step.
+
+Limits (docs/sharding.md): the checkpoint directory must be one filesystem that every node reads
+(no replication to other nodes' disks); durable writes are synchronous; when a part and its copy
+are both lost the restart falls back to the newest durable step (the restore event says why).
 """
 
 from __future__ import annotations
@@ -41,10 +47,18 @@ from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.cadence import SnapshotCadence
 from elastic_ddp.snapshot.exchange.cadence_agreement import agree_on_next_snapshot
-from elastic_ddp.snapshot.exchange.restore_agreement import FILE, RestoredSnapshot
+from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, RestoredSnapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
-from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_file, snapshot_to_bytes
+from elastic_ddp.snapshot.serialization import (
+    check_compatible,
+    snapshot_from_bytes,
+    snapshot_from_file,
+    snapshot_to_bytes,
+)
 from elastic_ddp.snapshot.sharded import step_directories as steps
+from elastic_ddp.snapshot.sharded.memory_checkpoint import save_part
+from elastic_ddp.snapshot.sharded.memory_restore import MemoryState, agree_on_memory_state, load_memory_state
+from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy, node_directory
 from elastic_ddp.snapshot.sharded.safe_reader import SafeFileSystemReader
 from elastic_ddp.snapshot.training_state import (
     Snapshot,
@@ -72,13 +86,20 @@ class ShardedSnapshotSession:
                                        config.snapshot_max_interval_s)
         self.last_saved_step: int | None = None
         self.last_durable_step: int | None = None
+        self.memory: ShardMemory | None = None
+        self._kept_step: int | None = None  # the step whose part this rank last kept (and exchanged)
+        self._committed_in = incarnation  # the incarnation that committed the state held (a restored one's)
+        self._group_names: list[list[str]] = []  # the parameter names of each optimizer group
+        self._hook: Any = None  # the optimizer step hook (`_after_optimizer_step`)
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        if self.context.is_main and (self.config.snapshot_replicas or self.config.memory_copies):
+        if self.context.is_main and self.config.snapshot_replicas:
             logger.info("--sharding fsdp: snapshots are sharded files in %s, which every node must read; no replicas "
-                        "on other nodes' disks and no memory copies yet (a failure resumes from the newest one)",
-                        self.root)
+                        "on other nodes' disks", self.root)
+        if self.config.memory_copies:
+            self.memory = ShardMemory(self.context, node_directory(self.config.memory_dir, self.root, self.context,
+                                                                   self.fingerprint))
 
     # ------------------------------------------------------------------------------- restore
 
@@ -87,28 +108,73 @@ class ShardedSnapshotSession:
         choice = [self._choose() if self.context.is_main else None]
         if self.context.in_process_group:
             dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            logger.info("no sharded snapshot in %s: starting from scratch", self.root)
+        durable = choice[0]
+        in_memory, refused, stored = (agree_on_memory_state(self.memory, self.context) if self.memory is not None
+                                      else (None, [], {}))
+        if in_memory is not None and (durable is None or in_memory.step >= durable[2]):
+            restored = self._restore_from_memory(state, in_memory, stored)
+        elif durable is not None:
+            refused = [item for item in refused if item["global_step"] > durable[2]]
+            restored = self._restore_from_file(state, durable[0], durable[1], refused)
+        else:
+            if refused:
+                logger.warning("no sharded snapshot in %s and no whole memory state (%s): starting from scratch",
+                               self.root, "; ".join(f"step {item['global_step']}: {item['reason']}" for item in refused))
+            else:
+                logger.info("no sharded snapshot in %s: starting from scratch", self.root)
             seed_rng_for_step(self.config.seed, 0, self.context.rank)
-            return None
-        name, checksum = choice[0]
+            restored = None
+        if restored is not None:
+            self._keep_part(state)  # the restored state is in two nodes' memory before a step is trained
+        self._hook_optimizer(state)
+        if self.memory is not None and self.context.local_rank == 0:
+            self.memory.remove_older_than(state.global_step)
+        return restored
+
+    def _restore_from_file(self, state: TrainingState, name: str, checksum: str,
+                           refused: list[dict[str, Any]]) -> RestoredSnapshot:
         directory = self.root / name
         plain, _ = snapshot_from_file(directory / steps.TRAINER_FILE, str(directory / steps.TRAINER_FILE))
         with state.updating():
             self._load_shards(state, directory, plain.states["optimizer"])
-            for component, value in plain.states.items():
-                if component not in SHARDED:
-                    getattr(state, component).load_state_dict(value)
-            if len(plain.rng_per_rank) == self.context.world_size:
-                restore_rng_state(plain.rng_per_rank[self.context.rank])
-            else:
-                seed_rng_for_step(self.config.seed, plain.global_step, self.context.rank)
+            same_world = len(plain.rng_per_rank) == self.context.world_size
+            self._load_rest(state, plain, plain.rng_per_rank[self.context.rank] if same_world else None)
         self.last_saved_step = self.last_durable_step = plain.global_step
+        self._committed_in = plain.incarnation
         return RestoredSnapshot(snapshot=plain, entry=None, checksum=checksum, source=FILE, source_rank=0,
-                                source_host=socket.gethostname(), description=str(directory), data=b"")
+                                source_host=socket.gethostname(), description=str(directory), data=b"",
+                                refused=refused)
 
-    def _choose(self) -> tuple[str, str] | None:
-        """Rank 0: (directory name, manifest checksum) of the newest step that verifies and fits."""
+    def _restore_from_memory(self, state: TrainingState, in_memory: MemoryState,
+                             stored: dict[tuple[int, int, int], ShardCopy]) -> RestoredSnapshot:
+        description = f"the memory state of step {in_memory.step} (parts of {in_memory.world_size} ranks)"
+        plain = snapshot_from_bytes(in_memory.rest, description)
+        check_compatible(plain, self.fingerprint, description)
+        with state.updating():
+            received = load_memory_state(in_memory, state.model, state.optimizer,
+                                         plain.states["optimizer"]["param_groups"], stored, self.context)
+            mine = in_memory.offers[self.context.rank].plain if in_memory.world_size == self.context.world_size else b""
+            self._load_rest(state, plain, snapshot_from_bytes(mine, description).rng_per_rank[0] if mine else None)
+        logger.info("restored %s from memory (%d bytes received from peers)", description, received)
+        self.last_saved_step = self.last_durable_step = plain.global_step
+        self._committed_in = in_memory.incarnation
+        source_rank = in_memory.source_rank
+        return RestoredSnapshot(snapshot=plain, entry=None, checksum=in_memory.checksum, source=MEMORY,
+                                source_rank=source_rank, source_host=in_memory.hosts[source_rank],
+                                description=description, data=b"", refused=in_memory.refused)
+
+    def _load_rest(self, state: TrainingState, plain: Snapshot, rng: dict[str, Any] | None) -> None:
+        """The unsharded components from `plain`, and this rank's `rng` (None: seeded for the step)."""
+        for component, value in plain.states.items():
+            if component not in SHARDED:
+                getattr(state, component).load_state_dict(value)
+        if rng is not None:
+            restore_rng_state(rng)
+        else:
+            seed_rng_for_step(self.config.seed, plain.global_step, self.context.rank)
+
+    def _choose(self) -> tuple[str, str, int] | None:
+        """Rank 0: (directory name, manifest checksum, step) of the newest step that verifies and fits."""
         for step, directory in steps.committed_steps(self.root):
             try:
                 checksum = steps.verify(directory)
@@ -118,7 +184,7 @@ class ShardedSnapshotSession:
             except Exception as exc:  # noqa: BLE001 - any reason to refuse it is a reason to try the next
                 logger.warning("sharded snapshot of step %d refused: %s", step, exc)
                 continue
-            return directory.name, checksum
+            return directory.name, checksum, step
         return None
 
     def _load_shards(self, state: TrainingState, directory: Path, optimizer_plain: dict[str, Any]) -> None:
@@ -133,6 +199,11 @@ class ShardedSnapshotSession:
 
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
         """As `SnapshotSession.save`: on the cadence, at the end of training, and on `final`."""
+        if self.memory is not None and self._kept_step == state.global_step:
+            self.memory.add_rest(state.global_step, self._rest_of(state))
+        elif self._kept_step != state.global_step:  # the optimizer step was skipped: no part taken yet
+            self._committed_in = self.incarnation
+            self._keep_part(state)
         due = self.cadence.save_due(state.global_step, self.last_saved_step, epoch_ended=epoch_ended, final=final,
                                     training_done=state.sampler.epoch >= self.config.epochs)
         if due:
@@ -161,13 +232,51 @@ class ShardedSnapshotSession:
         if self.cadence.on_budget:
             agree_on_next_snapshot(self.cadence, step, time.monotonic() - started, self.context, self.events)
 
-    def _commit(self, state: TrainingState, step: int, temporary: Path, rng_per_rank: list[dict[str, Any]],
-                param_groups: list[dict[str, Any]], started: float) -> None:
+    def _keep_part(self, state: TrainingState, rest: bool = True) -> None:
+        """This rank's part of the state, kept and exchanged with its ring partners (memory_shards.py;
+        collectives). Without `rest`, the tensors only: from inside the commit, right after the
+        optimizer step (`_after_optimizer_step`); `save` adds the rest once the step is committed."""
+        if self.memory is None:
+            return
+        step = state.global_step if rest else state.global_step + 1
+        model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
+        index, data = save_part({"model": model_state, "optimizer": {"state": optimizer_state["state"]}})
+        self._group_names = [group["params"] for group in optimizer_state["param_groups"]]
+        self.memory.commit(make_copy(step, self._committed_in, self.context, index,
+                                     self._rest_of(state) if rest else b"", data))
+        self._kept_step = step
+
+    def _rest_of(self, state: TrainingState) -> bytes:
+        """The unsharded rest of `state` with this rank's RNG, as a format-2 snapshot."""
+        # As get_state_dict gives them (parameters by name), without its cost at every step.
+        param_groups = [{**group, "params": names} for group, names in
+                        zip(state.optimizer.state_dict()["param_groups"], self._group_names, strict=True)]
+        return snapshot_to_bytes(self._plain_snapshot(state, [capture_rng_state()], param_groups, self._committed_in))
+
+    def _hook_optimizer(self, state: TrainingState) -> None:
+        if self.memory is not None and self._hook is None:
+            self._hook = state.optimizer.register_step_post_hook(
+                lambda optimizer, args, kwargs: self._after_optimizer_step(state))
+
+    def _after_optimizer_step(self, state: TrainingState) -> None:
+        """Inside the commit, before the step counts: its part goes to the buddy first, so that a
+        step that counts (its `step` event, its audit line) is in two nodes' memory. A failure here
+        ends training before the step counts, and the restart takes the step before."""
+        self._committed_in = self.incarnation
+        self._keep_part(state, rest=False)
+
+    def _plain_snapshot(self, state: TrainingState, rng_per_rank: list[dict[str, Any]],
+                        param_groups: list[dict[str, Any]], incarnation: int) -> Snapshot:
+        """The unsharded rest of `state` (what DCP does not write)."""
         plain_states = {name: value for name, value in state.state_dicts().items() if name not in SHARDED}
         plain_states["optimizer"] = {"param_groups": param_groups}
         plain_states["model"] = {}
-        plain = Snapshot(states=plain_states, rng_per_rank=rng_per_rank, fingerprint=self.fingerprint,
-                         world_size=self.context.world_size, incarnation=self.incarnation, wall_time=time.time())
+        return Snapshot(states=plain_states, rng_per_rank=rng_per_rank, fingerprint=self.fingerprint,
+                        world_size=self.context.world_size, incarnation=incarnation, wall_time=time.time())
+
+    def _commit(self, state: TrainingState, step: int, temporary: Path, rng_per_rank: list[dict[str, Any]],
+                param_groups: list[dict[str, Any]], started: float) -> None:
+        plain = self._plain_snapshot(state, rng_per_rank, param_groups, self._committed_in)
         (temporary / steps.TRAINER_FILE).write_bytes(snapshot_to_bytes(plain))
         directory, checksum, size = steps.commit(temporary, step)
         self.last_durable_step = step
@@ -180,20 +289,36 @@ class ShardedSnapshotSession:
     # ------------------------------------------------------------------------------- the rest
 
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> None:
-        """No memory copies of sharded states yet: the next group resumes from the newest snapshot."""
-        if self.context.is_main:
-            self.events.emit(schema.MEMORY_COPY_FAILED, global_step=state.global_step, reason=reason,
-                             error="--sharding fsdp keeps no memory copies yet")
+        """Write the parts this rank holds (its own and its ring partner's, memory_shards.py) into
+        its node's memory directory, without a collective: the group may be broken."""
+        if self.memory is None:
+            return
+        started = time.monotonic()
+        written, size = self.memory.keep()
+        step = self.memory.own[-1].step if self.memory.own else None
+        if not self.context.is_main or step is None:
+            return
+        if self.memory.directory is None:
+            self.events.emit(schema.MEMORY_COPY_FAILED, global_step=step, reason=reason,
+                             error="no usable memory directory (see this rank's log)")
+            return
+        self.events.emit(schema.MEMORY_COPY, global_step=step, reason=reason, size_bytes=size,
+                         seconds=round(time.monotonic() - started, 4), written=written > 0)
 
     def finish(self) -> bool | None:
         """Whether the last save is durable (writes are synchronous); None off rank 0."""
         return self.last_durable_step == self.last_saved_step if self.context.is_main else None
 
     def forget_memory_copies(self) -> None:
-        """Nothing to forget: see `keep_in_memory`."""
+        """The run finished: its parts in memory are removed."""
+        if self.memory is not None:
+            self.memory.forget()
 
     def close(self) -> None:
-        """Nothing runs in the background."""
+        """Nothing runs in the background; the optimizer hook is removed."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 

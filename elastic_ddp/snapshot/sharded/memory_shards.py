@@ -1,0 +1,259 @@
+"""Memory copies of a sharded state: each rank's part, and a copy of it on another node.
+
+With `--sharding fsdp` no rank holds the whole state, so a rank's own memory copy is not enough: a
+lost node takes its ranks' shards with it. Here, at each committed step (and right after a restore):
+
+- every rank takes its part of the state (`memory_checkpoint.save_part`: its shards of the model and
+  optimizer as a DCP checkpoint in memory, plus the unsharded rest with this rank's RNG) and keeps it;
+- it sends the part to its *buddy*, the rank with the same local rank on the next node in a ring of
+  nodes (ranks of a node are contiguous under torchrun), and keeps the part it receives from the
+  rank before it: every part is then in the memory of two nodes, so the loss of any one node
+  leaves every part somewhere. On a single node the buddy is the next rank of the node (a lost
+  worker is covered; the loss of the node itself is not, as in DDP mode).
+
+Both are kept for the last two steps: a failure during the exchange of step N leaves some buddies
+without step N, and then step N-1 is the newest one whose parts are all present.
+
+When the worker stops early (`keep`, no collective: the group may be broken) every rank writes what
+it holds into its node's memory directory (the run's private directory of snapshot/memory_copies.py),
+one file per part: `shard-<step>-<incarnation>-<part>of<world>.bin` (a JSON header, the payload, a
+BLAKE2b checksum of the payload in the header), written to a temporary name and renamed. The next
+worker group gathers them (memory_restore.py).
+
+Not guaranteed: a part whose two holders (its rank and its buddy) both die is lost, and the restart
+falls back to the newest durable snapshot (the `restore` event says why). The copies cost memory:
+up to four parts per rank (own and buddy's, two steps), and the exchange sends each rank's part over
+the network at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
+from elastic_ddp.snapshot.memory_copies import MemoryTier, scope_token
+
+logger = logging.getLogger(__name__)
+
+KEEP_STEPS = 2  # see the module docstring
+FILE_PATTERN = re.compile(r"^shard-(\d{9})-(\d{1,19})-(\d{1,6})of(\d{1,6})\.bin$")
+MAX_HEADER_BYTES = 64 * 1024
+LENGTH = struct.Struct("<q")
+
+
+def checksum_of(*chunks: bytes) -> str:
+    digest = hashlib.blake2b(digest_size=20)
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardCopy:
+    """One rank's part of the state of one committed step."""
+
+    step: int
+    incarnation: int  # the incarnation that committed the step
+    world_size: int  # of the group that committed it: its parts are 0 .. world_size - 1
+    part: int  # the rank that wrote it
+    index: bytes  # its DCP `.metadata`
+    plain: bytes  # the unsharded rest, a format-2 snapshot with this rank's RNG
+    data: bytes  # its DCP data file
+    checksum: str  # of index + plain + data
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.step, self.incarnation
+
+    @property
+    def file_name(self) -> str:
+        return f"shard-{self.step:09d}-{self.incarnation}-{self.part}of{self.world_size}.bin"
+
+    def to_bytes(self) -> bytes:
+        header = encode_object({"step": self.step, "incarnation": self.incarnation, "world_size": self.world_size,
+                                "part": self.part, "index_bytes": len(self.index), "plain_bytes": len(self.plain),
+                                "checksum": self.checksum})
+        return LENGTH.pack(len(header)) + header + self.index + self.plain + self.data
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | bytearray | memoryview, source: str) -> ShardCopy:
+        """The copy in `raw`; SnapshotError when it is torn, damaged or not one (untrusted input)."""
+        raw = bytes(raw)
+        try:
+            (header_bytes,) = LENGTH.unpack_from(raw, 0)
+            if not 2 <= header_bytes <= min(MAX_HEADER_BYTES, len(raw) - LENGTH.size):
+                raise SnapshotError(f"{source}: a header of {header_bytes} bytes")
+            header = parse_object(raw[LENGTH.size:LENGTH.size + header_bytes])
+            fields = [header[name] for name in ("step", "incarnation", "world_size", "part", "index_bytes",
+                                                "plain_bytes")]
+            if not all(isinstance(value, int) and value >= 0 for value in fields):
+                raise SnapshotError(f"{source}: a header with a field that is not a count")
+            step, incarnation, world_size, part, index_bytes, plain_bytes = fields
+            if not isinstance(header["checksum"], str) or part >= world_size:
+                raise SnapshotError(f"{source}: an inconsistent header")
+        except (struct.error, StrictJSONError, KeyError) as exc:
+            raise SnapshotError(f"{source}: not a shard copy ({exc})") from exc
+        body = raw[LENGTH.size + header_bytes:]
+        if index_bytes + plain_bytes > len(body) or checksum_of(body) != header["checksum"]:
+            raise SnapshotError(f"{source}: torn or damaged (its checksum does not match)")
+        return cls(step, incarnation, world_size, part, body[:index_bytes],
+                   body[index_bytes:index_bytes + plain_bytes], body[index_bytes + plain_bytes:], header["checksum"])
+
+
+def make_copy(step: int, incarnation: int, context: DistributedContext, index: bytes, plain: bytes,
+              data: bytes) -> ShardCopy:
+    return ShardCopy(step, incarnation, context.world_size, context.rank, index, plain, data,
+                     checksum_of(index, plain, data))
+
+
+def node_directory(memory_dir: str, checkpoint_dir: Path, context: DistributedContext,
+                   fingerprint: dict[str, Any]) -> Path | None:
+    """This run's private directory in `memory_dir` (the one snapshot/memory_copies.py's copies use),
+    or None (logged) when it cannot be used."""
+    try:
+        token = scope_token(LocalDirectoryStorage(checkpoint_dir))
+        tier = MemoryTier(memory_dir, context.run_id, str(checkpoint_dir), fingerprint, token)
+        tier.open(remove_abandoned=context.local_rank == 0,
+                  agent_pid=agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
+    except (OSError, SnapshotError) as exc:
+        logger.error("memory copies of shards are not written to a node directory: %s", exc)
+        return None
+    return tier.directory
+
+
+def ring_partners(context: DistributedContext) -> tuple[int, int] | None:
+    """(buddy, the rank whose buddy this rank is), or None alone. See the module docstring."""
+    world, rank = context.world_size, context.rank
+    if world < 2:
+        return None
+    per_node = context.local_world_size if 0 < context.local_world_size < world else 1
+    if world % per_node:
+        per_node = 1  # nodes of unequal sizes: a ring of ranks (a buddy may be on the same node)
+    return (rank + per_node) % world, (rank - per_node) % world
+
+
+class ShardMemory:
+    """The parts this rank holds in memory, and their copies in its node's memory directory."""
+
+    def __init__(self, context: DistributedContext, directory: Path | None):
+        self.context = context
+        self.directory = directory  # None: the memory directory could not be used (keep writes nothing)
+        self.own: list[ShardCopy] = []
+        self.held: list[ShardCopy] = []  # received from the rank before this one in the ring
+
+    def commit(self, copy: ShardCopy) -> None:
+        """Keep `copy` (this rank's part of a step) and exchange parts with the ring partners, then
+        wait until every rank has its partner's part (collectives: every rank calls it at the same
+        step). Once this returns on any rank, every part of the step is on two ranks."""
+        self.own = [*self.own, copy][-KEEP_STEPS:]
+        partners = ring_partners(self.context) if self.context.in_process_group else None
+        if partners is None:
+            return
+        received = _exchange(copy.to_bytes(), *partners, self.context.collective_device)
+        self.held = [*self.held, ShardCopy.from_bytes(received, f"the part sent by rank {partners[1]}")][-KEEP_STEPS:]
+        dist.barrier()
+
+    def add_rest(self, step: int, plain: bytes) -> None:
+        """Add the unsharded rest to this rank's own part of `step` (once the step is committed)."""
+        if self.own and self.own[-1].step == step and not self.own[-1].plain:
+            last = self.own[-1]
+            self.own[-1] = dataclasses.replace(last, plain=plain, checksum=checksum_of(last.index, plain, last.data))
+
+    def lacks_rest(self, step: int) -> bool:
+        return bool(self.own) and self.own[-1].step == step and not self.own[-1].plain
+
+    def keep(self) -> tuple[int, int]:
+        """Write the parts held into the node's memory directory (no collective); (files written,
+        bytes). Never raises an OSError (logged)."""
+        if self.directory is None:
+            return 0, 0
+        written = size = 0
+        for copy in [*self.own, *self.held]:
+            path = self.directory / copy.file_name
+            if path.exists():
+                continue  # a sibling rank of this node wrote the same part
+            raw = copy.to_bytes()
+            temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+                    handle.write(raw)
+                os.replace(temporary, path)
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                logger.error("part %d of step %d not kept in memory: %s", copy.part, copy.step, exc)
+                continue
+            written, size = written + 1, size + len(raw)
+        return written, size
+
+    def stored(self) -> list[ShardCopy]:
+        """The whole copies in the node's memory directory (a damaged one is removed and logged)."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        found = []
+        for name in sorted(os.listdir(self.directory)):
+            if not FILE_PATTERN.match(name):
+                continue
+            path = self.directory / name
+            try:
+                copy = ShardCopy.from_bytes(path.read_bytes(), str(path))
+                if copy.file_name != name:
+                    raise SnapshotError(f"{path}: holds part {copy.part} of step {copy.step}, not what its name says")
+            except FileNotFoundError:
+                continue
+            except (OSError, SnapshotError) as exc:
+                logger.warning("memory copy of a shard refused: %s", exc)
+                path.unlink(missing_ok=True)
+                continue
+            found.append(copy)
+        return found
+
+    def remove_older_than(self, step: int) -> None:
+        """Remove the node's files of steps before `step` (after a restore of `step`)."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        for name in os.listdir(self.directory):
+            match = FILE_PATTERN.match(name)
+            if match and int(match.group(1)) < step:
+                (self.directory / name).unlink(missing_ok=True)
+
+    def forget(self) -> None:
+        """The run finished: remove every file (local rank 0) and what this rank holds."""
+        self.own, self.held = [], []
+        if self.directory is not None and self.context.local_rank == 0:
+            self.remove_older_than(10**9)
+
+
+def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.device) -> bytearray:
+    """Send `payload` to `send_to` and receive `receive_from`'s (point to point, over the default group)."""
+    size_out = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    size_in = torch.zeros(1, dtype=torch.int64, device=device)
+    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, send_to),
+                                  dist.P2POp(dist.irecv, size_in, receive_from)]))
+    incoming = int(size_in.item())
+    if not 0 <= incoming <= 4 * len(payload) + 2**26:
+        raise SnapshotError(f"rank {receive_from} announced a part of {incoming} bytes; this rank's is {len(payload)}")
+    data_out = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    data_in = torch.empty(incoming, dtype=torch.uint8, device=device)
+    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, data_out, send_to),
+                                  dist.P2POp(dist.irecv, data_in, receive_from)]))
+    return bytearray(data_in.cpu().numpy().tobytes())
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()

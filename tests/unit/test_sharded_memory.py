@@ -1,0 +1,179 @@
+"""Memory copies of a sharded state (snapshot/sharded/memory_*.py). With real gloo groups in spawned
+processes: each rank's part taken without a collective, the parts merged and resharded by DCP onto
+another world size (2 -> 3, 3 -> 2), each rank reading only the parts it needs. In this process:
+a missing part found before anything loads, an index that would run code refused, the ring of
+buddies, and the choice of the newest step whose parts are all there (else the reasons why not,
+which the session's fallback to the durable snapshot reports). The kill of a node that loses no
+step: tests/cluster/test_sharded_cluster.py; one rank's: tests/unit/test_sharded_training.py.
+
+    .venv/bin/python -m pytest -q tests/unit/test_sharded_memory.py
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint, read_index, save_part
+from elastic_ddp.snapshot.sharded.memory_restore import agree_on_memory_state
+from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy, ring_partners
+from elastic_ddp.snapshot.sharded.safe_reader import UnsafeCheckpointError
+from elastic_ddp.training.sharding import shard_model
+from elastic_ddp.workload.models import IMAGE_SHAPE, MLP
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _sharded_training_state():
+    torch.manual_seed(0)
+    model = shard_model(MLP())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def _tensors(model, optimizer):
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}, optimizer_state
+
+
+def _full(tensors) -> dict[str, torch.Tensor]:
+    flat = {}
+    for name, value in tensors["model"].items():
+        flat[f"model.{name}"] = value.full_tensor().clone()
+    for name, value in tensors["optimizer"]["state"].items():
+        flat[f"momentum.{name}"] = value["momentum_buffer"].full_tensor().clone()
+    return flat
+
+
+def _rank(rank: int, world_size: int, store_file: str, loads: str | None, saves: str) -> None:
+    """Load the parts in `loads` (if any) resharded onto this world, check them against the saver's
+    full state, then train one step (the first time) and save this world's parts into `saves`."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    try:
+        model, optimizer = _sharded_training_state()
+        tensors, optimizer_state = _tensors(model, optimizer)
+        if loads is None:
+            model(torch.randn(8, *IMAGE_SHAPE)).sum().backward()  # a state with momentum buffers
+            optimizer.step()
+        else:
+            parts = Path(loads)
+            merged = MergedCheckpoint({int(path.name.split("-")[1]): path.read_bytes()
+                                       for path in parts.glob("index-*")}, "test")
+            assert merged.missing() == []
+            needed = merged.needed_parts(tensors)
+            (Path(saves) / f"needed-{rank}").write_text(",".join(map(str, sorted(needed))))
+            merged.load(tensors, {part: (parts / f"data-{part}").read_bytes() for part in needed})
+            set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                           optim_state_dict={"state": tensors["optimizer"]["state"],
+                                             "param_groups": optimizer_state["param_groups"]})
+        tensors, _ = _tensors(model, optimizer)
+        full = _full(tensors)
+        if loads is not None:
+            expected = torch.load(Path(loads) / "expected.pt", weights_only=True)
+            assert full.keys() == expected.keys()
+            for name, value in expected.items():
+                assert torch.equal(full[name], value), name
+        index, data = save_part(tensors)
+        (Path(saves) / f"index-{rank}").write_bytes(index)
+        (Path(saves) / f"data-{rank}").write_bytes(data)
+        if rank == 0:
+            torch.save(full, Path(saves) / "expected.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world_size: int, loads: Path | None, saves: Path) -> list[set[int]]:
+    """The parts each rank of the new world read."""
+    saves.mkdir()
+    mp.start_processes(_rank, args=(world_size, str(saves / "store"), loads and str(loads), str(saves)),
+                       nprocs=world_size, start_method="spawn", join=True)
+    return [set(map(int, path.read_text().split(","))) for path in sorted(saves.glob("needed-*"))]
+
+
+def test_memory_parts_reshard_from_2_to_3_and_from_3_to_2(tmp_path):
+    _run(2, None, tmp_path / "by-2")
+    needed = _run(3, tmp_path / "by-2", tmp_path / "by-3")  # each rank checked what it loaded
+    assert len(needed) == 3 and set().union(*needed) == {0, 1}
+    needed = _run(2, tmp_path / "by-3", tmp_path / "by-2-again")
+    assert len(needed) == 2 and set().union(*needed) == {0, 1, 2}
+    assert all(len(parts) < 3 for parts in needed)  # each rank read only the parts it owns chunks of
+
+
+def _context(rank: int = 0, world_size: int = 1, local_world_size: int = 1) -> DistributedContext:
+    return DistributedContext(rank=rank, local_rank=rank % local_world_size, world_size=world_size,
+                              local_world_size=local_world_size, device=torch.device("cpu"), backend="gloo")
+
+
+def _half_covered_index() -> bytes:
+    """The index of a part that holds the first half of a (4, 2) tensor, as a rank of two writes it."""
+    index, _ = save_part({"w": torch.zeros(4, 2)})
+    metadata = read_index(index, "test")
+    metadata.state_dict_metadata["w"].chunks[0].sizes = torch.Size([2, 2])
+    return pickle.dumps(metadata)
+
+
+def test_a_missing_part_is_found_and_a_planted_index_refused(tmp_path):
+    index, _ = save_part({"w": torch.zeros(4, 2)})
+    assert MergedCheckpoint({0: index}, "test").missing() == []
+    assert MergedCheckpoint({0: _half_covered_index()}, "test").missing() == ["w"]
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system"):
+        MergedCheckpoint({0: pickle.dumps(Payload())}, "test")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_buddies_are_on_the_next_node_in_a_ring():
+    # 3 nodes of 2 ranks: rank 1 (node 0) sends to rank 3 (node 1) and receives from rank 5 (node 2)
+    assert ring_partners(_context(1, 6, 2)) == (3, 5)
+    assert ring_partners(_context(0, 2, 1)) == (1, 1)  # two nodes of one rank each
+    assert ring_partners(_context(0, 2, 2)) == (1, 1)  # one node: the next rank of the node
+    assert ring_partners(_context(0, 1, 1)) is None
+
+
+def _copy(step: int, part: int, world_size: int, rest: bytes = b"rest", incarnation: int = 0) -> ShardCopy:
+    index, data = save_part({"w": torch.full((4, 2), float(step))})
+    context = _context(part, world_size)
+    return make_copy(step, incarnation, context, index, rest, data)
+
+
+def test_the_newest_step_with_every_part_is_chosen_and_newer_incomplete_ones_refused(tmp_path):
+    """Step 9: part 1 lost with its copy; step 8: every part there (one without the rest, as a
+    buddy's copy is). The choice is 8, and 9 is refused with the parts that are missing."""
+    memory = ShardMemory(_context(), tmp_path)
+    memory.own = [_copy(8, 0, 2), _copy(9, 0, 2)]
+    memory.held = [_copy(8, 1, 2, rest=b"")]
+    assert memory.keep() == (3, sum(len(copy.to_bytes()) for copy in [*memory.own, *memory.held]))
+    torn = tmp_path / _copy(7, 0, 2).file_name
+    torn.write_bytes(_copy(7, 0, 2).to_bytes()[:-3])
+    chosen, refused, stored = agree_on_memory_state(ShardMemory(_context(), tmp_path), _context())
+    assert not torn.exists()  # a torn copy is refused and removed
+    assert (chosen.step, chosen.world_size, chosen.holders, chosen.rest) == (8, 2, {0: 0, 1: 0}, b"rest")
+    assert [(item["global_step"], item["source"]) for item in refused] == [(9, "memory")]
+    assert "part(s) [1] of the 2 ranks that committed it are on no node" in refused[0]["reason"]
+    assert sorted(stored) == [(8, 0, 0), (8, 0, 1), (9, 0, 0)]
+
+
+def test_a_step_whose_parts_were_exchanged_but_never_counted_is_not_restored(tmp_path):
+    memory = ShardMemory(_context(), tmp_path)
+    memory.own = [_copy(5, 0, 2), _copy(6, 0, 2, rest=b"")]  # step 6 failed inside its commit
+    memory.held = [_copy(5, 1, 2, rest=b""), _copy(6, 1, 2, rest=b"")]
+    memory.keep()
+    chosen, refused, _ = agree_on_memory_state(memory, _context())
+    assert chosen.step == 5
+    assert refused[0]["global_step"] == 6 and "never counted" in refused[0]["reason"]
+    memory.forget()
+    assert not list(tmp_path.iterdir())
