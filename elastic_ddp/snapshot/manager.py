@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
@@ -38,9 +38,11 @@ from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import HEADROOM, KeptCopy, MemoryTier, scope_token, state_bytes
-from elastic_ddp.snapshot.sharded.session import ShardedSnapshotSession
 from elastic_ddp.snapshot.staging import StagingBuffers, settled_device_work
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
+
+if TYPE_CHECKING:  # at run time only under --sharding fsdp: DCP imports sympy, ~0.9 s of CPU per worker
+    from elastic_ddp.snapshot.sharded.session import ShardedSnapshotSession
 
 logger = logging.getLogger(__name__)
 
@@ -265,5 +267,7 @@ def open_snapshot_session(config: TrainingConfig, context: DistributedContext, e
                           fingerprint: dict[str, Any], incarnation: int) -> SnapshotSession | ShardedSnapshotSession:
     """The snapshot session of one incarnation: rank 0's single files, or every rank's shards
     under `--sharding fsdp` (snapshot/sharded/session.py). Both keep the same contract."""
-    session = ShardedSnapshotSession if config.sharding == "fsdp" else SnapshotSession
-    return session(config, context, events, fingerprint, incarnation)
+    if config.sharding == "fsdp":
+        from elastic_ddp.snapshot.sharded.session import ShardedSnapshotSession
+        return ShardedSnapshotSession(config, context, events, fingerprint, incarnation)
+    return SnapshotSession(config, context, events, fingerprint, incarnation)

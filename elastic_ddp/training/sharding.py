@@ -28,8 +28,6 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +68,10 @@ def shard_model(model: nn.Module, patterns: tuple[str, ...] = ()) -> nn.Module:
     if not dist.is_initialized():
         raise ShardingError("--sharding fsdp: got no process group; expected a run under torchrun (or "
                             "--sharding none)")
+    # Imported here, not at the top: FSDP2 pulls in DTensor, torch._decomp and sympy, about 0.7 s of
+    # CPU that every DDP worker (the trainer imports this module) would pay at each (re)start.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     # The mesh follows where the model is (--device), not the machine: left to itself, fully_shard
     # builds a CUDA mesh whenever a GPU exists and moves a `--device cpu` model there (seen on an H200).
     device = next(model.parameters()).device

@@ -40,3 +40,15 @@ def test_bad_values_fail_in_one_line_naming_the_flag(tmp_path, flag, value, mess
     assert last.startswith("python -m elastic_ddp.train: error: ") and message in last, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.timeout(60)
+def test_a_ddp_worker_does_not_import_the_sharded_stack():
+    """Every worker (re)start imports the trainer; DCP and FSDP2 pull in DTensor, torch._decomp and
+    sympy (0.6 s of CPU per worker here, paid again at each restart): only `--sharding fsdp` may."""
+    probe = ("import sys, elastic_ddp.train, elastic_ddp.snapshot.manager, elastic_ddp.training.evaluation; "
+             "print(sorted(m for m in ('sympy', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', "
+             "'torch.distributed.tensor') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
