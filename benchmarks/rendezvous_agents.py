@@ -6,7 +6,7 @@ measuring process.
     agent.wait_built(); agent.start(entering=True); ...; agent.stop(); agent.counts(); agent.kill()
 
 An agent is the handler torchrun builds for the backend (torch's real `DynamicRendezvousHandler`,
-or for `etcd-v3-keyed` the keyed rendezvous of `--rdzv_conf algorithm=keyed`), running torchrun's
+or for `etcd-v3-keyed` and `elastic-c10d-keyed` the keyed rendezvous of `--rdzv_conf algorithm=keyed`), running torchrun's
 monitor loop between rounds. Its processes are forked from a server that
 imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
 where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
@@ -43,6 +43,7 @@ from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RD
 from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.handler import elastic_handler
 from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
+from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
 from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
@@ -106,8 +107,9 @@ class CountingBackend(RendezvousBackend):
 
 
 class KeyedCounter:
-    """The keyed rendezvous's etcd requests (`EtcdRoundBoard.counts`) in `CountingBackend.take`'s
-    shape: reads, writes (arrivals, closes, lease grants, liveness), lost closes, lease refreshes."""
+    """The keyed rendezvous's requests (`EtcdRoundBoard.counts`, `StoreRoundBoard.counts`) in
+    `CountingBackend.take`'s shape: reads, writes (arrivals, closes, lease grants or registration,
+    liveness), lost closes, lease refreshes or heartbeats."""
 
     def __init__(self, handler: KeyedRendezvousHandler):
         self._counts = handler._board.counts
@@ -149,8 +151,9 @@ def _params(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: b
 def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> Agent:
     """An agent as torchrun would build it for `backend` (see the module docstring)."""
     params = _params(backend, endpoint, run_id, max_nodes, is_host)
-    if backend == "etcd-v3-keyed":
-        handler = create_keyed_etcd_v3_handler(params)
+    if backend.endswith("-keyed"):
+        create = create_keyed_etcd_v3_handler if backend.startswith("etcd-v3") else create_keyed_c10d_handler
+        handler = create(params)
         return Agent(handler, KeyedCounter(handler))
     if backend == "etcd-v3":
         counters: list[CountingBackend] = []

@@ -1,6 +1,6 @@
 """The rendezvous as the number of nodes grows: N simulated agents, no training workers.
 
-    python -m benchmarks.rendezvous_scale                       # 2..64 agents, elastic-c10d, etcd-v3 and etcd-v3-keyed
+    python -m benchmarks.rendezvous_scale                       # 2..64 agents, elastic-c10d, etcd-v3, each with -keyed
     python -m benchmarks.rendezvous_scale --agents 8 64 --backends elastic-c10d --repeats 3
 
 Each agent is torch's real `DynamicRendezvousHandler`, built the way torchrun builds it for the
@@ -30,7 +30,10 @@ join timeout is the phase's, 60 s, so that agents of a phase that timed out give
 arrivals, 0.1 s polling); `etcd-v3-keyed` is etcd-v3 with `--rdzv_conf algorithm=keyed` (the keyed
 rendezvous: a key per node and one closing write per round, `agent/rendezvous/keyed_handler.py`),
 whose writes are its arrivals, closes, lease grants and liveness keys, its lost writes the closes
-that lost their comparison, and its heartbeat operations the refreshes of its node lease. `--backends c10d` (torch's own handler with the same timing) is there
+that lost their comparison, and its heartbeat operations the refreshes of its node lease;
+`elastic-c10d-keyed` is the same algorithm in the TCPStore (`agent/rendezvous/keyed_c10d.py`), whose
+reads are its store requests that change nothing (check, get, a counter read), writes its slot
+`add`s and `set`s, registration and close, heartbeat operations its heartbeat writes. `--backends c10d` (torch's own handler with the same timing) is there
 but not in the default set: its kill takes the 5 s heartbeat expiry, and its join phase does not
 settle here (the members re-enter and form a round without the new agent, which stays in
 `next_rendezvous`; seen with 2 and 8 agents, not investigated further).
@@ -70,8 +73,8 @@ from benchmarks.table import Row
 from elastic_ddp.testbed.local_cluster import free_port
 
 AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
-BACKENDS = ("c10d", "elastic-c10d", "etcd-v3", "etcd-v3-keyed")
-DEFAULT_BACKENDS = ("elastic-c10d", "etcd-v3", "etcd-v3-keyed")
+BACKENDS = ("c10d", "elastic-c10d", "elastic-c10d-keyed", "etcd-v3", "etcd-v3-keyed")
+DEFAULT_BACKENDS = ("elastic-c10d", "elastic-c10d-keyed", "etcd-v3", "etcd-v3-keyed")
 PHASES = ("first", "kill", "join")
 GOAL_SECONDS_AT_64 = 5.0
 # The keyed rendezvous's goals (issue #31): every phase at 64 agents under 3 s, growth 8 -> 64 at

@@ -91,6 +91,9 @@ class StoreRoundBoard:
         self._counted: set[int] = set()  # rounds whose arrival counter exists
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
+        # Heartbeats on a connection of their own, opened now: opened by every agent at the start of
+        # a round, 64 of them at once waited up to 10 s for the store to accept.
+        self._beats = store.clone() if hasattr(store, "clone") else store
         self.counts: collections.Counter[str] = collections.Counter()
         self._add("closed", 0)
 
@@ -128,8 +131,8 @@ class StoreRoundBoard:
                 return
             self._node, self._port = node, port
             self._set(f"alive/{node_name(node)}", self._heartbeat(time.time()))
-            beats = self.store.clone() if hasattr(self.store, "clone") else self.store
-            self._beater = threading.Thread(target=self._beat, args=(beats,), name="keyed-rdzv-heartbeat", daemon=True)
+            self._beater = threading.Thread(target=self._beat, args=(self._beats,), name="keyed-rdzv-heartbeat",
+                                            daemon=True)
             self._beater.start()
 
     def _beat(self, store: Store) -> None:
