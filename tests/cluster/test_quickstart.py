@@ -59,9 +59,9 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     assert seconds < 120, f"the quick start took {seconds:.0f} s"
     assert run_dir is not None and run_dir.is_dir(), out[-3000:]
 
-    # The first groups may form before every agent arrived (1 -> 2 -> 3 or 2 -> 3 first: seen in CI
-    # runs on a loaded machine); what the quick start shows is the kill and the return after it.
-    assert re.search(r"World size +(.* -> )?3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) -> 3 on 3 nodes \([^)]*\)$", out,
+    # Exactly three groups: all three nodes from the first one on (its last call waits for agents
+    # still starting on a loaded machine: elastic_ddp/tools/quickstart.py), the survivors, all three again.
+    assert re.search(r"World size +3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) -> 3 on 3 nodes \([^)]*\)$", out,
                      re.MULTILINE), out
     lost = re.search(r"node lost: world 3 -> 2, resumed from step (\d+) from memory .*, lost 0 steps "
                      r"\(0\.0 s\), (\d+\.\d) s without training", out)
@@ -74,9 +74,8 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     assert plot and Path(plot.group(1)).is_file(), out
 
     events = read_events(run_dir / "ck" / "events.jsonl")
-    assert [e["world_size"] for e in events if e["event"] == "start"][-3:] == [3, 2, 3]
-    restores = [e for e in events if e["event"] == "restore"]
-    assert [r["lost_steps"] for r in restores][-2:] == [0, 0] and all(r["lost_steps"] == 0 for r in restores)
+    assert [e["world_size"] for e in events if e["event"] == "start"] == [3, 2, 3]
+    assert [r["lost_steps"] for r in events if r["event"] == "restore"] == [0, 0]
 
 
 def test_the_plain_run_without_a_failure_is_one_flag_away(tmp_path):
