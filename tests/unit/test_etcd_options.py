@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, EtcdTlsError
@@ -143,11 +143,12 @@ def test_unknown_keys_are_warned_about_but_torch_keys_are_not(caplog: pytest.Log
 
 
 class _Unavailable(grpc.RpcError):
-    def __init__(self, details: str):
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         self._details = details
+        self._code = code
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self) -> str:
         return self._details
@@ -161,3 +162,16 @@ def test_a_handshake_that_times_out_on_plain_http_is_retried_not_called_a_tls_er
     assert not isinstance(failure, EtcdTlsError) and "handshaker" in str(failure)
     tls = EtcdConnection(EtcdV3Options.from_params(params("127.0.0.1:2379", protocol="https", ca_cert=files["ca.pem"])))
     assert isinstance(tls._failure(0, "read", _Unavailable("SSL handshake failed")), EtcdTlsError)
+
+
+def test_a_member_cut_off_from_its_quorum_is_failed_over_not_a_refusal() -> None:
+    """A member on the minority side of a partition answers a read with UNKNOWN "context deadline
+    exceeded" once its side of the request's deadline ends (seen in tests/cluster/test_network_etcd.py:
+    the agent died on it); the next member may answer, so it is retried there."""
+    connection = EtcdConnection(EtcdV3Options.from_params(params("10.0.0.1:2379,10.0.0.2:2379")))
+    failure = connection._failure(0, "read the rendezvous state",
+                                  _Unavailable("context deadline exceeded", grpc.StatusCode.UNKNOWN))
+    assert not isinstance(failure, RendezvousConnectionError), failure
+    assert connection._preferred == 1
+    other = connection._failure(1, "read", _Unavailable("something else", grpc.StatusCode.UNKNOWN))
+    assert isinstance(other, RendezvousConnectionError) and "refused to read: UNKNOWN" in str(other)

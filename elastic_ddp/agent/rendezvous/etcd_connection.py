@@ -48,6 +48,10 @@ _TRANSIENT_CODES = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
 })
 _TLS_MARKERS = ("handshake", "certificate", "ssl")
+# A member cut off from its quorum (a partition) cannot serve a linearizable read: the request waits
+# until the deadline gRPC sent with it, and etcd answers UNKNOWN "context deadline exceeded" when its
+# side of the deadline ends first (DEADLINE_EXCEEDED when the client's does). Another member may answer.
+_SERVER_DEADLINE = "context deadline exceeded"
 
 
 class EtcdUnavailableError(RendezvousConnectionError):
@@ -220,7 +224,7 @@ class EtcdConnection:
             return EtcdTlsError(
                 f"TLS handshake with etcd at {endpoint} failed: {detail}. The server certificate must be "
                 f"signed by the CA in ca_cert={self._options.ca_cert} and name the host {endpoint}")
-        if code in _TRANSIENT_CODES:
+        if code in _TRANSIENT_CODES or (code == grpc.StatusCode.UNKNOWN and lowered == _SERVER_DEADLINE):
             self._fail_over(index)
             return _Retry(endpoint, detail)
         logged_in = self._options.user is not None
