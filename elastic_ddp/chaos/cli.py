@@ -7,6 +7,9 @@
     # a plan written by hand (format: elastic_ddp/chaos/plan.py)
     python -m elastic_ddp.chaos --plan my-plan.json --run-dir runs/rehearsal -- --epochs 3 ...
 
+    # network faults ("partition_node", "heal_node", "blip_node"): as root, each node a host of its own
+    python -m elastic_ddp.chaos --plan partition.json --run-dir runs/net -- --epochs 3 ...
+
 Arguments after `--` go to the training module (`--module`, default elastic_ddp.train; your own
 must accept elastic_ddp's `--checkpoint_dir` and `--audit_log`, as `TrainingConfig.from_args`
 does). The report is printed and, with `--report`, written as JSON. Exit status: 0 when every
@@ -78,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.save_plan:
         plan.save(args.save_plan)
     print("plan:", *(f"  {i}: {fault.describe()}" for i, fault in enumerate(plan.faults)), sep="\n")
-    harness = ChaosHarness(args.run_dir, training_args, plan, nproc_per_node=args.nproc_per_node,
-                           store=args.store, module=args.module, deadline_s=args.deadline)
     try:
+        harness = ChaosHarness(args.run_dir, training_args, plan, nproc_per_node=args.nproc_per_node,
+                               store=args.store, module=args.module, deadline_s=args.deadline)
         report = harness.run()
     except PlanError as exc:
         print(f"elastic_ddp.chaos: the plan cannot be followed: {exc}", file=sys.stderr)

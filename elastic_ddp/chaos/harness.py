@@ -17,8 +17,9 @@ included. With `store="node"` the first node hosts it, as with plain torchrun, a
 never pick that node: killing it ends the job (trap 5 in the docs). With `rdzv_backend="etcd-v3"`
 pass the etcd endpoints as `rdzv_endpoint`.
 
-Not done here: faults on the store itself, network partitions other than a frozen node, and any
-check of the model's numbers (see elastic_ddp/chaos/equivalence.py for that).
+Network faults (`partition_node`, `heal_node`, `blip_node`) put every node and the standalone store
+on a host of its own (a network namespace, root only: elastic_ddp/chaos/network.py).
+Not done here: faults on the store itself, and any check of the model's numbers (see elastic_ddp/chaos/equivalence.py for that).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
-from elastic_ddp.chaos.plan import Fault, FaultPlan, PlanError
+from elastic_ddp.chaos.network import ChaosNetwork
+from elastic_ddp.chaos.plan import NETWORK_ACTIONS, Fault, FaultPlan, PlanError
 from elastic_ddp.chaos.targets import FaultTargeting, Firing
 from elastic_ddp.chaos.verdict import ChaosReport, FaultRecord, judge
 from elastic_ddp.config import TrainingConfig
@@ -93,6 +95,11 @@ class ChaosHarness:
         self.standalone_store = rdzv_backend in C10D_BACKENDS and store == "standalone"
         if self.standalone_store:
             rdzv_conf = f"{rdzv_conf},is_host=false" if rdzv_conf else "is_host=false"
+        self.network = ChaosNetwork(plan) if plan.needs_network_bed else None  # PlanError where it cannot be
+        if self.network is not None:
+            if rdzv_backend not in C10D_BACKENDS:
+                raise PlanError(f"network faults: played with a c10d store, not with --rdzv_backend={rdzv_backend}")
+            rdzv_endpoint, env = self.network.endpoint(self.standalone_store), {**self.network.env, **(env or {})}
         self.job = LocalJob(self.run_dir, training_args, nnodes=plan.nnodes, nproc_per_node=nproc_per_node,
                             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
                             max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
@@ -121,6 +128,8 @@ class ChaosHarness:
         records = [FaultRecord(i, fault.describe(), _fault_dict(fault)) for i, fault in enumerate(self.plan.faults)]
         problems: list[str] = []
         try:
+            if self.network is not None:
+                self.network.open()
             for _ in range(self.plan.initial_nodes):
                 self._add_node()
             if self.standalone_store:
@@ -147,14 +156,20 @@ class ChaosHarness:
         if self.store_process is not None and self.store_process.poll() is None:
             self.store_process.kill()
             self.store_process.wait(timeout=30)
+        if self.network is not None:
+            self.network.close()
 
     def _start_store(self) -> None:
         host, port = self.job.rdzv_endpoint.rsplit(":", 1)
         log = open(self.run_dir / "store.log", "ab")
-        self.store_process = subprocess.Popen([sys.executable, "-m", "elastic_ddp.chaos.store", self.job.rdzv_endpoint],
+        prefix = self.network.store_prefix() if self.network is not None else []
+        self.store_process = subprocess.Popen([*prefix, sys.executable, "-m", "elastic_ddp.chaos.store",
+                                               self.job.rdzv_endpoint],
                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        wait_for(lambda: port_is_listening(host, int(port)) or self.store_process.poll() is not None, 60,
+        listening = (self.network.listening if self.network is not None
+                     else lambda endpoint: port_is_listening(host, int(port)))
+        wait_for(lambda: listening(self.job.rdzv_endpoint) or self.store_process.poll() is not None, 60,
                  f"the standalone c10d store on {self.job.rdzv_endpoint}")
         if self.store_process.poll() is not None:
             raise RuntimeError(f"the standalone c10d store exited; see {self.run_dir / 'store.log'}")
@@ -170,7 +185,9 @@ class ChaosHarness:
             time.sleep(0.05)
 
     def _add_node(self) -> LocalNode:
-        node = self.job.add_node(f"node{len(self.job.nodes)}", hosts_store=not self.standalone_store)
+        name = f"node{len(self.job.nodes)}"
+        options = self.network.node_options(name) if self.network is not None else {}
+        node = self.job.add_node(name, hosts_store=not self.standalone_store, **options)
         self.state[node.name] = "live"
         return node
 
@@ -261,6 +278,8 @@ class ChaosHarness:
         elif fault.action == "thaw_node":
             node.thaw()
             self.state[node.name] = "live"
+        elif fault.action in NETWORK_ACTIONS:
+            self.state[node.name] = self.network.fire(fault, node.name)
         record.fired = True
         record.node = node.name
         record.pid = record.pid or node.pid
@@ -285,8 +304,8 @@ class ChaosHarness:
                                        f"({', '.join(running)} still running; see their logs in {self.run_dir})")
             time.sleep(0.1)
         for node in self.job.nodes:
-            if self.state[node.name] == "frozen" and node.is_running():
-                logger.info("%s is still frozen at the end: killing it", node.name)
+            if self.state[node.name] in ("frozen", "partitioned") and node.is_running():
+                logger.info("%s is still %s at the end: killing it", node.name, self.state[node.name])
                 node.kill()
 
     def _report(self, records: list[FaultRecord], problems: list[str]) -> ChaosReport:

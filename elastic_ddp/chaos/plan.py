@@ -15,7 +15,10 @@ Actions: `kill_node` (SIGKILL the agent and every process under it: a lost machi
 `kill_worker` (SIGKILL one training process; `worker` picks the local rank, default random),
 `terminate_node` (SIGTERM to the agent: a drain, as a spot-instance notice would do it),
 `freeze_node` / `thaw_node` (SIGSTOP / SIGCONT the whole node: a machine that stops answering
-while its sockets stay open), `add_node` (start one more agent).
+while its sockets stay open), `add_node` (start one more agent). Network faults (root only: each
+node then runs in a network namespace of its own on a bridge, elastic_ddp/testbed/netns.py):
+`partition_node` (the node's link goes down: its packets vanish, no reset), `heal_node` (the
+link comes back), `blip_node` (a partition healed after `seconds`).
 
 Triggers: `at_seconds` (since the job started), `at_step` (the event log shows this global step),
 `on_event` (an event of this kind appears in the event log, at or after `at_step` if given, e.g.
@@ -41,9 +44,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-ACTIONS = ("kill_node", "kill_worker", "terminate_node", "freeze_node", "thaw_node", "add_node")
+NETWORK_ACTIONS = ("partition_node", "heal_node", "blip_node")
+ACTIONS = ("kill_node", "kill_worker", "terminate_node", "freeze_node", "thaw_node", "add_node", *NETWORK_ACTIONS)
 # Actions after which the node no longer takes part in training.
-REMOVING_ACTIONS = ("kill_node", "terminate_node", "freeze_node")
+REMOVING_ACTIONS = ("kill_node", "terminate_node", "freeze_node", "partition_node")
 SYMBOLIC_TARGETS = ("random", "rank0", "newest", "oldest")
 
 
@@ -62,6 +66,7 @@ class Fault:
     on_event: str | None = None
     settle: bool = True
     worker: int | None = None  # kill_worker: the local rank to kill (None: a random one)
+    seconds: float | None = None  # blip_node: how long the link stays down
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -72,6 +77,11 @@ class Fault:
             raise PlanError(f"fault at_step: got {self.at_step}; expected 0 or more")
         if self.worker is not None and self.action != "kill_worker":
             raise PlanError(f"fault worker: only kill_worker takes it (got it on {self.action})")
+        if (self.action == "blip_node") != (self.seconds is not None):
+            raise PlanError(f"fault seconds: {'blip_node needs it' if self.action == 'blip_node' else 'only blip_node takes it'}"
+                            f" (got {self.seconds} on {self.action})")
+        if self.seconds is not None and not self.seconds > 0:
+            raise PlanError(f"fault seconds: got {self.seconds}; expected more than 0")
         if not self.target:
             raise PlanError("fault target: got an empty name; expected random, rank0, newest, oldest or a node name")
 
@@ -84,6 +94,7 @@ class Fault:
         if self.on_event is not None:
             when.append(f"on {self.on_event}")
         target = "" if self.action == "add_node" else f" {self.target}"
+        target += f" for {self.seconds:g} s" if self.seconds is not None else ""
         return f"{self.action}{target}" + (f" ({', '.join(when)})" if when else "")
 
 
@@ -104,6 +115,11 @@ class FaultPlan:
         if not self.min_nodes <= self.initial_nodes <= self.max_nodes:
             raise PlanError(f"initial_nodes: got {self.initial_nodes}; expected between min_nodes "
                             f"({self.min_nodes}) and max_nodes ({self.max_nodes})")
+
+    @property
+    def needs_network_bed(self) -> bool:
+        """Whether a fault of the plan is a network fault (its nodes then need namespaces)."""
+        return any(fault.action in NETWORK_ACTIONS for fault in self.faults)
 
     @property
     def nnodes(self) -> str:

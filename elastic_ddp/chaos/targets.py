@@ -42,7 +42,7 @@ class Firing:
 class FaultTargeting:
     """Triggers and targets of one plan's faults against one local job (see the module docstring).
 
-    `state` is the harness's record of its nodes (name -> live, killed, terminated or frozen),
+    `state` is the harness's record of its nodes (name -> live, killed, terminated, frozen or partitioned),
     read here and never written. `rng` is the plan's: the same seed draws the same targets.
     """
 
@@ -93,9 +93,10 @@ class FaultTargeting:
         if fault.action == "kill_worker":
             if not self.live_workers(node):
                 return None  # its workers are being restarted: wait for them
-        elif fault.action == "thaw_node":
-            if self.state[node.name] != "frozen":
-                raise PlanError(f"{fault.describe()}: {node.name} is not frozen")
+        elif fault.action in ("thaw_node", "heal_node"):
+            needed = "frozen" if fault.action == "thaw_node" else "partitioned"
+            if self.state[node.name] != needed:
+                raise PlanError(f"{fault.describe()}: {node.name} is not {needed}")
         elif self.state[node.name] != "live":
             raise PlanError(f"{fault.describe()}: {node.name} is {self.state[node.name]}")
         return Firing(fault, node, event)
