@@ -45,7 +45,7 @@ wins) and gives each worker group a store of its own; with torch's `c10d`, pass 
 | setting | value |
 | --- | --- |
 | `--rdzv_conf` | `{rdzv_conf}` |
-| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1`, `extend_last_call=1` (0 turns each off) |
+| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1`, `extend_last_call=1` (0 turns each off); `algorithm=dynamic` (`keyed`: a key per node and one closing write per round, etcd-v3 and elastic-c10d; docs/architecture.md "Rendezvous") |
 | `--monitor_interval` | `{monitor_interval}` (torchrun's default) |
 {environment}
 """
