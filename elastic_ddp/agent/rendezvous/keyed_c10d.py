@@ -32,8 +32,8 @@ raises `RendezvousStateError`, an arrival or heartbeat that does not counts as n
 counts this board's requests by kind, for the benchmarks, as `keyed_etcd`'s.
 
 Not guaranteed: the keys of past rounds stay in the store (about 100 bytes per node per round).
-A store whose node is cut off is not watched (`store_watch`): a request to it waits for the
-store's `read_timeout`.
+A store whose node is cut off is not watched (`store_watch` is not wired in): a request to it
+can block well past the store's timeout, as in torch's own c10d rendezvous.
 """
 
 from __future__ import annotations
