@@ -129,6 +129,9 @@ def test_a_record_that_is_not_our_json_is_refused_never_unpickled(server) -> Non
     server.set("keyed/run/round/0", pickle.dumps(RoundRecord(0, (A,))))
     with pytest.raises(RendezvousStateError, match="keyed/run/round/0 is not valid"):
         handler(server, A, settings()).next_rendezvous()
+    server.set("keyed/run/latest", b"__import__('os')")
+    with pytest.raises(RendezvousStateError, match="keyed/run/latest holds .* not a whole number"):
+        handler(server, B, settings()).next_rendezvous()
 
 
 def test_elastic_c10d_takes_the_keyed_algorithm_and_names_a_bad_key_before_connecting() -> None:

@@ -203,6 +203,14 @@ class StoreRoundBoard:
             self._slots[round_number] = slot
             self._counted.add(round_number)
 
+    def _number(self, key: str, value: bytes) -> int:
+        """The whole number >= 0 that `key` holds (a counter or the hint); RendezvousStateError otherwise."""
+        text = bytes(value).decode("ascii", errors="replace")
+        if not (text.isdigit() and len(text) < 19):
+            raise RendezvousStateError(f"{self._base}{key} holds {text[:40]!r}, not a whole number: not the keyed "
+                                       "rendezvous's (elastic_ddp.agent.rendezvous.keyed_c10d)")
+        return int(text)
+
     def _record(self, number: int) -> RoundRecord:
         key = f"round/{number}"
         record = decode_record(self._get_many([key])[0])
@@ -216,7 +224,7 @@ class StoreRoundBoard:
         with self._lock:
             latest = self._latest
         if latest is None and self._check("latest"):
-            latest = self._record(int(self._get_many(["latest"])[0]))
+            latest = self._record(self._number("latest", self._get_many(["latest"])[0]))
         while self._check(f"round/{latest.round + 1 if latest else 0}"):
             latest = self._record(latest.round + 1 if latest else 0)
         with self._lock:
@@ -232,7 +240,8 @@ class StoreRoundBoard:
         if round_number not in self._counted:
             self._add(f"arrivals/{round_number}/count", 0)  # the counter exists from here on
             self._counted.add(round_number)
-        closed, count = (int(value) for value in self._get_many(["closed", f"arrivals/{round_number}/count"]))
+        keys = ["closed", f"arrivals/{round_number}/count"]
+        closed, count = (self._number(key, value) for key, value in zip(keys, self._get_many(keys), strict=True))
         return BoardView(record, 0, closed > 0, count, self._first(round_number, count))
 
     def _first(self, round_number: int, count: int) -> str | None:
