@@ -5,8 +5,10 @@ Each handler has a store client of its own, as each agent has; threads stand in 
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -17,8 +19,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard
+from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard, create_keyed_c10d_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
@@ -45,9 +48,10 @@ def settings(min_nodes: int = 2, max_nodes: int = 2, expiry_beats: int = 5) -> K
                          keep_alive_interval=0.2, keep_alive_max_attempt=expiry_beats, probe_dead_nodes=False)
 
 
-def handler(server: TCPStore, node: NodeDesc, chosen: KeyedSettings) -> KeyedRendezvousHandler:
+def handler(server: TCPStore, node: NodeDesc, chosen: KeyedSettings,
+            witness: ExitWitness | None = None) -> KeyedRendezvousHandler:
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
-    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, poll_s=0.02))
+    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
     return MADE[-1]
 
 
@@ -108,6 +112,30 @@ def test_an_arrival_whose_heartbeats_stop_is_left_out_and_the_next_one_closes(se
     frozen._board._stop.set()
     results = join_all([b, c])
     assert results == {B: (0, 2), C: (1, 2)}
+
+
+def test_a_member_whose_beacon_refuses_is_left_out_long_before_its_heartbeat_expires(server) -> None:
+    chosen = dataclasses.replace(settings(min_nodes=1, max_nodes=3, expiry_beats=1000), join_timeout=20)
+    here, gone = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
+    survivor, killed = (handler(server, node, chosen, ExitWitness()) for node in (here, gone))
+    assert join_all([survivor, killed]) == {here: (0, 2), gone: (1, 2)}
+    deadline = time.monotonic() + 20
+    while not survivor._witness._reached and time.monotonic() < deadline:  # it has reached the other's beacon
+        time.sleep(0.02)
+    killed._board._stop.set()  # "killed": no more heartbeats (the last one stays fresh for 200 s) ...
+    killed._witness.close()  # ... and its beacon refuses
+    assert join_all([survivor]) == {here: (0, 1)}  # else RendezvousTimeoutError after join_timeout
+
+
+def test_the_handler_takes_rdzv_conf_values_and_the_shipped_defaults_for_the_rest(server) -> None:
+    params = RendezvousParameters("elastic-c10d", f"127.0.0.1:{server.port}", "conf", 1, 4, local_addr="127.0.0.1",
+                                  last_call_timeout="2", is_host="0")
+    made = create_keyed_c10d_handler(params)
+    MADE.append(made)
+    assert (made.settings.last_call_timeout, made.settings.keep_alive_interval, made.settings.lease_ttl,
+            made.settings.join_timeout) == (2, 1, 5, 300)
+    assert made.get_backend() == "elastic-c10d" and made.get_run_id() == "conf" and not made.use_agent_store
+    assert server.check(["keyed/conf/closed"])  # it reached the store
 
 
 def test_set_closed_ends_a_waiting_node_and_every_later_round(server) -> None:
