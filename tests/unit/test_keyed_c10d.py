@@ -15,16 +15,19 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousParameters,
     RendezvousStateError,
 )
 
+from elastic_ddp.agent.rendezvous import c10d_store
 from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard, create_keyed_c10d_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
+from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,6 +139,28 @@ def test_the_handler_takes_rdzv_conf_values_and_the_shipped_defaults_for_the_res
             made.settings.join_timeout) == (2, 1, 5, 300)
     assert made.get_backend() == "elastic-c10d" and made.get_run_id() == "conf" and not made.use_agent_store
     assert server.check(["keyed/conf/closed"])  # it reached the store
+
+
+def test_a_store_that_stops_answering_while_peers_answer_stops_the_node_with_one_line(server, monkeypatch) -> None:
+    class FrozenChecks:  # a request that never comes back, as on a connection whose packets vanish
+        def __init__(self, store: TCPStore) -> None:
+            self._store, self.release = store, threading.Event()
+
+        def __getattr__(self, name: str):
+            return getattr(self._store, name)
+
+        def check(self, keys):
+            self.release.wait()
+            return False
+
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: "no answer within 2 s")
+    watch = StoreWatch("127.0.0.1", server.port, silence_s=0.05)
+    watch.peers_answer = lambda: True
+    store = FrozenChecks(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
+    board = StoreRoundBoard(store, "run", settings(), watch)
+    with pytest.raises(RendezvousConnectionError, match=f"--rdzv_endpoint=127.0.0.1:{server.port}"):
+        board.view(0)
+    store.release.set()
 
 
 def test_set_closed_ends_a_waiting_node_and_every_later_round(server) -> None:

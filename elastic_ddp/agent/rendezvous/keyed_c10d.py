@@ -32,8 +32,9 @@ raises `RendezvousStateError`, an arrival or heartbeat that does not counts as n
 counts this board's requests by kind, for the benchmarks, as `keyed_etcd`'s.
 
 Not guaranteed: the keys of past rounds stay in the store (about 100 bytes per node per round).
-A store whose node is cut off is not watched (`store_watch` is not wired in): a request to it
-can block well past the store's timeout, as in torch's own c10d rendezvous.
+A store whose node is cut off while other nodes' beacons answer stops this node with one line
+after `keep_alive_interval x keep_alive_max_attempt` seconds without an answer (`store_watch`, as
+with torch's algorithm on elastic-c10d); the heartbeat thread's own requests are not watched.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from elastic_ddp.agent.rendezvous.keyed_state import (
     encode_arrival,
     node_name,
 )
+from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,9 @@ class StoreRoundBoard:
 
     name = BACKEND_NAME
 
-    def __init__(self, store: Store, run_id: str, settings: KeyedSettings) -> None:
+    def __init__(self, store: Store, run_id: str, settings: KeyedSettings, watch: StoreWatch | None = None) -> None:
         self.store = store
+        self._watch = watch  # runs the requests of this board's connection (not the heartbeats')
         self._base = f"keyed/{run_id}/"
         self._settings = settings
         self._lock = threading.Lock()
@@ -99,24 +102,27 @@ class StoreRoundBoard:
 
     # --- requests ----------------------------------------------------------------------------
 
+    def _call(self, what: str, request):
+        return request() if self._watch is None else self._watch.call(what, request)
+
     def _add(self, key: str, amount: int) -> int:
         self.counts["writes" if amount else "reads"] += 1
-        return int(self.store.add(self._base + key, amount))
+        return int(self._call("count", lambda: self.store.add(self._base + key, amount)))
 
     def _set(self, key: str, value: bytes, kind: str = "writes") -> None:
         self.counts[kind] += 1
-        self.store.set(self._base + key, value)
+        self._call("write a key", lambda: self.store.set(self._base + key, value))
 
     def _check(self, key: str) -> bool:
         self.counts["reads"] += 1
-        return bool(self.store.check([self._base + key]))
+        return bool(self._call("check a key", lambda: self.store.check([self._base + key])))
 
     def _get_many(self, keys: list[str]) -> list[bytes]:
         """Values of `keys`, which must exist (a get of a missing key waits for the store's timeout)."""
         if not keys:
             return []
         self.counts["reads"] += 1
-        return list(self.store.multi_get([self._base + key for key in keys]))
+        return list(self._call("read keys", lambda: self.store.multi_get([self._base + key for key in keys])))
 
     # --- liveness ----------------------------------------------------------------------------
 
@@ -170,7 +176,7 @@ class StoreRoundBoard:
             full = [self._base + key for key in missing]
             try:
                 self.counts["reads"] += 1
-                self.store.wait(full, timedelta(seconds=SLOT_WAIT_S))
+                self._call("wait for arrivals", lambda: self.store.wait(full, timedelta(seconds=SLOT_WAIT_S)))
                 present = missing
             except Exception:  # noqa: BLE001 - a slot never written: read the others
                 present = [key for key in missing if self._check(key)]
@@ -273,7 +279,8 @@ class StoreRoundBoard:
         """See `RoundBoard`: write `record` unless its round has one already; `token` is not used."""
         value = record.encode()
         self.counts["closes"] += 1
-        won = bytes(self.store.compare_set(self._base + f"round/{record.round}", "", value)) == value
+        key = self._base + f"round/{record.round}"
+        won = bytes(self._call("close a round", lambda: self.store.compare_set(key, "", value))) == value
         self.counts["lost_closes"] += int(not won)
         if won:
             self._set("latest", str(record.round).encode())
@@ -307,7 +314,10 @@ def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHa
         logger.warning("%s (unless every node of the job runs on this machine)", problem)
     never_share_agent_store()
     name_the_workers_interface(params.local_addr)
-    board = StoreRoundBoard(create_tcp_store(params), params.run_id, settings)
+    witness = ExitWitness(settings.probe_dead_nodes)
+    watch = StoreWatch(host, port, silence_s=settings.keep_alive_interval * settings.keep_alive_max_attempt)
+    watch.peers_answer = witness.any_answers
+    board = StoreRoundBoard(create_tcp_store(params), params.run_id, settings, watch)
     logger.info("elastic-c10d keyed rendezvous '%s' on %s:%d: last call %g s, heartbeat expiry %d s, join timeout %g s",
                 params.run_id, host, port, settings.last_call_timeout, settings.lease_ttl, settings.join_timeout)
-    return KeyedRendezvousHandler(board, keyed_node(params), settings, ExitWitness(settings.probe_dead_nodes))
+    return KeyedRendezvousHandler(board, keyed_node(params), settings, witness)

@@ -90,6 +90,13 @@ class ExitWitness:
                 found.add(node)
         return found
 
+    def any_answers(self) -> bool:
+        """Whether a beacon reached before answers a probe now (accepts or refuses: its machine is
+        reachable); tells a cut-off network from a cut-off store node (`store_watch`)."""
+        with self._lock:
+            addresses = list(self._reached.values())
+        return any(probe(address) is not Answer.UNKNOWN for address in addresses)
+
     def close(self) -> None:
         if self._beacon is not None:
             self._beacon.close()
