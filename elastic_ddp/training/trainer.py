@@ -190,11 +190,11 @@ class Trainer:
     def _forward_backward(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
         """Forward/backward every micro-batch of `plan`, gradients synchronised on the last; the
         summed loss. Changes no state: a failure here leaves the last committed step intact."""
-        loss_sum = torch.zeros((), device=self.context.device)
-        # DDP averages gradients over ranks; scale so the result is the mean over the global batch.
+        loss_sum: torch.Tensor | None = None
+        # DDP averages gradients over ranks: seeding each sample's gradient with this makes the
+        # result the global batch's mean (the numbers of `scaler.scale(sum * scale)`, 2 nodes fewer).
         loss_scale = self.context.world_size / plan.global_samples
-        last = len(plan.micro_batches) - 1
-        scaler = self.state.grad_scaler.scaler
+        last, scaler = len(plan.micro_batches) - 1, self.state.grad_scaler.scaler
         for index, micro_batch in enumerate(plan.micro_batches):
             inputs, targets = self._to_device(next(batches) if micro_batch else self._empty_batch_like_dataset())
             sync = contextlib.nullcontext() if index == last or self.ddp_model is self.model else self.ddp_model.no_sync()
@@ -203,9 +203,9 @@ class Trainer:
                                     enabled=self.autocast_dtype is not None):
                     losses = self.loss_fn(self.ddp_model(inputs), targets)
                 check_per_sample(losses, len(inputs))
-                loss = losses.float().sum()
-                scaler.scale(loss * loss_scale).backward()
-            loss_sum += loss.detach()
+                losses = losses.float()
+                torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, loss_scale)))
+            loss_sum = losses.detach().sum() if loss_sum is None else loss_sum + losses.detach().sum()
         return loss_sum
 
     def _commit(self, plan: StepPlan) -> bool:
