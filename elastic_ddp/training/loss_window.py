@@ -24,11 +24,11 @@ class LossWindow:
     """Loss and throughput since the last report; the reduce over ranks does not make training wait.
 
     `add` per step: one addition on the device, no synchronisation (on the CPU, where reading a
-    value needs none, a Python float addition: the same float64 sums, a fifth of the cost). `close` ends the window at a
-    step and starts the all-reduce of its sums in the background (a collective: every rank closes
-    at the same steps); `take_report` returns it once that reduce has completed (in practice at the
-    next step: the step's own gradient all-reduce comes after it on the same process group), and
-    `finish` waits for it. A window that is never closed (the steps after the last report of an
+    value needs none, an addition of Python floats: the same float64 sums, 0.2 us instead of 3.4).
+    `close` ends the window at a step and starts the all-reduce of its sums in the background (a
+    collective: every rank closes at the same steps); `take_report` returns it once that reduce has
+    completed (in practice at the next step: the step's own gradient all-reduce comes after it on
+    the same process group), and `finish` waits for it. A window that is never closed (the steps after the last report of an
     epoch) is dropped.
     """
 
