@@ -143,13 +143,17 @@ class StoreRoundBoard:
 
     def _beat(self, store: Store) -> None:
         key = self._base + f"alive/{node_name(self._node)}"
+        failing = False
         while not self._stop.wait(self._settings.keep_alive_interval):
             try:
                 self.counts["refreshes"] += 1
                 store.set(key, self._heartbeat(time.time()))
+                failing = False
             except Exception as exc:  # noqa: BLE001 - the store unreachable: try again next tick
-                logger.warning("the keyed rendezvous could not write node %s's heartbeat: %s", node_name(self._node),
-                               exc)
+                if not failing and not self._stop.is_set():  # once per outage
+                    logger.warning("the keyed rendezvous could not write node %s's heartbeat: %s",
+                                   node_name(self._node), exc)
+                failing = True
 
     def leave(self) -> None:
         """See `RoundBoard`: stop beating and mark the node gone (time 0)."""
