@@ -40,7 +40,10 @@ with torch's algorithm on elastic-c10d); the heartbeat thread's own requests are
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -51,7 +54,6 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, Rendezvou
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store, endpoint_of, hosts_store
 from elastic_ddp.agent.rendezvous.handler import check_options, name_the_workers_interface, never_share_agent_store
-from elastic_ddp.agent.rendezvous.keyed_etcd import keyed_node
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
@@ -72,6 +74,8 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "elastic-c10d"
 # Seconds `arrivals` waits for a slot taken but not yet written (the add and the set are two requests).
 SLOT_WAIT_S = 1.0
+
+_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
 
 
 class StoreRoundBoard:
@@ -324,4 +328,5 @@ def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHa
     board = StoreRoundBoard(create_tcp_store(params), params.run_id, settings, watch)
     logger.info("elastic-c10d keyed rendezvous '%s' on %s:%d: last call %g s, heartbeat expiry %d s, join timeout %g s",
                 params.run_id, host, port, settings.last_call_timeout, settings.lease_ttl, settings.join_timeout)
-    return KeyedRendezvousHandler(board, keyed_node(params), settings, witness)
+    node = NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))  # as torch names it
+    return KeyedRendezvousHandler(board, node, settings, witness)
