@@ -113,3 +113,19 @@ def test_an_index_that_would_run_code_is_refused_before_anything_is_loaded(one_r
     assert not (tmp_path / "ran").exists()
     restores = [e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore"]
     assert restores[-1]["global_step"] < step
+
+
+def test_a_stateless_optimizer_resumes_from_memory_exactly(one_rank_gloo_group, tmp_path):
+    """Plain SGD keeps no state, so get_state_dict steps it with zero gradients at each snapshot to
+    initialise it: that step is not a commit and must not replace the memory part of the step."""
+    reference = _sharded(tmp_path / "reference", momentum=0.0)
+    make_trainer(reference).fit()
+    interrupted = _sharded(tmp_path / "interrupted", momentum=0.0)
+    with pytest.raises(Crash):
+        make_trainer(interrupted, after_step=crash_at(5)).fit()
+    make_trainer(interrupted).fit()
+    restore = next(e for e in read_events(tmp_path_of(interrupted) / EVENT_LOG_NAME) if e["event"] == "restore")
+    assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (5, "memory", 0)
+    resumed, expected = _final_model(interrupted), _final_model(reference)
+    for name, value in expected.items():
+        assert torch.equal(resumed[name], value), name

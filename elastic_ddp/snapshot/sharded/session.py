@@ -256,7 +256,9 @@ class ShardedSnapshotSession:
     def _hook_optimizer(self, state: TrainingState) -> None:
         if self.memory is not None and self._hook is None:
             self._hook = state.optimizer.register_step_post_hook(
-                lambda optimizer, args, kwargs: self._after_optimizer_step(state))
+                lambda optimizer, args, kwargs: self._after_optimizer_step(state) if not state.consistent else None)
+            # Only a step inside the trainer's commit counts: get_state_dict steps a stateless
+            # optimizer (plain SGD) with zero gradients to initialise it, outside any commit.
 
     def _after_optimizer_step(self, state: TrainingState) -> None:
         """Inside the commit, before the step counts: its part goes to the buddy first, so that a
