@@ -177,3 +177,18 @@ def test_a_step_whose_parts_were_exchanged_but_never_counted_is_not_restored(tmp
     assert refused[0]["global_step"] == 6 and "never counted" in refused[0]["reason"]
     memory.forget()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_memory_state_that_does_not_fit_the_run_is_refused(tmp_path):
+    memory = ShardMemory(_context(), tmp_path)
+    memory.own = [_copy(3, 0, 1, rest=b"another run's")]
+    memory.keep()
+
+    def accept(rest: bytes, description: str) -> None:
+        if rest == b"another run's":
+            raise ValueError(f"{description}: another model")
+
+    chosen, refused, _ = agree_on_memory_state(memory, _context(), accept)
+    assert chosen is None
+    assert refused == [{"source": "memory", "global_step": 3, "host": "",
+                        "reason": "refused: the memory state of step 3: another model"}]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.exchange.restore_agreement import REASON_CHARS
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint
@@ -89,9 +91,11 @@ class MemoryState:
 
 
 def agree_on_memory_state(memory: ShardMemory, context: DistributedContext,
+                          accept: Callable[[bytes, str], object] | None = None,
                           ) -> tuple[MemoryState | None, list[dict[str, Any]], dict[tuple[int, int, int], ShardCopy]]:
     """(the newest complete memory state or None, the newer ones refused with their reasons, this
-    rank's stored copies by (step, incarnation, part)). Collective over the group."""
+    rank's stored copies by (step, incarnation, part)). `accept(rest, description)` raises for a
+    state's unsharded rest that does not fit this run (it is then refused). Collective over the group."""
     stored = {(copy.step, copy.incarnation, copy.part): copy for copy in memory.stored()}
     mine = ([PartOffer(copy.step, copy.incarnation, copy.world_size, copy.part, len(copy.data), copy.checksum,
                        copy.index, copy.plain) for copy in stored.values()], socket.gethostname())
@@ -117,8 +121,11 @@ def agree_on_memory_state(memory: ShardMemory, context: DistributedContext,
                                           f"the memory state of step {step}")
                 if merged.missing():
                     reason = f"its parts do not cover {', '.join(merged.missing()[:3])}"
+                elif accept is not None:
+                    rest = parts[min(part for part, (_, offer) in parts.items() if offer.plain)][1].plain
+                    accept(rest, f"the memory state of step {step}")
             except (UnsafeCheckpointError, Exception) as exc:  # noqa: BLE001 - any flaw refuses this state
-                reason = f"its parts' indexes are refused ({str(exc)[:200]})"
+                reason = f"refused: {str(exc)[:REASON_CHARS]}"
         if reason:
             refused.append({"source": "memory", "global_step": step, "host": "", "reason": reason})
             continue

@@ -109,8 +109,8 @@ class ShardedSnapshotSession:
         if self.context.in_process_group:
             dist.broadcast_object_list(choice, src=0)
         durable = choice[0]
-        in_memory, refused, stored = (agree_on_memory_state(self.memory, self.context) if self.memory is not None
-                                      else (None, [], {}))
+        in_memory, refused, stored = (agree_on_memory_state(self.memory, self.context, self._check_fits)
+                                      if self.memory is not None else (None, [], {}))
         if in_memory is not None and (durable is None or in_memory.step >= durable[2]):
             restored = self._restore_from_memory(state, in_memory, stored)
         elif durable is not None:
@@ -148,8 +148,7 @@ class ShardedSnapshotSession:
     def _restore_from_memory(self, state: TrainingState, in_memory: MemoryState,
                              stored: dict[tuple[int, int, int], ShardCopy]) -> RestoredSnapshot:
         description = f"the memory state of step {in_memory.step} (parts of {in_memory.world_size} ranks)"
-        plain = snapshot_from_bytes(in_memory.rest, description)
-        check_compatible(plain, self.fingerprint, description)
+        plain = snapshot_from_bytes(in_memory.rest, description)  # it fits: agree_on_memory_state checked
         with state.updating():
             received = load_memory_state(in_memory, state.model, state.optimizer,
                                          plain.states["optimizer"]["param_groups"], stored, self.context)
@@ -162,6 +161,9 @@ class ShardedSnapshotSession:
         return RestoredSnapshot(snapshot=plain, entry=None, checksum=in_memory.checksum, source=MEMORY,
                                 source_rank=source_rank, source_host=in_memory.hosts[source_rank],
                                 description=description, data=b"", refused=in_memory.refused)
+
+    def _check_fits(self, rest: bytes, description: str) -> None:
+        check_compatible(snapshot_from_bytes(rest, description), self.fingerprint, description)
 
     def _load_rest(self, state: TrainingState, plain: Snapshot, rng: dict[str, Any] | None) -> None:
         """The unsharded components from `plain`, and this rank's `rng` (None: seeded for the step)."""
