@@ -2,8 +2,8 @@
 real etcd: the acceptance of issue #31.
 
 Source: torch's test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py (pytorch/pytorch
-main, read 2026-11-26; the same cases as torch 2.13). Every test names the torch test it adapts, as
-`Class.test_name`. Taken: the `IntegrationTest` class (handlers of one run against a shared backend,
+main at 01f9ef32, read 2026-11-26; torch 2.13's wheel ships no tests to compare with). Every test
+names the torch test it adapts, as `Class.test_name`. Taken: the `IntegrationTest` class (handlers of one run against a shared backend,
 one thread per node) and the cases of `DynamicRendezvousHandlerTest`, `CreateHandlerTest` and the
 op tests whose subject is behaviour that any handler shows through the public contract
 (`next_rendezvous`, `is_closed`/`set_closed`, `num_nodes_waiting`, `shutdown`, `use_agent_store`,
