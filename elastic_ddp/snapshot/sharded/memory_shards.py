@@ -222,20 +222,21 @@ class ShardMemory:
             found.append(copy)
         return found
 
-    def remove_older_than(self, step: int) -> None:
-        """Remove the node's files of steps before `step` (after a restore of `step`)."""
+    def remove_all_but(self, keep: tuple[int, int] | None) -> None:
+        """Remove the node's files of every (step, incarnation) but `keep` (the one just restored:
+        newer ones are states that never counted, or were refused)."""
         if self.directory is None or not self.directory.is_dir():
             return
         for name in os.listdir(self.directory):
             match = FILE_PATTERN.match(name)
-            if match and int(match.group(1)) < step:
+            if match and (int(match.group(1)), int(match.group(2))) != keep:
                 (self.directory / name).unlink(missing_ok=True)
 
     def forget(self) -> None:
         """The run finished: remove every file (local rank 0) and what this rank holds."""
         self.own, self.held = [], []
         if self.directory is not None and self.context.local_rank == 0:
-            self.remove_older_than(10**9)
+            self.remove_all_but(None)
 
 
 def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.device) -> bytearray:

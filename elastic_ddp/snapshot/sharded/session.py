@@ -128,7 +128,7 @@ class ShardedSnapshotSession:
             self._keep_part(state)  # the restored state is in two nodes' memory before a step is trained
         self._hook_optimizer(state)
         if self.memory is not None and self.context.local_rank == 0:
-            self.memory.remove_older_than(state.global_step)
+            self.memory.remove_all_but((state.global_step, self._committed_in))
         return restored
 
     def _restore_from_file(self, state: TrainingState, name: str, checksum: str,
