@@ -15,8 +15,8 @@ Sections (each module's docstring says exactly what it measures and how):
 - checksums           `benchmarks.checksums`: the snapshot writer (BLAKE3, and sha256 of format 1)
   against the disk's own write + fsync at 100 MB and 1 GB, and each checksum candidate alone.
 - rendezvous          `benchmarks.rendezvous_scale`: 8 and 64 simulated agents (torch's handler on
-  our elastic-c10d and etcd-v3 backends) through a first round, a kill and a join: the growth from
-  8 to 64 and the 64-agent first round against their goals.
+  our elastic-c10d and etcd-v3 backends, and the keyed rendezvous on each) through a first round, a
+  kill and a join: the growth from 8 to 64 and the 64-agent phases against their goals.
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new
   node to its first step, with the shipped launch settings against stock torchrun's; and the
   committed steps each redoes, against periodic snapshots alone and the tutorial's per-epoch one.
