@@ -237,3 +237,16 @@ def test_a_round_forms_after_the_etcd_leader_is_killed(etcd_cluster, run_id) -> 
     finally:
         for handler in handlers:
             handler.shutdown()
+
+
+def test_an_arrival_on_an_expired_node_lease_takes_a_new_lease(make_handlers) -> None:
+    """Found with 256 agents as threads (benchmarks/rendezvous_threads.py): a node whose lease had
+    expired (its refreshes starved) retried its arrival on the dead lease until the retry budget
+    (here 5 s) ended, and its agent failed. It takes a new lease and writes its keys again."""
+    handler = make_handlers(1, 1, 1, retry_timeout="5")[0]
+    board = handler._board
+    board.start(handler.node, handler._witness.port)
+    board._stop.set()  # no refresh repairs it first
+    board._connection.call("revoke", lambda client: client.revoke_lease(board._lease))  # as etcd does at expiry
+    assert handler.next_rendezvous().world_size == 1
+    assert handler.node in board.alive()

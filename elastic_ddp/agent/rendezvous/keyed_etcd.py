@@ -11,8 +11,10 @@ Keys of run `R`, under `<key_prefix>/R/keyed/`:
 Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
 (`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval`: when the agent dies
 the lease expires and etcd deletes its arrival and liveness keys; `leave` revokes it at once. If a
-refresh finds the lease expired (etcd unreachable for longer than its TTL), the thread takes a new
-one and writes the node's liveness and last arrival again.
+refresh finds the lease expired (etcd unreachable, or the process starved of CPU, for longer than
+its TTL), the thread takes a new one and writes the node's liveness and last arrival again; so does an
+arrival that finds it gone (retrying the write on the dead lease would fail for the whole retry
+budget: seen with 256 agents as threads, `benchmarks/rendezvous_threads.py`).
 
 `view` is one transaction of three range reads (record, closed flag, count and earliest of the
 round's arrivals, by create revision); `close_round` is one transaction that compares the record's
@@ -34,7 +36,13 @@ import os
 import socket
 import threading
 
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, RendezvousStateError
+import grpc
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
@@ -71,6 +79,15 @@ def _range(key: str, prefix: bool = False, **fields) -> etcdrpc.RequestOp:
     return etcdrpc.RequestOp(request_range=request)
 
 
+# A write bound to the node lease tries this many leases before it fails: a lease expires only when
+# its refreshes stopped for its whole TTL (etcd unreachable, or this process starved of CPU).
+_LEASE_ATTEMPTS = 3
+
+
+class _NodeLeaseLost(RendezvousConnectionError):
+    """etcd no longer has the node lease that a write was bound to (it expired)."""
+
+
 class EtcdRoundBoard:
     """A `keyed_handler.RoundBoard` in etcd (module docstring). Thread-safe."""
 
@@ -92,13 +109,21 @@ class EtcdRoundBoard:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _txn(self, what: str, success: list, compare: list | None = None, kind: str = "reads") -> etcdrpc.TxnResponse:
+    def _txn(self, what: str, success: list, compare: list | None = None, kind: str = "reads",
+             node_lease: bool = False) -> etcdrpc.TxnResponse:
+        """`node_lease`: the puts are bound to the node lease, and `_NodeLeaseLost` is raised at once
+        if etcd no longer has it (the connection would retry the same dead lease for its whole budget)."""
         self.counts[kind] += 1
 
         def send(client: Etcd3Client) -> etcdrpc.TxnResponse:
             request = etcdrpc.TxnRequest(compare=compare or [], success=success, failure=[])
-            return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
-                                     metadata=client.metadata)
+            try:
+                return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
+                                         metadata=client.metadata)
+            except grpc.RpcError as exc:
+                if node_lease and is_lease_not_found(exc):
+                    raise _NodeLeaseLost(f"node {node_name(self._node)}'s lease expired") from exc
+                raise
 
         return self._connection.call(what, send)
 
@@ -130,7 +155,7 @@ class EtcdRoundBoard:
                           self._lease)]
         if self._arrival_key is not None:
             puts.append(self._put(self._arrival_key, encode_arrival(self._node), self._lease))
-        self._txn("write this node's liveness", puts, kind="writes")
+        self._txn("write this node's liveness", puts, kind="writes", node_lease=True)
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self._settings.keep_alive_interval):
@@ -173,11 +198,21 @@ class EtcdRoundBoard:
         key = self._arrival_prefix(round_number) + node_name(node)
         with self._lock:
             assert self._lease is not None, "start() first"
-            ops = [self._put(key, encode_arrival(node), self._lease)]
-            if self._arrival_key not in (None, key):
-                ops.append(etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
-                    key=self._arrival_key.encode())))
-            self._txn(f"arrive at round {round_number}", ops, kind="writes")
+            for attempt in range(_LEASE_ATTEMPTS):
+                try:
+                    if attempt > 0:  # etcd dropped the lease and this node's keys with it: take them again
+                        logger.warning("node %s's lease had expired when it arrived at round %d: its keys are "
+                                       "written again", node_name(node), round_number)
+                        self._new_lease()
+                    ops = [self._put(key, encode_arrival(node), self._lease)]
+                    if self._arrival_key not in (None, key):
+                        ops.append(etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+                            key=self._arrival_key.encode())))
+                    self._txn(f"arrive at round {round_number}", ops, kind="writes", node_lease=True)
+                    break
+                except _NodeLeaseLost:
+                    if attempt == _LEASE_ATTEMPTS - 1:
+                        raise
             self._arrival_key = key
 
     def view(self, round_number: int) -> BoardView:
