@@ -1,0 +1,40 @@
+"""The test suite's rendezvous-algorithm switch (elastic_ddp/testbed/rdzv_switch.py) in the agents'
+argv that `torchrun_command` builds: unset, nothing changes; set, our two backends get it."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
+from elastic_ddp.testbed.local_cluster import torchrun_command
+from elastic_ddp.testbed.rdzv_switch import TEST_ALGORITHM_VARIABLE
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def rdzv_conf_options(rdzv_backend: str, **kwargs) -> list[str]:
+    command = torchrun_command(nnodes="1:2", nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="run",
+                               rdzv_backend=rdzv_backend, **kwargs)
+    return [option for option in command if option.startswith("--rdzv_conf")]
+
+
+@pytest.mark.parametrize("backend", ["c10d", "elastic-c10d", "etcd-v3"])
+def test_unset_the_switch_changes_nothing(monkeypatch, backend):
+    monkeypatch.delenv(TEST_ALGORITHM_VARIABLE, raising=False)
+    assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF}"]
+    assert rdzv_conf_options(backend, rdzv_conf=None) == []
+
+
+@pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
+def test_the_switch_adds_the_algorithm_to_our_backends(monkeypatch, backend):
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
+    assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF},algorithm=keyed"]
+    assert rdzv_conf_options(backend, rdzv_conf=None) == ["--rdzv_conf=algorithm=keyed"]
+    # A conf that names its algorithm keeps it (tests of one algorithm stay what they are).
+    assert rdzv_conf_options(backend, rdzv_conf="a=1,algorithm=dynamic") == ["--rdzv_conf=a=1,algorithm=dynamic"]
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_the_switch_leaves_torchs_own_backends_alone(monkeypatch, backend):
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
+    assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF}"]
