@@ -34,7 +34,7 @@ from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S,
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.procfs import children_by_parent, process_tree
-from elastic_ddp.testbed.rdzv_switch import with_test_algorithm
+from elastic_ddp.testbed.rdzv_switch import switched_rendezvous
 
 # The backends whose store lives in the first node's agent (torch's, and ours built on it).
 C10D_BACKENDS = ("c10d", "elastic-c10d")
@@ -56,8 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def torchrun_command(
     *,
-    nnodes: str,
-    nproc_per_node: int,
+    nnodes: str, nproc_per_node: int,
     rdzv_endpoint: str, rdzv_id: str,
     rdzv_backend: str = "c10d",
     max_restarts: int = 10,
@@ -72,6 +71,7 @@ def torchrun_command(
     Pass `rdzv_conf=None`, `monitor_interval=None` and `launcher=STOCK_LAUNCHER` to get stock
     torchrun behaviour.
     """
+    rdzv_backend, rdzv_conf = switched_rendezvous(rdzv_backend, rdzv_conf)  # the tests' switches, unset: as given
     command = [
         sys.executable, "-m", launcher,
         f"--nnodes={nnodes}",
@@ -81,7 +81,7 @@ def torchrun_command(
         f"--rdzv_id={rdzv_id}",
         f"--max_restarts={max_restarts}",
     ]
-    if rdzv_conf := with_test_algorithm(rdzv_backend, rdzv_conf):  # unset by default (rdzv_switch)
+    if rdzv_conf:
         command.append(f"--rdzv_conf={rdzv_conf}")
     if monitor_interval is not None:
         command.append(f"--monitor_interval={monitor_interval}")

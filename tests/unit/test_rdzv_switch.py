@@ -7,26 +7,33 @@ import pytest
 
 from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
 from elastic_ddp.testbed.local_cluster import torchrun_command
-from elastic_ddp.testbed.rdzv_switch import TEST_ALGORITHM_VARIABLE
+from elastic_ddp.testbed.rdzv_switch import TEST_ALGORITHM_VARIABLE, TEST_BACKEND_VARIABLE
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def rdzv_conf_options(rdzv_backend: str, **kwargs) -> list[str]:
+def rdzv_options(rdzv_backend: str, **kwargs) -> list[str]:
     command = torchrun_command(nnodes="1:2", nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="run",
                                rdzv_backend=rdzv_backend, **kwargs)
-    return [option for option in command if option.startswith("--rdzv_conf")]
+    return [option for option in command if option.startswith(("--rdzv_conf", "--rdzv_backend"))]
+
+
+def rdzv_conf_options(rdzv_backend: str, **kwargs) -> list[str]:
+    return [option for option in rdzv_options(rdzv_backend, **kwargs) if option.startswith("--rdzv_conf")]
 
 
 @pytest.mark.parametrize("backend", ["c10d", "elastic-c10d", "etcd-v3"])
 def test_unset_the_switch_changes_nothing(monkeypatch, backend):
     monkeypatch.delenv(TEST_ALGORITHM_VARIABLE, raising=False)
+    monkeypatch.delenv(TEST_BACKEND_VARIABLE, raising=False)
+    assert f"--rdzv_backend={backend}" in rdzv_options(backend)
     assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF}"]
     assert rdzv_conf_options(backend, rdzv_conf=None) == []
 
 
 @pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
 def test_the_switch_adds_the_algorithm_to_our_backends(monkeypatch, backend):
+    monkeypatch.delenv(TEST_BACKEND_VARIABLE, raising=False)
     monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
     assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF},algorithm=keyed"]
     assert rdzv_conf_options(backend, rdzv_conf=None) == ["--rdzv_conf=algorithm=keyed"]
@@ -36,5 +43,16 @@ def test_the_switch_adds_the_algorithm_to_our_backends(monkeypatch, backend):
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_the_switch_leaves_torchs_own_backends_alone(monkeypatch, backend):
+    monkeypatch.delenv(TEST_BACKEND_VARIABLE, raising=False)
     monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
     assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF}"]
+
+
+def test_the_backend_switch_runs_torchs_c10d_jobs_on_elastic_c10d(monkeypatch):
+    monkeypatch.setenv(TEST_BACKEND_VARIABLE, "elastic-c10d")
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
+    assert rdzv_options("c10d") == ["--rdzv_backend=elastic-c10d", f"--rdzv_conf={RDZV_CONF},algorithm=keyed"]
+    assert rdzv_options("etcd") == ["--rdzv_backend=etcd", f"--rdzv_conf={RDZV_CONF}"]
+    monkeypatch.setenv(TEST_BACKEND_VARIABLE, "etcd-v3")  # no store where c10d's was: refused, naming the variable
+    with pytest.raises(ValueError, match=TEST_BACKEND_VARIABLE):
+        rdzv_options("c10d")
