@@ -3,6 +3,7 @@ agents as threads of one process.
 
     python -m benchmarks.rendezvous_threads                                  # 8..256 agents, keyed and torch's algorithm
     python -m benchmarks.rendezvous_threads --agents 64 256 --backends etcd-v3-keyed --json out.json
+    python -m benchmarks.rendezvous_threads --agents 256 --poll 1     # agents look every 1 s, not every 0.1 s
 
 The phases, the agents and what is counted are those of `benchmarks.rendezvous_scale` (read its
 docstring): each agent is the handler torchrun builds for the backend (`rendezvous_agents.make_agent`)
@@ -17,7 +18,9 @@ What this changes, and so how to read the figures: all agents share one interpre
 phase's seconds include queueing for it (with 256 agents, tens of reads a second each in pure-Python
 protobuf), and they are an upper bound of what agents with a machine each would see. The
 machine-independent figures are the operations: etcd writes and reads per agent per phase, and
-reads per agent per second of the phase. A phase that does not settle within `PHASE_TIMEOUT_S` is
+reads per agent per second of the phase. `--poll S` makes every agent look less often (torchrun's
+monitor loop and a waiting agent's look at the round, both 0.1 s as shipped), so that 256 of them
+fit in one interpreter; the writes per agent do not depend on it. A phase that does not settle within `PHASE_TIMEOUT_S` is
 recorded as a timeout (the agents of that measurement are then closed out with `set_closed`), and
 the next size or backend goes on.
 """
@@ -38,6 +41,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 from benchmarks.rendezvous_agents import BUSY, FAILED, ROUND, UNKNOWN, WAITING, Agent, CpuUse, make_agent
 from benchmarks.rendezvous_scale import PHASES, _counts, _settle
+from elastic_ddp.agent.rendezvous import torch_internals
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 
@@ -49,8 +53,13 @@ STOP_TIMEOUT_S = 90.0  # an agent's loop ends by then: its `next_rendezvous` end
 class ThreadAgent:
     """One agent in a thread, with `rendezvous_agents.AgentProcess`'s face (what `_settle` uses)."""
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, max_nodes: int) -> None:
+    def __init__(self, backend: str, endpoint: str, run_id: str, max_nodes: int, poll_s: float) -> None:
         self.agent: Agent = make_agent(backend, endpoint, run_id, max_nodes, False)
+        self._poll_s = poll_s
+        if isinstance(self.agent.handler, KeyedRendezvousHandler):
+            self.agent.handler._poll_s = poll_s
+        else:
+            torch_internals.poll_rendezvous_every(poll_s)  # process-wide, as in an agent
         self.status = [0, 0, 0, 0]
         self.status[ROUND] = 0
         self.exitcode = None  # a thread never exits like a process: _settle reads this
@@ -76,7 +85,7 @@ class ThreadAgent:
         try:
             if entering:
                 self._enter()
-            while not self._stop.wait(MONITOR_INTERVAL_S):
+            while not self._stop.wait(self._poll_s):
                 waiting = self.agent.handler.num_nodes_waiting()
                 self.status[WAITING] = waiting
                 if waiting > 0:
@@ -139,14 +148,14 @@ def _phase(name: str, agents: list[ThreadAgent], entering: list[ThreadAgent]) ->
     return record
 
 
-def measure(backend: str, agents_count: int, endpoint: str) -> dict[str, Any]:
+def measure(backend: str, agents_count: int, endpoint: str, poll_s: float = MONITOR_INTERVAL_S) -> dict[str, Any]:
     """The three phases with `agents_count` thread agents on a fresh run id (see
     `rendezvous_scale.measure`); a phase that fails or times out ends the measurement, recorded."""
     run_id = f"threads-{uuid.uuid4().hex[:8]}"
-    record: dict[str, Any] = {"backend": backend, "agents": agents_count, "mode": "threads"}
+    record: dict[str, Any] = {"backend": backend, "agents": agents_count, "mode": "threads", "poll_s": poll_s}
     built: list[ThreadAgent] = []
     try:
-        built = [ThreadAgent(backend, endpoint, run_id, agents_count + 1) for _ in range(agents_count + 1)]
+        built = [ThreadAgent(backend, endpoint, run_id, agents_count + 1, poll_s) for _ in range(agents_count + 1)]
         agents, joiner = built[:-1], built[-1]
         record["first"] = _phase("first", agents, entering=agents)
         if agents_count > 1:
@@ -175,12 +184,13 @@ def _close_all(agents: list[ThreadAgent]) -> None:
         agent.close()
 
 
-def run(backends: list[str], counts: list[int], repeats: int, endpoint: str) -> list[dict[str, Any]]:
+def run(backends: list[str], counts: list[int], repeats: int, endpoint: str,
+        poll_s: float = MONITOR_INTERVAL_S) -> list[dict[str, Any]]:
     records = []
     for _ in range(repeats):
         for count in counts:
             for backend in backends:
-                record = measure(backend, count, endpoint)
+                record = measure(backend, count, endpoint, poll_s)
                 print(_line(record), flush=True)
                 records.append(record)
     return records
@@ -195,7 +205,7 @@ def _line(record: dict[str, Any]) -> str:
         for phase in PHASES if phase in record)
     failure = f"{', ' if phases else ''}{'TIMED OUT' if record.get('timed_out') else 'FAILED'}: {record['error']}" \
         if "error" in record else ""
-    return f"{record['backend']:>13} x{record['agents']:<3} (threads) {phases}{failure}"
+    return f"{record['backend']:>13} x{record['agents']:<3} (threads, poll {record['poll_s']:g} s) {phases}{failure}"
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
@@ -221,16 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, nargs="+", default=list(AGENT_COUNTS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--poll", type=float, default=MONITOR_INTERVAL_S,
+                        help="Seconds between an agent's looks (monitor loop, waiting agent); default %(default)s.")
     parser.add_argument("--json", type=Path, help="Also write the records here.")
     args = parser.parse_args(argv)
     if any(count < 1 for count in args.agents) or args.repeats < 1:
         parser.error("--agents and --repeats: expected positive integers")
+    if args.poll <= 0:
+        parser.error(f"--poll: got {args.poll:g}; expected a positive number of seconds")
     from elastic_ddp.testbed.etcd_server import single_server
 
     with tempfile.TemporaryDirectory(prefix="rdzv-threads-") as directory:
         server = single_server(Path(directory))
         try:
-            records = run(args.backends, args.agents, args.repeats, server.endpoint)
+            records = run(args.backends, args.agents, args.repeats, server.endpoint, args.poll)
         finally:
             server.stop()
     print_table(records)
