@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
-from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
+from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from tests.support.cluster import (
     EXTRA_TRAINING_ARGS,
     FAULT_MODULE,
@@ -44,10 +44,15 @@ def restore_after(job: LocalJob, world_size: int, after: float, timeout: float =
                               and e["time"] > after, timeout, f"a restore in world {world_size}")
 
 
-def assert_same_model_as_uninterrupted(job: LocalJob, tmp_path, may_lack_a_loss: set[int]) -> None:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The checkpoint directory of one uninterrupted process: every test here trains TRAINING_ARGS."""
+    return run_reference(tmp_path_factory.mktemp("reference"), [*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])
+
+
+def assert_same_model_as_uninterrupted(job: LocalJob, reference, may_lack_a_loss: set[int]) -> None:
     """Final parameters and every step's loss as one uninterrupted process had them. A step
     committed just before a rank died may lack its loss: its reduction needed the dead rank."""
-    reference = run_reference(tmp_path / "reference", [*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])
     equivalence = compare_runs(reference, job.checkpoint_dir)
     assert set(equivalence.missing_steps) <= may_lack_a_loss, equivalence.describe()
     assert equivalence.parameter_difference <= PARAMETER_TOLERANCE, equivalence.describe()
@@ -71,7 +76,7 @@ def seconds_to_first_step(job: LocalJob, restore: dict, since: float) -> float:
     return step["time"] - since
 
 
-def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_path):
+def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_path, reference):
     """Plain torchrun with `--rdzv_backend=elastic-c10d` and nothing else: the README's command."""
     hold = tmp_path / "hold"
     job = local_jobs(launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None, monitor_interval=None,
@@ -99,7 +104,7 @@ def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_pa
     release(hold)
     assert host.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
-    assert_same_model_as_uninterrupted(job, tmp_path, may_lack_a_loss={after_kill["global_step"]})
+    assert_same_model_as_uninterrupted(job, reference, may_lack_a_loss={after_kill["global_step"]})
     logs = "\n".join(node.log_text() for node in job.nodes)
     assert f"resumed from step {after_kill['global_step']} (epoch 2/3) from memory of rank" in logs
     assert "SIGTERM from torchrun (the worker group is re-formed, or this node leaves)" in logs
@@ -107,7 +112,8 @@ def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_pa
 
 
 @pytest.mark.parametrize("moment, committed_step", [("allreduce", 29), ("after_allreduce", 30)])
-def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_path, moment, committed_step):
+def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_path, reference, moment,
+                                                               committed_step):
     """Rank 3 SIGKILLs itself in step 30: inside the gradient all-reduce (nobody can finish step 30:
     the survivors keep step 29), or once every other rank has committed step 30 (they keep 30, and
     write rank 3's audit line for it, which rank 3 never wrote)."""
@@ -131,4 +137,4 @@ def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_p
     recorded_for_rank_3 = [entry for rank in (0, 1, 2) for entry in step_30[rank] if entry["rank"] == 3]
     assert bool(recorded_for_rank_3) == (moment == "after_allreduce"), step_30
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
-    assert_same_model_as_uninterrupted(job, tmp_path, may_lack_a_loss={30} if moment == "after_allreduce" else set())
+    assert_same_model_as_uninterrupted(job, reference, may_lack_a_loss={30} if moment == "after_allreduce" else set())
