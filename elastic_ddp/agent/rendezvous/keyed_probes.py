@@ -48,6 +48,7 @@ class ExitWitness:
     def __init__(self, enabled: bool = True) -> None:
         self._beacon = Beacon() if enabled else None
         self._reached: dict[tuple[NodeDesc, int], tuple] = {}  # (node, port) -> the address that accepted
+        self._reported: set[tuple[NodeDesc, int]] = set()  # found exited and said so
         self._lock = threading.Lock()
 
     @property
@@ -80,13 +81,20 @@ class ExitWitness:
                     self._reached[(node, port)] = address
 
     def exited(self, suspects: Ports) -> set[NodeDesc]:
-        """The `suspects` (node -> the port its liveness key names now) found exited."""
+        """The `suspects` (node -> the port its liveness key names now) found exited. Each one is
+        logged once as a warning, as torch's algorithm logs its removal (a closer asks again at every
+        poll while the round waits for someone else)."""
         found = set()
         for node, port in suspects.items():
             with self._lock:
                 address = self._reached.get((node, port)) if port is not None else None
             if address is not None and probe(address) is Answer.REFUSED:
-                logger.info("node %s has exited (its beacon refuses connections)", node)
+                with self._lock:
+                    first = (node, port) not in self._reported
+                    self._reported.add((node, port))
+                if first:
+                    logger.warning("node %s has exited (its beacon refuses connections): left out of the next round "
+                                   "of the keyed rendezvous", node)
                 found.add(node)
         return found
 
