@@ -1,4 +1,4 @@
-"""Memory copies of a sharded state (snapshot/sharded/memory_*.py). With real gloo groups in spawned
+"""Memory copies of a sharded state (snapshot/sharded/memory_*.py). With real gloo groups in forked
 processes: each rank's part taken without a collective, the parts merged and resharded by DCP onto
 another world size (2 -> 3, 3 -> 2), each rank reading only the parts it needs. In this process:
 a missing part found before anything loads, an index that would run code refused, the ring of
@@ -11,6 +11,7 @@ step: tests/cluster/test_sharded_cluster.py; one rank's: tests/unit/test_sharded
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 from pathlib import Path
@@ -95,8 +96,11 @@ def _rank(rank: int, world_size: int, store_file: str, loads: str | None, saves:
 def _run(world_size: int, loads: Path | None, saves: Path) -> list[set[int]]:
     """The parts each rank of the new world read."""
     saves.mkdir()
+    # Forked from a server that imported torch and this module once: three spawns per test had
+    # each rank import torch afresh (7 imports in all; 13-31 s on 2 cores).
+    multiprocessing.set_forkserver_preload([__name__])
     mp.start_processes(_rank, args=(world_size, str(saves / "store"), loads and str(loads), str(saves)),
-                       nprocs=world_size, start_method="spawn", join=True)
+                       nprocs=world_size, start_method="forkserver", join=True)
     return [set(map(int, path.read_text().split(","))) for path in sorted(saves.glob("needed-*"))]
 
 
