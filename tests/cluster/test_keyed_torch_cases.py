@@ -276,10 +276,6 @@ def test_shutdown_returns_true_and_can_be_called_multiple_times(nodes) -> None:
     assert handlers[0].node not in handlers[1]._board.alive()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keyed shutdown only revokes the node's lease (keyed_handler.shutdown): the rendezvous stays open, so "
-    "torchrun's shutdown after a success or a failure without restarts left (launch_agent) no longer ends the "
-    "other agents' next round (docs/failure-semantics.md, 'When torchrun closes the rendezvous for everyone')"))
 def test_shutdown_closes_rendezvous(nodes) -> None:
     """DynamicRendezvousHandlerTest.test_shutdown_closes_rendezvous_and_returns_true: shutdown closes
     the rendezvous for every node of the run."""

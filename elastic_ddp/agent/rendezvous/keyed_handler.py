@@ -227,9 +227,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
         return self._settings.run_id
 
     def shutdown(self) -> bool:
-        """See base class. Revokes this node's liveness: its keys go at once."""
+        """See base class. Closes the rendezvous for every node, as torch's handler does (torchrun calls
+        this when its agent ends without a signal: the job succeeded here, or this node ran out of
+        restarts; docs/failure-semantics.md, "When torchrun closes the rendezvous for everyone"), then
+        revokes this node's liveness: its keys go at once."""
         self._witness.close()
         try:
+            self._board.set_closed()
             self._board.leave()
         except RendezvousError as exc:  # the keys then expire with the lease
             logger.warning("the keyed rendezvous '%s' could not remove node %s's keys: %s", self._settings.run_id,
