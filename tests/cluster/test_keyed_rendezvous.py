@@ -8,7 +8,6 @@ next round when a member leaves, get_backend/get_run_id/use_agent_store, set_clo
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.plugin import etcd_v3_handler_factory
 from elastic_ddp.testbed.local_cluster import wait_for
-from tests.support.rendezvous import rendezvous_together
+from tests.support.rendezvous import Background, assert_one_world, rendezvous_together
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,32 +47,6 @@ def make_handlers(etcd_server, run_id):
     yield make
     for handler in made:
         handler.shutdown()
-
-
-class Background:
-    """`handler.next_rendezvous()` in a thread; `result()` waits for it under a deadline."""
-
-    def __init__(self, handler: KeyedRendezvousHandler) -> None:
-        self.outcome: Any = None
-        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
-        self.thread.start()
-
-    def _run(self, handler: KeyedRendezvousHandler) -> None:
-        try:
-            self.outcome = handler.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            self.outcome = exc
-
-    def result(self, timeout: float = 30) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"next_rendezvous did not return within {timeout} s"
-        return self.outcome
-
-
-def assert_one_world(infos: list, size: int) -> None:
-    assert all(not isinstance(info, Exception) for info in infos), infos
-    assert sorted(info.rank for info in infos) == list(range(size))
-    assert {info.world_size for info in infos} == {size}
 
 
 def test_all_nodes_join_rendezvous_in_one_round_ranked_by_node_name(make_handlers) -> None:

@@ -14,16 +14,15 @@ and a shutdown that fails (`test_shutdown_returns_false_if_rendezvous_cannot_be_
 gone, the connection retries for its whole 30 s budget first).
 
 Where the keyed handler differs from torch by design the adapted test says so (it never lets workers
-share the agent's store: `use_agent_store` is False). Where it differs without a reason, the test
-is marked xfail(strict=True) with the difference: it fails the suite once the handler is fixed, so
-the mark goes then.
+share the agent's store: `use_agent_store` is False). The two differences without a reason that these
+cases found were fixed in the handler: `shutdown` now closes the rendezvous, and a spare counts as
+waiting once a member of the full round it waits beside is gone.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/cluster/test_keyed_torch_cases.py
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -38,7 +37,7 @@ from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.testbed.local_cluster import wait_for
-from tests.support.rendezvous import rendezvous_together
+from tests.support.rendezvous import Background, assert_one_world, rendezvous_together
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,33 +75,6 @@ def nodes(shared_etcd_server, run_id):
         handler.shutdown()
 
 
-class Background:
-    """`handler.next_rendezvous()` in a thread (torch: `_CapturingThread`)."""
-
-    def __init__(self, handler: KeyedRendezvousHandler) -> None:
-        self.outcome: Any = None
-        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
-        self.thread.start()
-
-    def _run(self, handler: KeyedRendezvousHandler) -> None:
-        try:
-            self.outcome = handler.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            self.outcome = exc
-
-    def result(self, timeout: float = 20) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"next_rendezvous did not return within {timeout} s"
-        return self.outcome
-
-
-def one_world(infos: list, size: int) -> list:
-    assert all(not isinstance(info, Exception) for info in infos), infos
-    assert sorted(info.rank for info in infos) == list(range(size))
-    assert {info.world_size for info in infos} == {size}
-    return infos
-
-
 def round_key(run_id: str, round_number: int, key: str) -> str:
     """Where a key of a round's store lives in the agents' store (torch's prefix)."""
     return f"torch.rendezvous.{run_id}.{round_number}/{key}"
@@ -114,7 +86,7 @@ def test_all_nodes_join_rendezvous(nodes) -> None:
     """IntegrationTest.test_all_nodes_join_rendezvous; also .test_share_tcp_store_is_disabled (both
     nodes get the round's prefix of the agents' store and the same workers' store address)."""
     handlers = [nodes.make(2, 2), nodes.make(2, 2)]
-    first, second = one_world(rendezvous_together(handlers, timeout=20), 2)
+    first, second = assert_one_world(rendezvous_together(handlers, timeout=20), 2)
     assert first.rank != second.rank
     first.store.set("written_by_first", b"1")  # the same backend under both: torch's underlying_store
     assert second.store.get("written_by_first") == b"1"
@@ -128,7 +100,7 @@ def test_redundancy_list(nodes) -> None:
     a third node beyond max_nodes waits as a spare (torch: the redundancy list), and its join_timeout
     does not end it; the full world's members see nobody waiting (they do not restart for it)."""
     members = [nodes.make(2, 2), nodes.make(2, 2)]
-    one_world(rendezvous_together(members, timeout=20), 2)
+    assert_one_world(rendezvous_together(members, timeout=20), 2)
     spare = nodes.make(2, 2, join_timeout="1")
     waiting = Background(spare)
     wait_for(lambda: members[0]._board.waiting(1), 10, "the spare's arrival")
@@ -145,28 +117,24 @@ def test_redundancy_transition_to_wait_list_then_join_rendezvous(nodes) -> None:
     """IntegrationTest.test_redundancy_transition_to_wait_list_then_join_rendezvous: a member stops
     its heartbeats (its lease then expires), and the spare takes its place in the next round."""
     members = [nodes.make(1, 2, **TOGETHER), nodes.make(1, 2, **TOGETHER)]
-    one_world(rendezvous_together(members, timeout=20), 2)
+    assert_one_world(rendezvous_together(members, timeout=20), 2)
     spare = Background(nodes.make(1, 2, **TOGETHER))
     wait_for(lambda: members[0]._board.waiting(1), 10, "the spare's arrival")
     dead = members[1]
     dead._board._stop.set()  # no more lease refreshes and no beacon: as a SIGKILLed agent's
     dead._witness.close()
     survivor = Background(members[0])
-    infos = one_world([survivor.result(), spare.result()], 2)
+    infos = assert_one_world([survivor.result(), spare.result()], 2)
     assert {info.world_size for info in infos} == {2}
     assert dead.node not in members[0]._board.alive()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keyed num_nodes_waiting counts only a member among the waiting nodes once the last round was full "
-    "(keyed_rounds.waiting_count), not a spare whose place freed when a member's lease expired: torch moves "
-    "the spare to the wait list then, and every survivor's agent restarts its workers for it"))
 def test_redundancy_transition_to_wait_list_is_seen_by_the_survivors(nodes) -> None:
     """IntegrationTest.test_redundancy_transition_to_wait_list_then_join_rendezvous, the part torch
     checks: once a member's heartbeats stopped, the spare is on the wait list, which the survivors'
     `num_nodes_waiting` reports (torchrun's agent restarts its workers when it is > 0)."""
     members = [nodes.make(1, 2, **TOGETHER), nodes.make(1, 2, **TOGETHER)]
-    one_world(rendezvous_together(members, timeout=20), 2)
+    assert_one_world(rendezvous_together(members, timeout=20), 2)
     spare = Background(nodes.make(1, 2, **TOGETHER))
     try:
         wait_for(lambda: members[0]._board.waiting(1), 10, "the spare's arrival")
@@ -200,7 +168,7 @@ def test_next_rendezvous_returns_expected_value(nodes) -> None:
     nodes (torch's rank order: sorted node names) gets rank 2 of 3, and its store is the round's
     prefix (`torch.rendezvous.<run_id>.0/`) of the agents' store."""
     handlers = [nodes.make(3, 3) for _ in range(3)]
-    infos = one_world(rendezvous_together(handlers, timeout=20), 3)
+    infos = assert_one_world(rendezvous_together(handlers, timeout=20), 3)
     assert (infos[2].rank, infos[2].world_size) == (2, 3)
     infos[2].store.set("dummy_key", b"dummy_value")
     assert handlers[0]._board.store.get(round_key(nodes.run_id, 0, "dummy_key")) == b"dummy_value"
@@ -228,14 +196,14 @@ def test_next_rendezvous_respects_the_requested_timeout(nodes) -> None:
 def test_marks_rendezvous_complete_if_last_call_deadline_exceeded(nodes) -> None:
     """TestRendezvousJoinOp.test_marks_rendezvous_complete_if_node_is_participant_and_last_call_deadline_exceeded:
     min_nodes in, max_nodes not: the round completes after the last call."""
-    one_world(rendezvous_together([nodes.make(2, 3), nodes.make(2, 3)], timeout=20), 2)
+    assert_one_world(rendezvous_together([nodes.make(2, 3), nodes.make(2, 3)], timeout=20), 2)
 
 
 def test_completes_rendezvous_if_max_nodes_is_reached(nodes) -> None:
     """DistributedRendezvousOpExecutorTest.test_run_adds_to_participants_and_completes_rendezvous_if_max_nodes_is_reached:
     with max_nodes in, the round completes without waiting out the last call (60 s here)."""
     handlers = [nodes.make(1, 2, last_call_timeout="60") for _ in range(2)]
-    one_world(rendezvous_together(handlers, timeout=20), 2)
+    assert_one_world(rendezvous_together(handlers, timeout=20), 2)
 
 
 def test_is_closed_and_set_closed(nodes) -> None:
@@ -263,14 +231,14 @@ def test_num_nodes_waiting_returns_expected_value(nodes) -> None:
     assert member.next_rendezvous().world_size == 1
     joiners = [Background(nodes.make(1, 3)) for _ in range(2)]
     wait_for(lambda: member.num_nodes_waiting() == 2, 10, "two nodes waiting")
-    one_world([member.next_rendezvous(), *(joiner.result() for joiner in joiners)], 3)
+    assert_one_world([member.next_rendezvous(), *(joiner.result() for joiner in joiners)], 3)
 
 
 def test_shutdown_returns_true_and_can_be_called_multiple_times(nodes) -> None:
     """DynamicRendezvousHandlerTest.test_shutdown_can_be_called_multiple_times, and the return value
     of .test_shutdown_closes_rendezvous_and_returns_true; the node's keys are gone at once."""
     handlers = [nodes.make(1, 2, **TOGETHER), nodes.make(1, 2, **TOGETHER)]
-    one_world(rendezvous_together(handlers, timeout=20), 2)
+    assert_one_world(rendezvous_together(handlers, timeout=20), 2)
     assert handlers[0].shutdown() is True
     assert handlers[0].shutdown() is True
     assert handlers[0].node not in handlers[1]._board.alive()

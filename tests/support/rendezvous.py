@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 
 def rendezvous_together(handlers, timeout: float = 90) -> list:
@@ -23,3 +24,32 @@ def rendezvous_together(handlers, timeout: float = 90) -> list:
         thread.join(timeout=timeout)
     assert not any(thread.is_alive() for thread in threads), "a rendezvous did not return"
     return results
+
+
+class Background:
+    """`handler.next_rendezvous()` in a thread (torch's tests: `_CapturingThread`); `result()` waits
+    for it under a deadline and returns its RendezvousInfo or the exception it raised."""
+
+    def __init__(self, handler) -> None:
+        self.outcome: Any = None
+        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
+        self.thread.start()
+
+    def _run(self, handler) -> None:
+        try:
+            self.outcome = handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            self.outcome = exc
+
+    def result(self, timeout: float = 30) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"next_rendezvous did not return within {timeout} s"
+        return self.outcome
+
+
+def assert_one_world(infos: list, size: int) -> list:
+    """`infos` (RendezvousInfo) are one world of `size`: no exception, ranks 0..size-1; returns them."""
+    assert all(not isinstance(info, Exception) for info in infos), infos
+    assert sorted(info.rank for info in infos) == list(range(size))
+    assert {info.world_size for info in infos} == {size}
+    return infos

@@ -216,11 +216,19 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._board.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        """See base class. 0 before this node's first round."""
+        """See base class. 0 before this node's first round. Spares beyond a full round count once a
+        member of it is no longer alive (torch moves them to its wait list then): the survivors
+        restart for the spare, whether or not their workers noticed the loss. Liveness is read
+        only then, while spares wait."""
         if self._round is None:
             return 0
         waiting = self._board.waiting(self._round.round + 1)
-        return waiting_count(waiting, self._round, self._settings.max_nodes)
+        count = waiting_count(waiting, self._round, self._settings.max_nodes)
+        if count == 0 and waiting:
+            alive = self._board.alive()
+            if any(member not in alive for member in self._round.members):
+                return len(waiting)
+        return count
 
     def get_run_id(self) -> str:
         """See base class."""
