@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -29,6 +28,7 @@ from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,9 +122,7 @@ def test_a_member_whose_beacon_refuses_is_left_out_long_before_its_heartbeat_exp
     here, gone = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
     survivor, killed = (handler(server, node, chosen, ExitWitness()) for node in (here, gone))
     assert join_all([survivor, killed]) == {here: (0, 2), gone: (1, 2)}
-    deadline = time.monotonic() + 20
-    while not survivor._witness._reached and time.monotonic() < deadline:  # it has reached the other's beacon
-        time.sleep(0.02)
+    wait_for(lambda: survivor._witness._reached, 20, "the survivor reaching the other's beacon")
     killed._board._stop.set()  # "killed": no more heartbeats (the last one stays fresh for 200 s) ...
     killed._witness.close()  # ... and its beacon refuses
     assert join_all([survivor]) == {here: (0, 1)}  # else RendezvousTimeoutError after join_timeout

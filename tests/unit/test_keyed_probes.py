@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,9 +20,7 @@ def test_an_exited_member_is_found_at_every_ask_and_logged_once_as_a_warning(cap
     node = NodeDesc("127.0.0.1", 2, 0)
     ports = {node: other.port}
     here.observe_soon(lambda: ports, [node])
-    deadline = time.monotonic() + 10
-    while not here._reached and time.monotonic() < deadline:  # it has reached the other's beacon
-        time.sleep(0.02)
+    wait_for(lambda: here._reached, 10, "reaching the other's beacon")
     assert here.exited(ports) == set()  # alive: accepts
     other.close()  # its process "exits": the beacon refuses
     with caplog.at_level(logging.INFO, logger="elastic_ddp.agent.rendezvous.keyed_probes"):
