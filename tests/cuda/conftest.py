@@ -35,3 +35,20 @@ def deterministic_cuda():
     yield
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
     torch.use_deterministic_algorithms(before[2])
+
+
+@pytest.fixture
+def one_rank_nccl_group():
+    """A real NCCL process group of this process alone on GPU 0, destroyed after the test; the store
+    is an in-process HashStore (no port)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a process group from an earlier test is still initialised"
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
