@@ -27,6 +27,8 @@ Five settings are measured in the same run, interleaved, on the same machine:
 - `tutorial`: the same, with a snapshot at each epoch end only (`--snapshot_every_steps 0`), as the
   PyTorch fault-tolerance tutorial saves (its script itself also loses the optimizer state and
   tears its snapshot when killed mid-write; findings.md).
+- `fsdp` (not in the default list: `--settings ours fsdp`): `ours` with `--sharding fsdp`, the
+  zero loss coming from the memory copies of shards (docs/sharding.md).
 All use the same training (`elastic_ddp.train`, 64 steps per epoch) and environment (`AGENT_ENV`:
 one thread per worker, the agent-shared store off), so the differences are the launch settings
 and the snapshot flags above.
@@ -76,12 +78,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
     "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
     "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
+    "fsdp": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
 }
+DEFAULT_SETTINGS = [name for name in SETTINGS if name != "fsdp"]  # fsdp only when asked for
 # Training flags of a setting beyond TRAINING_ARGS (see the module docstring).
 WITHOUT_OURS = ["--no-memory_copies", "--watchdog_timeout_s", "0"]
 SNAPSHOT_FLAGS: dict[str, list[str]] = {
     "stock": WITHOUT_OURS,
     "tutorial": [*WITHOUT_OURS, "--snapshot_every_steps", "0"],
+    "fsdp": ["--sharding", "fsdp"],
 }
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
                  "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
@@ -271,7 +276,7 @@ def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
 def run_benchmark(repeats: int = 1, settings: list[str] | None = None,
                   keep_alive_max_attempts: Sequence[int] = ()) -> dict[str, Any]:
     """For benchmark runners: {"records": [...], "summary": {setting: {kill|join: {phase: stats}}}}."""
-    names = list(settings or SETTINGS)
+    names = list(settings or DEFAULT_SETTINGS)
     for attempts in keep_alive_max_attempts:
         SETTINGS[f"ours-ka{attempts}"] = with_keep_alive_max_attempt(attempts)
         names.append(f"ours-ka{attempts}")
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="One repetition (same as --repeats 1).")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=DEFAULT_SETTINGS)
     parser.add_argument("--keep-alive-max-attempts", type=int, nargs="+", default=[], metavar="N",
                         help="Also measure `ours` with keep_alive_max_attempt=N (setting ours-kaN).")
     parser.add_argument("--json", type=Path, help="Also write the raw records and the summary here.")
