@@ -18,9 +18,11 @@ longer in all, median of 3.) docs/failure-semantics.md ("Recovery speed") has th
 The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.agent.rendezvous.liveness):
 a killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
 expires 5 s later (`--rdzv_conf=...,probe_dead_nodes=0` turns them off). The launcher does this by
-running `--rdzv_backend=elastic-c10d` (elastic_ddp.agent.rendezvous.c10d) in its place.
+running `--rdzv_backend=elastic-c10d` in its place, whose default algorithm is the keyed rendezvous
+(elastic_ddp.agent.rendezvous.keyed_c10d; `--rdzv_conf=...,algorithm=dynamic`: torch's dynamic
+rendezvous with the probes, elastic_ddp.agent.rendezvous.c10d, kept for one release).
 
-Nothing else changes: rendezvous, heartbeats, restarts, signals (SIGTERM still reaches each worker),
+Nothing else changes: restarts, signals (SIGTERM still reaches each worker),
 exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
 `end_with_the_node` makes each one end as soon as its agent or its fork server does, so that a
 node killed the way a plain torchrun node is (the agent and its children) leaves nothing running.

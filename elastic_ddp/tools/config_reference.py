@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from elastic_ddp.config import TrainingConfig, _field_type
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.config import TrainingConfig, _field_type
 
 HEADER = """# Configuration reference
 
@@ -45,7 +45,7 @@ wins) and gives each worker group a store of its own; with torch's `c10d`, pass 
 | setting | value |
 | --- | --- |
 | `--rdzv_conf` | `{rdzv_conf}` |
-| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1`, `extend_last_call=1` (0 turns each off); `algorithm=dynamic` (`keyed`: a key per node and one closing write per round, etcd-v3 and elastic-c10d; docs/architecture.md "Rendezvous") |
+| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1`, `extend_last_call=1` (0 turns each off); `algorithm=keyed` (a key per node and one closing write per round, etcd-v3 and elastic-c10d; `dynamic`: torch's DynamicRendezvousHandler, kept for one release; docs/architecture.md "Rendezvous") |
 | `--monitor_interval` | `{monitor_interval}` (torchrun's default) |
 {environment}
 """

@@ -44,8 +44,11 @@ def etcd_job(local_jobs, etcd_server: EtcdServer, tmp_path):
     return make
 
 
-def rendezvous_state_exists(etcd_server: EtcdServer) -> bool:
-    return bool(etcd_server.etcdctl("get", "--keys-only", "/elastic_ddp/rendezvous/e2e/state").stdout.strip())
+def joined_in_etcd(etcd_server: EtcdServer) -> bool:
+    """Whether a node of run `e2e` has written to etcd, whichever the algorithm: an agent writes
+    under its run's prefix only once it joins (keyed: its liveness and arrival keys; dynamic: the
+    shared state key)."""
+    return bool(etcd_server.etcdctl("get", "--prefix", "--keys-only", "/elastic_ddp/rendezvous/e2e/").stdout.strip())
 
 
 def assert_finished(job: LocalJob, dataset_size: int) -> None:
@@ -60,8 +63,7 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_
     # the restart after the kill would hang on stale addresses (pytorch/pytorch#135712).
     job = etcd_job(dataset_size, agent_env={**AGENT_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     first = job.add_node("first")
-    wait_for(lambda: rendezvous_state_exists(etcd_server) or not first.is_running(), 60,
-             "the first node to join in etcd")
+    wait_for(lambda: joined_in_etcd(etcd_server) or not first.is_running(), 60, "the first node to join in etcd")
     survivor = job.add_node("survivor")
     world_reached(job, 2)
     job.wait_for_step(job.last_step() + 10, timeout=90)

@@ -150,14 +150,16 @@ def test_handler_contract_names_and_store(make_handlers, run_id) -> None:
     assert handler.shutdown() is True
 
 
-def test_the_entry_point_builds_the_keyed_handler_and_refuses_an_unknown_algorithm(etcd_server, run_id) -> None:
+def test_the_entry_point_builds_the_keyed_handler_by_default_and_refuses_an_unknown_algorithm(etcd_server,
+                                                                                             run_id) -> None:
     create = etcd_v3_handler_factory()
-    handler = create(params(etcd_server.endpoint, run_id, 1, 1, algorithm="keyed"))
-    try:
-        assert isinstance(handler, KeyedRendezvousHandler)
-    finally:
-        handler.shutdown()
-    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected one of dynamic, keyed"):
+    for conf in ({}, {"algorithm": "keyed"}, {"algorithm": "dynamic"}):
+        handler = create(params(etcd_server.endpoint, run_id, 1, 1, **conf))
+        try:
+            assert isinstance(handler, KeyedRendezvousHandler) == (conf.get("algorithm") != "dynamic"), conf
+        finally:
+            handler.shutdown()
+    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected one of keyed "):
         create(params(etcd_server.endpoint, run_id, 1, 1, algorithm="fancy"))
 
 

@@ -3,7 +3,10 @@ plugin leaves alone: shipped timing that a user's value overrides, prompt comple
 that arrivals restart, faster polling, and torch's default for the shared store untouched in agents that do not run our trainer.
 
 Handlers run in this process on a real TCPStore (one thread per "agent"); the plugin tests start a
-fresh interpreter, since torch reads the entry points once per process.
+fresh interpreter, since torch reads the entry points once per process. The handlers here are
+`--rdzv_conf algorithm=dynamic` (torch's dynamic rendezvous with our additions, kept for one release;
+they read its internals); the keyed rendezvous, the default, has the same promises tested in
+tests/unit/test_keyed_rounds.py, tests/unit/test_keyed_c10d.py and tests/cluster/test_keyed_*.py.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, Rendezvou
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-from elastic_ddp.testbed.local_cluster import free_port, wait_for
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.agent.rendezvous.plugin import trains_with_elastic_ddp
+from elastic_ddp.testbed.local_cluster import free_port, wait_for
 from tests.support.rendezvous import rendezvous_together
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +42,7 @@ def store_port():
 
 def handler(port: int, run_id: str, min_nodes: int = 1, max_nodes: int = 3, **conf):
     return registry.create_handler(RendezvousParameters(BACKEND_NAME, f"127.0.0.1:{port}", run_id, min_nodes,
-                                                        max_nodes, **conf))
+                                                        max_nodes, **{"algorithm": "dynamic", **conf}))
 
 
 def stop(handlers) -> None:
@@ -158,7 +161,7 @@ def fresh_interpreter(argv: list[str]) -> str:
             "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry\n"
             "assert 'elastic-c10d' in registry._registry and 'etcd-v3' in registry._registry\n"
             f"print(os.environ.get({SHARED_STORE_OPT_OUT!r}, 'unset'))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -177,7 +180,7 @@ def test_torchs_c10d_handler_shares_its_store_by_default_with_the_plugin_install
     code = (f"from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry as r\n"
             f"h = r.create_handler(RendezvousParameters('c10d', '127.0.0.1:{store_port}', 'torch', 1, 1))\n"
             "print(h.use_agent_store)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"

@@ -5,21 +5,23 @@ same address: torch names the new agent exactly as the old one (address, pid, co
 agent is PID 1 of a PID namespace of its own (`unshare --pid --fork --kill-child`, root only) with
 an address of its own (`--local_addr` 127.0.0.x), on real torchrun agents and
 `--rdzv_backend=elastic-c10d`; the dead-node probes must not keep such a node out
-(elastic_ddp.agent.rendezvous.liveness; the rule alone: tests/unit/test_liveness_rules.py).
+(elastic_ddp.agent.rendezvous.liveness and keyed_probes; the rule alone: tests/unit/test_liveness_rules.py).
+It runs on the default algorithm (the keyed rendezvous) and, with ELASTIC_DDP_TEST_RDZV_ALGORITHM=dynamic,
+on torch's: what it checks is read from the agents' logs and their rendezvous figures, not from either
+algorithm's state.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import shutil
 import time
-from datetime import timedelta
+from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
+from elastic_ddp.agent.rendezvous_metrics import DIRECTORY_PREFIX, FILE_PREFIX
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from tests.support.cluster import hold_settings, node_logs, release, world_reached
 
@@ -34,14 +36,21 @@ def _why_no_pid_namespaces() -> str | None:
     return None
 
 
-def _torch_round(job) -> int:
-    """torch's number of the job's current rendezvous round, read from its state in the c10d store.
-    It counts every round that completed, also those whose workers were stopped before they wrote
-    a `start` event (whose `round` counts only the groups that trained)."""
-    host, port = job.rdzv_endpoint.rsplit(":", 1)
-    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-    state, _ = C10dRendezvousBackend(client, job.run_id).get_state()
-    return pickle.loads(state).round
+def _own_tmpdir(tmp_path: Path, name: str) -> tuple[Path, list[str]]:
+    """A TMPDIR of the node's own and the command prefix that gives it to its agent: every agent here
+    is PID 1, so their rendezvous figures (elastic_ddp.agent.rendezvous_metrics) would share one file."""
+    tmpdir = tmp_path / f"{name}-tmp"
+    tmpdir.mkdir()
+    return tmpdir, ["env", f"TMPDIR={tmpdir}"]
+
+
+def _rounds_joined(tmpdir: Path) -> int:
+    """The rendezvous rounds the agent (PID 1) with this TMPDIR completed, from its figures file, whichever
+    the algorithm. A survivor is in every round, so this counts every round that completed, also those
+    whose workers were stopped before they wrote a `start` event (whose `round` counts only the groups
+    that trained)."""
+    figures = tmpdir / f"{DIRECTORY_PREFIX}{os.getuid()}" / f"{FILE_PREFIX}1.json"
+    return int(json.loads(figures.read_text())["rounds"])
 
 
 @pytest.mark.skipif(_why_no_pid_namespaces() is not None, reason=_why_no_pid_namespaces() or "")
@@ -61,8 +70,10 @@ def test_a_container_restarted_with_the_same_node_identity_rejoins_without_being
     # shows as a count of rounds, not as an agent out of restarts.
     job = local_jobs(args, nnodes="1:3", rdzv_backend="elastic-c10d", launcher=STOCK_LAUNCHER, max_restarts=100,
                      **hold_settings(hold))
+    tmpdirs = {name: _own_tmpdir(tmp_path, name) for name in ["host", "peer", "lost"]}
     try:
-        host, peer, lost = (job.add_node(name, local_addr=f"127.0.0.{index + 2}", pid_namespace=True)
+        host, peer, lost = (job.add_node(name, local_addr=f"127.0.0.{index + 2}", pid_namespace=True,
+                                         command_prefix=tmpdirs[name][1])
                             for index, name in enumerate(["host", "peer", "lost"]))
         world_reached(job, 3)
         killed_at = time.time()
@@ -70,14 +81,14 @@ def test_a_container_restarted_with_the_same_node_identity_rejoins_without_being
         without = job.wait_for_event(lambda e: e["event"] == "start" and e["time"] > killed_at, 60,
                                      "the survivors' group after the kill")
         assert without["world_size"] == 2, node_logs(job)
-        survivors_round = _torch_round(job)
+        survivors_rounds = _rounds_joined(tmpdirs["host"][0])
         evictions_before = host.log_text().count(EVICTION_LOG) + peer.log_text().count(EVICTION_LOG)
         restarted_at = time.time()
         lost.start()  # the same command: the same identity
         back = job.wait_for_event(
             lambda e: e["event"] == "start" and e["time"] > restarted_at and e["world_size"] == 3, 90,
             "a group of world size 3 with the restarted node")
-        rounds = _torch_round(job) - survivors_round
+        rounds = _rounds_joined(tmpdirs["host"][0]) - survivors_rounds
         evictions = host.log_text().count(EVICTION_LOG) + peer.log_text().count(EVICTION_LOG) - evictions_before
         measured = (f"the restarted node rejoined {rounds} rendezvous round(s) after the survivors' "
                     f"({back['round'] - without['round']} in the event log), removed {evictions} time(s) as "

@@ -185,8 +185,8 @@ def test_a_record_that_is_not_our_json_is_refused_never_unpickled(server) -> Non
         handler(server, B, settings()).next_rendezvous()
 
 
-def test_elastic_c10d_takes_the_keyed_algorithm_and_names_a_bad_key_before_connecting() -> None:
+def test_elastic_c10d_takes_the_keyed_algorithm_by_default_and_names_a_bad_key_before_connecting() -> None:
     create = elastic_c10d_handler_factory()
-    with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
-        create(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, algorithm="keyed",
-                                    keep_alive_interval="soon"))
+    for conf in ({}, {"algorithm": "keyed"}):
+        with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
+            create(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, keep_alive_interval="soon", **conf))

@@ -75,6 +75,8 @@ def test_settings_take_the_shipped_defaults_and_name_a_bad_key() -> None:
 def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:
     params = RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="keyed")
     assert take_algorithm(params) == "keyed" and "algorithm" not in params.config
-    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4)) == "dynamic"
-    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'x'; expected one of dynamic, keyed"):
+    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4)) == "keyed"  # the default
+    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="dynamic")) == "dynamic"
+    with pytest.raises(ValueError, match=r"--rdzv_conf algorithm: got 'x'; expected one of keyed \(the default\), "
+                                         r"dynamic \(torch's DynamicRendezvousHandler, kept for one release\)"):
         take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="x"))

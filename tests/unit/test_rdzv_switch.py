@@ -1,5 +1,6 @@
 """The test suite's rendezvous-algorithm switch (elastic_ddp/testbed/rdzv_switch.py) in the agents'
-argv that `torchrun_command` builds: unset, nothing changes; set, our two backends get it."""
+argv that `torchrun_command` builds: unset, nothing changes (our backends run their default, the keyed
+rendezvous); `dynamic` (or `keyed`), our two backends get it; anything else is refused."""
 
 from __future__ import annotations
 
@@ -32,26 +33,33 @@ def test_unset_the_switch_changes_nothing(monkeypatch, backend):
 
 
 @pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
-def test_the_switch_adds_the_algorithm_to_our_backends(monkeypatch, backend):
+@pytest.mark.parametrize("algorithm", ["dynamic", "keyed"])
+def test_the_switch_adds_the_algorithm_to_our_backends(monkeypatch, backend, algorithm):
     monkeypatch.delenv(TEST_BACKEND_VARIABLE, raising=False)
-    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
-    assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF},algorithm=keyed"]
-    assert rdzv_conf_options(backend, rdzv_conf=None) == ["--rdzv_conf=algorithm=keyed"]
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, algorithm)
+    assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF},algorithm={algorithm}"]
+    assert rdzv_conf_options(backend, rdzv_conf=None) == [f"--rdzv_conf=algorithm={algorithm}"]
     # A conf that names its algorithm keeps it (tests of one algorithm stay what they are).
-    assert rdzv_conf_options(backend, rdzv_conf="a=1,algorithm=dynamic") == ["--rdzv_conf=a=1,algorithm=dynamic"]
+    assert rdzv_conf_options(backend, rdzv_conf="a=1,algorithm=other") == ["--rdzv_conf=a=1,algorithm=other"]
+
+
+def test_an_algorithm_the_backends_do_not_have_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "fancy")
+    with pytest.raises(ValueError, match=rf"{TEST_ALGORITHM_VARIABLE}: got 'fancy'; expected one of keyed, dynamic"):
+        rdzv_options("etcd-v3")
 
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_the_switch_leaves_torchs_own_backends_alone(monkeypatch, backend):
     monkeypatch.delenv(TEST_BACKEND_VARIABLE, raising=False)
-    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "dynamic")
     assert rdzv_conf_options(backend) == [f"--rdzv_conf={RDZV_CONF}"]
 
 
 def test_the_backend_switch_runs_torchs_c10d_jobs_on_elastic_c10d(monkeypatch):
     monkeypatch.setenv(TEST_BACKEND_VARIABLE, "elastic-c10d")
-    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "keyed")
-    assert rdzv_options("c10d") == ["--rdzv_backend=elastic-c10d", f"--rdzv_conf={RDZV_CONF},algorithm=keyed"]
+    monkeypatch.setenv(TEST_ALGORITHM_VARIABLE, "dynamic")
+    assert rdzv_options("c10d") == ["--rdzv_backend=elastic-c10d", f"--rdzv_conf={RDZV_CONF},algorithm=dynamic"]
     assert rdzv_options("etcd") == ["--rdzv_backend=etcd", f"--rdzv_conf={RDZV_CONF}"]
     monkeypatch.setenv(TEST_BACKEND_VARIABLE, "etcd-v3")  # no store where c10d's was: refused, naming the variable
     with pytest.raises(ValueError, match=TEST_BACKEND_VARIABLE):

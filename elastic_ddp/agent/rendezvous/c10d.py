@@ -1,4 +1,5 @@
-"""`--rdzv_backend=elastic-c10d`: torch's c10d rendezvous with what `rendezvous.handler` adds.
+"""`--rdzv_backend=elastic-c10d --rdzv_conf algorithm=dynamic`: torch's c10d rendezvous with what
+`rendezvous.handler` adds (elastic-c10d's default, `keyed_c10d`, is another algorithm in the same store).
 
 The rendezvous is torch's own (`c10d`: a TCPStore on the node at `--rdzv_endpoint`, torch's
 dynamic rendezvous algorithm, every `--rdzv_conf` key of it), with our shipped timing for the keys

@@ -1,4 +1,5 @@
-"""`create_etcd_v3_handler`: what torchrun calls for `--rdzv_backend=etcd-v3`.
+"""`create_etcd_v3_handler`: what torchrun calls for `--rdzv_backend=etcd-v3 --rdzv_conf algorithm=dynamic`
+(etcd-v3's default is the keyed rendezvous, `keyed_etcd`).
 
 It builds torch's own dynamic rendezvous (the algorithm behind `c10d`) on top of
 `EtcdV3RendezvousBackend` and `EtcdV3Store`, so every `--rdzv_conf` setting of torch's dynamic

@@ -1,5 +1,5 @@
 """The keyed rendezvous's board in the c10d TCPStore (`StoreRoundBoard`), and
-`create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d --rdzv_conf algorithm=keyed` builds.
+`create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds by default (`algorithm=keyed`).
 
 Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `c10d_store` says):
 
@@ -304,7 +304,7 @@ class StoreRoundBoard:
 
 
 def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous in the elastic-c10d TCPStore (`--rdzv_conf algorithm=keyed`; `keyed_handler`).
+    """The keyed rendezvous in the elastic-c10d TCPStore (the default, `--rdzv_conf algorithm=keyed`; `keyed_handler`).
 
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.

@@ -20,9 +20,11 @@ Every handler created here counts its rendezvous rounds for the node's metrics e
 (`elastic_ddp.agent.rendezvous_metrics`).
 
 `etcd-v3` and `elastic-c10d` each run one of two algorithms, chosen with `--rdzv_conf algorithm=`:
-`dynamic` (the default: torch's dynamic rendezvous with our additions, `etcd_handler`, `c10d`) or
-`keyed` (each node writes keys of its own and one write closes a round, `keyed_handler`, in etcd
-`keyed_etcd`, in the TCPStore `keyed_c10d`).
+`keyed` (the default: each node writes keys of its own and one write closes a round,
+`keyed_handler`, in etcd `keyed_etcd`, in the TCPStore `keyed_c10d`) or `dynamic` (torch's
+`DynamicRendezvousHandler` with our additions, `etcd_handler`, `c10d`), kept for one release so that
+a job can go back to it and the benchmarks can compare the two. torch's own `--rdzv_backend=c10d`
+is torch's and stays its dynamic rendezvous.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def trains_with_elastic_ddp(argv: Sequence[str]) -> bool:
 
         with contextlib.redirect_stderr(io.StringIO()):
             args = parse_args(list(argv))
-    except BaseException:  # not torchrun's arguments (argparse exits): not our job to decide
+    except BaseException:  # noqa: BLE001 - not torchrun's arguments (argparse exits): not our job to decide
         return False
     return bool(args.module or args.run_path) and args.training_script.startswith(OUR_TRAINING_MODULES)
 
@@ -60,8 +62,10 @@ def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
 
 
 # `--rdzv_conf algorithm=` of etcd-v3 and elastic-c10d (see the module docstring); the first is the default.
-ALGORITHMS = ("dynamic", "keyed")
+ALGORITHMS = ("keyed", "dynamic")
 ALGORITHM_KEY = "algorithm"
+# What the flag's error line says about the algorithms (dynamic goes after one release).
+ALGORITHM_NOTES = {"keyed": "the default", "dynamic": "torch's DynamicRendezvousHandler, kept for one release"}
 
 
 def take_algorithm(params) -> str:
@@ -70,7 +74,8 @@ def take_algorithm(params) -> str:
     chosen = params.config.pop(ALGORITHM_KEY, None)
     chosen = ALGORITHMS[0] if chosen in (None, "") else str(chosen)
     if chosen not in ALGORITHMS:
-        raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}; expected one of {', '.join(ALGORITHMS)}")
+        accepted = ", ".join(f"{name} ({ALGORITHM_NOTES[name]})" for name in ALGORITHMS)
+        raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}; expected one of {accepted}")
     return chosen
 
 
@@ -81,27 +86,27 @@ def etcd_v3_handler_factory() -> Callable:
     def create_etcd_v3_handler(params):
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        if take_algorithm(params) == "keyed":
-            from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler as create
-        else:
+        if take_algorithm(params) == "dynamic":
             from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
+        else:
+            from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler as create
         return count_rounds(create(params))
 
     return create_etcd_v3_handler
 
 
 def elastic_c10d_handler_factory() -> Callable:
-    """Entry point `elastic-c10d`: torch's c10d with our additions (`rendezvous.c10d`)."""
+    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`keyed_c10d`), or with
+    `algorithm=dynamic` torch's c10d with our additions (`rendezvous.c10d`)."""
     give_our_workers_their_own_store()
 
     def create_elastic_c10d_handler(params):
-        from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        if take_algorithm(params) == "keyed":
-            from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
-
-            return count_rounds(create_keyed_c10d_handler(params))
-        return count_rounds(create_c10d_handler(params))
+        if take_algorithm(params) == "dynamic":
+            from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler as create
+        else:
+            from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler as create
+        return count_rounds(create(params))
 
     return create_elastic_c10d_handler
