@@ -4,6 +4,7 @@ committed steps redone.
     python benchmarks/recovery.py --quick            # one round per setting (about 6 min)
     python benchmarks/recovery.py --repeats 3        # medians and spread (about 18 min)
     python benchmarks/recovery.py --settings ours plain   # only some settings
+    python -m benchmarks.recovery --partition     # a network partition against a freeze (root: benchmarks/recovery_network.py)
 
 (run from the repository root). Each repetition starts a job of three torchrun agents ("nodes")
 on 127.0.0.1 with one worker each, lets it train, SIGKILLs one node (agent and workers), waits
@@ -238,12 +239,13 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
     return records
 
 
-def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per setting and event (kill, join): median, min and max of the seconds and of each phase."""
+def summarise(records: list[dict[str, Any]],
+              events: dict[str, str] = EVENTS) -> dict[str, dict[str, dict[str, float]]]:
+    """Per setting and event (kill, join, freeze: `events`): median, min and max of the seconds and of each phase."""
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for setting in dict.fromkeys(r["setting"] for r in records):
         summary[setting] = {}
-        for event in EVENTS:
+        for event in events:
             keys = dict.fromkeys(key for r in records if r["setting"] == setting for key in r[event])
             summary[setting][event] = {}
             for key in keys:
@@ -254,8 +256,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
     return summary
 
 
-def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
-    for event, title in EVENTS.items():
+def print_table(summary: dict[str, dict[str, dict[str, float]]], events: dict[str, str] = EVENTS) -> None:
+    for event, title in events.items():
         print(f"\n{title} (seconds after the event; median [min-max] over n runs)")
         settings = list(summary)
         keys = list(dict.fromkeys(key for s in settings for key in summary[s][event]))
@@ -293,7 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-alive-max-attempts", type=int, nargs="+", default=[], metavar="N",
                         help="Also measure `ours` with keep_alive_max_attempt=N (setting ours-kaN).")
     parser.add_argument("--json", type=Path, help="Also write the raw records and the summary here.")
+    parser.add_argument("--partition", action="store_true",
+                        help="Instead: a network partition, its heal and a freeze of 1 of 3 nodes, each node a "
+                             "host of its own (root; settings ours and plain: benchmarks/recovery_network.py).")
+    parser.add_argument("--partition-seconds", type=float, default=0,
+                        help="With --partition: keep the link down at least this long before the heal.")
     args = parser.parse_args(argv)
+    if args.partition:
+        from benchmarks.recovery_network import main_partition  # (it builds on this module)
+        return main_partition(args, default_settings=args.settings is parser.get_default("settings"))
     result = run_benchmark(1 if args.quick else args.repeats, args.settings, args.keep_alive_max_attempts)
     print_table(result["summary"])
     if args.json:
