@@ -2,15 +2,18 @@
 processes: each rank's part taken without a collective, the parts merged and resharded by DCP onto
 another world size (2 -> 3, 3 -> 2), each rank reading only the parts it needs. In this process:
 a missing part found before anything loads, an index that would run code refused, the ring of
-buddies, and the choice of the newest step whose parts are all there (else the reasons why not,
-which the session's fallback to the durable snapshot reports). The kill of a node that loses no
-step: tests/cluster/test_sharded_cluster.py; one rank's: tests/unit/test_sharded_training.py.
+buddies (on another node whenever there is one; a single node said once), and the choice of the
+newest step whose parts are all there (else the reasons why not, which the session's fallback to
+the durable snapshot reports). Three ranks as three nodes train sharded, and two neighbouring nodes
+die together: the survivor falls back to the durable step and says why. The kill of a node that
+loses no step: tests/cluster/test_sharded_cluster.py; one rank's: tests/unit/test_sharded_training.py.
 
     .venv/bin/python -m pytest -q tests/unit/test_sharded_memory.py
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -22,13 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint, read_index, save_part
 from elastic_ddp.snapshot.sharded.memory_restore import agree_on_memory_state
-from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy, ring_partners
+from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy
+from elastic_ddp.snapshot.sharded.ring import copies_on_their_own_node, node_of_each_rank, ring_partners
 from elastic_ddp.snapshot.sharded.safe_reader import UnsafeCheckpointError
 from elastic_ddp.training.sharding import shard_model
 from elastic_ddp.workload.models import IMAGE_SHAPE, MLP
+from tests.support.training import Crash, crash_at, make_trainer, small_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,12 +147,30 @@ def test_a_missing_part_is_found_and_a_planted_index_refused(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
-def test_buddies_are_on_the_next_node_in_a_ring():
+def test_buddies_are_on_another_node_whenever_there_is_one(monkeypatch):
+    two_by_two = [0, 0, 1, 1]  # the node of each rank: 2 nodes x 2 workers
+    assert [ring_partners(rank, two_by_two) for rank in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
     # 3 nodes of 2 ranks: rank 1 (node 0) sends to rank 3 (node 1) and receives from rank 5 (node 2)
-    assert ring_partners(_context(1, 6, 2)) == (3, 5)
-    assert ring_partners(_context(0, 2, 1)) == (1, 1)  # two nodes of one rank each
-    assert ring_partners(_context(0, 2, 2)) == (1, 1)  # one node: the next rank of the node
-    assert ring_partners(_context(0, 1, 1)) is None
+    assert ring_partners(1, [0, 0, 1, 1, 2, 2]) == (3, 5)
+    interleaved = [0, 1, 0, 1]  # the node decides (GROUP_RANK), not the order of the ranks
+    assert all(interleaved[ring_partners(rank, interleaved)[0]] != interleaved[rank] for rank in range(4))
+    for nodes in (two_by_two, interleaved, [0, 1], [0, 0, 1, 1, 2, 2], [0, 0, 1, 2]):
+        assert copies_on_their_own_node(nodes) == 0, nodes
+    assert ring_partners(0, [0, 0]) == (1, 1) and copies_on_their_own_node([0, 0]) == 2  # one node
+    assert copies_on_their_own_node([0, 0, 0, 1]) == 2  # a node with 3 of 4 ranks: 2 copies cannot leave it
+    assert ring_partners(0, [0]) is None
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert node_of_each_rank(_context()) == [3]
+
+
+def test_a_single_node_is_said_once(one_rank_gloo_group, tmp_path, caplog):
+    memory = ShardMemory(_context(), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.sharded.ring"):
+        memory.commit(_copy(1, 0, 1))
+        memory.commit(_copy(2, 0, 1))
+    said = [record.getMessage() for record in caplog.records if "on one node" in record.getMessage()]
+    assert len(said) == 1 and "all 1 rank(s) are on one node" in said[0]
+    assert [copy.step for copy in memory.own] == [1, 2]
 
 
 def _copy(step: int, part: int, world_size: int, rest: bytes = b"rest", incarnation: int = 0) -> ShardCopy:
@@ -196,3 +221,56 @@ def test_a_memory_state_that_does_not_fit_the_run_is_refused(tmp_path):
     assert chosen is None
     assert refused == [{"source": "memory", "global_step": 3, "host": "",
                         "reason": "refused: the memory state of step 3: another model"}]
+
+
+def test_a_damaged_copy_is_removed_and_named_in_the_refusal(tmp_path):
+    memory = ShardMemory(_context(), tmp_path)
+    memory.own = [_copy(7, 0, 1), _copy(8, 0, 1)]
+    memory.keep()
+    damaged = tmp_path / _copy(8, 0, 1).file_name
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    chosen, refused, _ = agree_on_memory_state(ShardMemory(_context(), tmp_path), _context())
+    assert chosen.step == 7 and not damaged.exists()
+    assert refused[0]["global_step"] == 8
+    assert refused[0]["reason"].startswith("every copy of its parts was damaged; copies found damaged and removed: "
+                                           "part 0 on rank 0's node: torn or damaged")
+
+
+def _node(rank: int, world_size: int, store_file: str, run: str) -> None:
+    """Rank `rank` of `world_size`, alone on node `rank` (GROUP_RANK, a memory directory of its own),
+    trains sharded with memory copies until an injected crash after step 5 (all ranks at once)."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    try:
+        with pytest.raises(Crash):
+            make_trainer(_three_node_config(Path(run), rank), after_step=crash_at(5)).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def _three_node_config(run: Path, node: int):
+    return small_config(run, sharding="fsdp", global_batch_size=24, micro_batch_size=8, watchdog_timeout_s=0,
+                        memory_dir=str(run / f"node{node}"))
+
+
+def test_two_neighbouring_nodes_lost_together_fall_back_to_the_durable_step(one_rank_gloo_group, tmp_path):
+    """Nodes 0, 1, 2 (a rank each; each part's copy on the next node): nodes 0 and 1 die together
+    after step 5, so part 0 (on nodes 0 and 1) is gone. Node 2 alone restarts from the durable step
+    4 and the restore event says why the newer memory state was refused."""
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(_node, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3,
+                       start_method="forkserver", join=True)
+    kept = {int(path.name.split("-")[3].split("of")[0]) for path in (tmp_path / "node2").rglob("shard-000000005-*")}
+    assert kept == {1, 2}  # its own part and node 1's copy: every copy went to another node
+    survivor = _three_node_config(tmp_path, 2)
+    with pytest.raises(Crash):
+        make_trainer(survivor, after_step=crash_at(6)).fit()
+    restore = next(e for e in read_events(tmp_path / "ck" / EVENT_LOG_NAME) if e["event"] == "restore")
+    assert (restore["global_step"], restore["source"], restore["world_size"]) == (4, "file", 1)
+    refusal = next(item for item in restore["refused"] if item["global_step"] == 5)
+    assert refusal["source"] == "memory" and refusal["reason"].startswith(
+        "part(s) [0] of the 3 ranks that committed it are on no node of this group (a part and its copy were both lost)")

@@ -1,6 +1,7 @@
 """Sharded training (`--sharding fsdp`) in one process with a real gloo group of one rank: FSDP2
 shards, DCP snapshots committed per step, a resume equal to an uninterrupted run, and snapshots
-that are torn or would run code refused. tests/cluster/test_sharded_cluster.py reshards across
+that are torn or would run code refused. Memory parts: a damaged one (truncated, or holding NaNs)
+is refused with its reason and the durable step restored; a diverged step is never kept in memory. tests/cluster/test_sharded_cluster.py reshards across
 world sizes with real torchrun nodes.
 
     .venv/bin/python -m pytest -q tests/unit/test_sharded_training.py
@@ -8,7 +9,9 @@ world sizes with real torchrun nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -20,6 +23,7 @@ from elastic_ddp import load_snapshot
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.sharded import step_directories as steps
+from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, checksum_of
 from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError, read_tensors
 from elastic_ddp.training.sharding import ShardingError, shard_blocks
 from elastic_ddp.workload.models import MLP, MiniResNet
@@ -129,3 +133,50 @@ def test_a_stateless_optimizer_resumes_from_memory_exactly(one_rank_gloo_group, 
     resumed, expected = _final_model(interrupted), _final_model(reference)
     for name, value in expected.items():
         assert torch.equal(resumed[name], value), name
+
+
+def _damage(copy: ShardCopy, how: str) -> ShardCopy:
+    """`copy` with its data truncated or made NaN, its checksum made to match (damaged before it was hashed)."""
+    data = (bytes(copy.data[:len(copy.data) // 2]) if how == "truncated"
+            else torch.full((len(copy.data) // 4,), float("nan")).numpy().tobytes())
+    return dataclasses.replace(copy, data=data, checksum=checksum_of(copy.index, data))
+
+
+@pytest.mark.parametrize("how, reason", [("truncated", "its parts could not be read"),
+                                         ("non-finite", "non-finite values in model.")])
+def test_a_damaged_memory_part_falls_back_to_the_durable_step(one_rank_gloo_group, tmp_path, how, reason):
+    """The memory parts of steps 4 and 5 are damaged but whole (their checksums match): the restart
+    refuses both with the reason and restores the durable step 4, instead of failing."""
+    config = _sharded(tmp_path)
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(5)).fit()
+    parts = sorted((tmp_path / "memory").rglob("shard-*.bin"))
+    assert len(parts) == 2
+    for path in parts:
+        path.write_bytes(_damage(ShardCopy.from_bytes(path.read_bytes(), str(path)), how).to_bytes())
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(5)).fit()
+    restore = next(e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore")
+    assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (4, "file", 1)
+    assert [item["global_step"] for item in restore["refused"]] == [5, 4]
+    assert all(item["reason"].startswith(f"refused: {reason}") for item in restore["refused"])
+
+
+def test_a_diverged_step_is_never_kept_in_memory(one_rank_gloo_group, tmp_path, caplog):
+    """NaNs appear in the weights after step 5: steps 6 and 7 are not kept (said once), so the
+    restart resumes from step 5 in memory, the last finite state."""
+    def diverge_then_crash(trainer) -> None:
+        if trainer.global_step == 5:
+            with torch.no_grad():
+                next(trainer.state.model.parameters()).to_local().fill_(float("nan"))
+        crash_at(7)(trainer)
+
+    config = _sharded(tmp_path)
+    with caplog.at_level(logging.ERROR), pytest.raises(Crash):
+        make_trainer(config, after_step=diverge_then_crash).fit()
+    said = [record.getMessage() for record in caplog.records if "not kept in memory" in record.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the state of step 6 holds non-finite values")
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=crash_at(6)).fit()
+    restore = next(e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore")
+    assert (restore["global_step"], restore["source"]) == (5, "memory")

@@ -1,9 +1,11 @@
 """A DCP checkpoint held in memory: each rank's part as bytes, merged and resharded on load.
 
-`save_part` writes this rank's shards of a state dict through `torch.distributed.checkpoint` with
-`no_dist=True` into a dict of bytes (`MemoryFileSystem`, torch's `FileSystemBase` extension point):
-the part's `.metadata` index (this rank's chunks of each tensor, by their global offsets) and one
-data file. No collective runs, so a part can be taken at every committed step and sent to a peer.
+`PartWriter.save` lays out this rank's shards of a state dict as DCP does (its own planner,
+`create_default_local_save_plan`, with no collective) into two byte strings: the part's `.metadata`
+index (this rank's chunks of each tensor, by their global offsets, and where each chunk's bytes
+are) and one data file with the chunks' raw bytes. The index is planned and pickled once and
+reused while the state keeps its structure (names, dtypes, shapes, placements, rank); a step then
+costs a copy of its bytes. A part can be taken at every committed step and sent to a peer.
 
 `MergedCheckpoint` puts the parts of all the ranks that wrote one step together again: the chunks
 of every tensor and the place of each chunk (part P's data file is renamed `part-P.distcp`). DCP's
@@ -12,97 +14,118 @@ own planner then reads, into whatever sharding the new group has, the chunks eac
 
 Security: a part's index is pickled by torch; it is read here by the same restricted unpickler as a
 durable snapshot's (`safe_reader.RestrictedUnpickler`: DCP's metadata classes, sizes and dtypes,
-nothing else), and the data files are read by DCP as tensors (`torch.load(weights_only=True)`).
+nothing else), and the data files are never unpickled: each chunk's place and length are checked
+against the part's data and its size and dtype, then its bytes are viewed as a tensor.
 
-Not guaranteed: `load` checks that the parts cover every tensor whole (`missing`); a part's bytes
-are checked by whoever moved them (memory_shards.py), not here.
+Not guaranteed: `load` checks that the parts cover every tensor whole (`missing`) and that every
+chunk lies inside its data (`DamagedPartError`); a part's bytes are checked by whoever moved them
+(memory_shards.py), not here. The raw bytes are in this machine's byte order: parts never leave
+the job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import warnings
-from collections.abc import Iterator
+import pickle
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan, create_default_local_save_plan
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError
 
 METADATA = ".metadata"
 ROOT = "memory"  # the path every MemoryFileSystem pretends its files are under
+DATA = "data"  # a part's data file, in its own index (renamed part-P.distcp when parts are merged)
+ALIGN = 64  # bytes: every chunk starts at a multiple, so that it can be viewed as any dtype
 
 
-class MemoryFileSystem(FileSystemBase):
-    """DCP's file operations over `files` (name -> bytes): no disk, no directory."""
-
-    def __init__(self, files: dict[str, bytes] | None = None):
-        self.files: dict[str, bytes] = files if files is not None else {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        name = os.path.basename(str(path))
-        if "r" in mode:
-            yield io.BytesIO(self.files[name])
-            return
-        stream = _KeptStream()
-        try:
-            yield stream
-        finally:
-            stream.close()  # DCP may have closed it already: what was written is kept either way
-            self.files[name] = stream.kept
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
-        return f"{path}/{suffix}"
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self.files[os.path.basename(str(new_path))] = self.files.pop(os.path.basename(str(path)))
-
-    def init_path(self, path: str | os.PathLike) -> str:
-        return str(path)
-
-    def mkdir(self, path: str | os.PathLike) -> None:
-        """Nothing to create."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return str(checkpoint_id) == ROOT
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return os.path.basename(str(path)) in self.files
-
-    def rm_file(self, path: str | os.PathLike) -> None:
-        del self.files[os.path.basename(str(path))]
+class DamagedPartError(Exception):
+    """A part's data does not hold what its index says (truncated or damaged): it cannot be loaded."""
 
 
-class _KeptStream(io.BytesIO):
-    """A BytesIO whose bytes outlive `close()`."""
+class PartWriter:
+    """Takes this rank's parts, step after step, planning once while the state keeps its structure.
 
-    kept = b""
+    DCP's own planner (`create_default_local_save_plan`, no collective) lays out the first part: the
+    index (`.metadata`: every chunk, by its global offsets, and where its bytes are) is pickled once.
+    Each later call only checks the structure (names, types, dtypes, global and local shapes,
+    placements, the rank) and copies the chunks' bytes into one buffer: the index is reused as is.
+    Any change of structure plans again. The data file holds each chunk's raw bytes (native byte
+    order, aligned to `ALIGN`), which `MergedCheckpoint.load` reads back; parts never leave the job.
+    """
 
-    def close(self) -> None:
-        if not self.closed:
-            self.kept = self.getvalue()
-        super().close()
+    def __init__(self) -> None:
+        self._signature: tuple[Any, ...] | None = None
+        self._index = b""
+        self._layout: list[tuple[str, int, int]] = []  # (name, offset, length) of each chunk
+        self._size = 0
+
+    def save(self, tensors: dict[str, Any]) -> tuple[bytes, memoryview]:
+        """(index, data) of this rank's shards of `tensors` (tensors and DTensors only); the data is
+        a new buffer at each call (a copy of the shards, not a view of them)."""
+        flat = _flatten(tensors)
+        signature = _signature(flat)
+        if signature != self._signature:
+            self._plan(flat)
+            self._signature = signature
+        buffer = torch.empty(self._size, dtype=torch.uint8)
+        for name, offset, length in self._layout:
+            if length:
+                buffer[offset:offset + length].copy_(_local(flat[name]).detach().contiguous().reshape(-1)
+                                                     .view(torch.uint8))
+        return self._index, memoryview(buffer.numpy())
+
+    def _plan(self, flat: dict[str, Any]) -> None:
+        plan = create_default_local_save_plan(flat, is_coordinator=True)
+        metadata = Metadata(state_dict_metadata={}, storage_data={})
+        layout, offset = [], 0
+        for item in plan.items:
+            if item.tensor_data is None:
+                raise TypeError(f"{item.index.fqn} is not a tensor; memory parts hold tensors only")
+            chunk, properties = item.tensor_data.chunk, item.tensor_data.properties
+            length = _numel(chunk.sizes) * properties.dtype.itemsize
+            offset = -(-offset // ALIGN) * ALIGN
+            metadata.state_dict_metadata.setdefault(item.index.fqn, TensorStorageMetadata(
+                properties=properties, size=item.tensor_data.size, chunks=[])).chunks.append(chunk)
+            metadata.storage_data[item.index] = _StorageInfo(relative_path=DATA, offset=offset, length=length)
+            layout.append((item.index.fqn, offset, length))
+            offset += length
+        self._index, self._layout, self._size = pickle.dumps(metadata), layout, offset
 
 
-def save_part(tensors: dict[str, Any]) -> tuple[bytes, bytes]:
-    """(index, data) of this rank's shards of `tensors` (tensors and DTensors only; no collective)."""
-    writer = FileSystemWriter(ROOT, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
-    memory = writer.fs = MemoryFileSystem()
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, storage_writer=writer, no_dist=True)
-    data = [name for name in memory.files if name != METADATA]
-    assert len(data) <= 1, f"one data file per part expected, got {sorted(memory.files)}"
-    return memory.files[METADATA], memory.files[data[0]] if data else b""
+def save_part(tensors: dict[str, Any]) -> tuple[bytes, memoryview]:
+    """(index, data) of this rank's shards of `tensors`, planned afresh (`PartWriter` reuses its plan)."""
+    return PartWriter().save(tensors)
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _signature(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """What the layout of a part depends on; any change of it plans again."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    items: list[Any] = [rank]
+    for name, value in flat.items():
+        if isinstance(value, DTensor):
+            items.append((name, value.dtype, tuple(value.shape), tuple(value._local_tensor.shape),
+                          tuple(value.placements), id(value.device_mesh)))
+        elif isinstance(value, torch.Tensor):
+            items.append((name, value.dtype, tuple(value.shape)))
+        else:
+            items.append((name, type(value)))
+    return tuple(items)
 
 
 def read_index(raw: bytes, source: str) -> Metadata:
@@ -180,13 +203,38 @@ def _flatten(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 class _MemoryReader(FileSystemReader):
-    """torch's FileSystemReader over a `MemoryFileSystem`, its metadata given (already checked)."""
+    """torch's FileSystemReader over the parts' data files (raw chunks, `PartWriter`), its metadata
+    given (already checked): each chunk's bytes are checked against its size and dtype, then viewed
+    as a tensor (no unpickling)."""
 
-    def __init__(self, metadata: Metadata, files: dict[str, bytes]):
+    def __init__(self, metadata: Metadata, files: dict[str, bytes | memoryview]):
         super().__init__(ROOT)
-        self.fs = MemoryFileSystem(files)
         self.metadata = metadata
+        self.files = {name: torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                      for name, raw in files.items()}
+        self.chunks = {MetadataIndex(fqn, chunk.offsets): (chunk.sizes, entry.properties.dtype)
+                       for fqn, entry in metadata.state_dict_metadata.items() for chunk in entry.chunks}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return self.metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for request in plan.items:
+            target = planner.resolve_tensor(request).detach()
+            target.copy_(narrow_tensor_by_index(self._chunk(request.storage_index), request.storage_offsets,
+                                                request.lengths))
+            planner.commit_tensor(request, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _chunk(self, index: MetadataIndex) -> torch.Tensor:
+        info = self.metadata.storage_data[index]
+        sizes, dtype = self.chunks[index]
+        data = self.files.get(info.relative_path)
+        if data is None or info.length != _numel(sizes) * dtype.itemsize or info.offset % ALIGN \
+                or not 0 <= info.offset <= info.offset + info.length <= len(data):
+            raise DamagedPartError(f"{info.relative_path}: {index.fqn} at {info.offset} ({info.length} bytes) does "
+                                   f"not fit the part's data ({0 if data is None else len(data)} bytes)")
+        return data[info.offset:info.offset + info.length].view(dtype).reshape(sizes)

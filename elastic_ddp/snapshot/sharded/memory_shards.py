@@ -3,21 +3,27 @@
 With `--sharding fsdp` no rank holds the whole state, so a rank's own memory copy is not enough: a
 lost node takes its ranks' shards with it. Here, at each committed step (and right after a restore):
 
-- every rank takes its part of the state (`memory_checkpoint.save_part`: its shards of the model and
-  optimizer as a DCP checkpoint in memory, plus the unsharded rest with this rank's RNG) and keeps it;
-- it sends the part to its *buddy*, the rank with the same local rank on the next node in a ring of
-  nodes (ranks of a node are contiguous under torchrun), and keeps the part it receives from the
-  rank before it: every part is then in the memory of two nodes, so the loss of any one node
-  leaves every part somewhere. On a single node the buddy is the next rank of the node (a lost
-  worker is covered; the loss of the node itself is not, as in DDP mode).
+- every rank takes its part of the state (`memory_checkpoint.PartWriter`: its shards of the model
+  and optimizer as a DCP checkpoint in memory, plus the unsharded rest with this rank's RNG) and
+  keeps it, unless it holds a NaN or an infinity (a diverged state is never kept: the parts of the
+  step before stay the newest);
+- it sends the part to its *buddy*, a rank on another node (ring.py: the same local rank on the
+  next node), and keeps the part it receives from the rank before it: every part is then in the
+  memory of two nodes, so the loss of any one node leaves every part somewhere. On a single node
+  the buddy is the next rank of the node (a lost worker is covered; the loss of the node itself is
+  not, as in DDP mode), and rank 0 says so once.
+
+Checksums (BLAKE3, snapshot/files/checksum.py): the tensors (index and data) are hashed once, when
+the part is taken, and checked once, when the buddy receives them; the unsharded rest has a
+checksum of its own, so that adding it after the commit hashes only the rest.
 
 Both are kept for the last two steps: a failure during the exchange of step N leaves some buddies
 without step N, and then step N-1 is the newest one whose parts are all present.
 
 When the worker stops early (`keep`, no collective: the group may be broken) every rank writes what
 it holds into its node's memory directory (the run's private directory of snapshot/memory_copies.py),
-one file per part: `shard-<step>-<incarnation>-<part>of<world>.bin` (a JSON header, the payload, a
-BLAKE2b checksum of the payload in the header), written to a temporary name and renamed. The next
+one file per part: `shard-<step>-<incarnation>-<part>of<world>.bin` (a JSON header with the two
+checksums, then the payload), written to a temporary name and renamed. The next
 worker group gathers them (memory_restore.py).
 
 Not guaranteed: a part whose two holders (its rank and its buddy) both die is lost, and the restart
@@ -29,12 +35,12 @@ the network at every step.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import re
 import secrets
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +50,11 @@ import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+from elastic_ddp.snapshot.files.checksum import new_hasher
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 from elastic_ddp.snapshot.memory_copies import MemoryTier, scope_token
+from elastic_ddp.snapshot.sharded.ring import node_of_each_rank, ring_partners, warn_if_not_spread
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +62,15 @@ KEEP_STEPS = 2  # see the module docstring
 FILE_PATTERN = re.compile(r"^shard-(\d{9})-(\d{1,19})-(\d{1,6})of(\d{1,6})\.bin$")
 MAX_HEADER_BYTES = 64 * 1024
 LENGTH = struct.Struct("<q")
+FORMAT = 2  # 2: raw chunks (memory_checkpoint.PartWriter), BLAKE3 of the tensors and of the rest apart
 
 
-def checksum_of(*chunks: bytes) -> str:
-    digest = hashlib.blake2b(digest_size=20)
+def checksum_of(*chunks: bytes | memoryview) -> str:
+    """BLAKE3 of `chunks` one after the other (the GIL is released while it hashes)."""
+    hasher = new_hasher()
     for chunk in chunks:
-        digest.update(chunk)
-    return digest.hexdigest()
+        hasher.update(chunk)
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,10 @@ class ShardCopy:
     part: int  # the rank that wrote it
     index: bytes  # its DCP `.metadata`
     plain: bytes  # the unsharded rest, a format-2 snapshot with this rank's RNG
-    data: bytes  # its DCP data file
-    checksum: str  # of index + plain + data
+    data: bytes | memoryview  # its DCP data file (a view of the buffer it was taken or received in)
+    checksum: str  # of index + data
+    rest_checksum: str = ""  # of plain
+    finite: bool = True  # False: its tensors hold a NaN or an infinity (sent, never kept)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -85,40 +97,47 @@ class ShardCopy:
         return f"shard-{self.step:09d}-{self.incarnation}-{self.part}of{self.world_size}.bin"
 
     def to_bytes(self) -> bytes:
-        header = encode_object({"step": self.step, "incarnation": self.incarnation, "world_size": self.world_size,
-                                "part": self.part, "index_bytes": len(self.index), "plain_bytes": len(self.plain),
-                                "checksum": self.checksum})
-        return LENGTH.pack(len(header)) + header + self.index + self.plain + self.data
+        header = encode_object({"format": FORMAT, "step": self.step, "incarnation": self.incarnation,
+                                "world_size": self.world_size, "part": self.part, "index_bytes": len(self.index),
+                                "plain_bytes": len(self.plain), "checksum": self.checksum,
+                                "rest_checksum": self.rest_checksum, "finite": self.finite})
+        return b"".join((LENGTH.pack(len(header)), header, self.index, self.plain, self.data))
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview, source: str) -> ShardCopy:
         """The copy in `raw`; SnapshotError when it is torn, damaged or not one (untrusted input)."""
-        raw = bytes(raw)
+        raw = memoryview(raw)
         try:
             (header_bytes,) = LENGTH.unpack_from(raw, 0)
             if not 2 <= header_bytes <= min(MAX_HEADER_BYTES, len(raw) - LENGTH.size):
                 raise SnapshotError(f"{source}: a header of {header_bytes} bytes")
-            header = parse_object(raw[LENGTH.size:LENGTH.size + header_bytes])
+            header = parse_object(bytes(raw[LENGTH.size:LENGTH.size + header_bytes]))
             fields = [header[name] for name in ("step", "incarnation", "world_size", "part", "index_bytes",
                                                 "plain_bytes")]
             if not all(isinstance(value, int) and value >= 0 for value in fields):
                 raise SnapshotError(f"{source}: a header with a field that is not a count")
             step, incarnation, world_size, part, index_bytes, plain_bytes = fields
-            if not isinstance(header["checksum"], str) or part >= world_size:
-                raise SnapshotError(f"{source}: an inconsistent header")
+            if (header["format"] != FORMAT or not isinstance(header["checksum"], str) or part >= world_size
+                    or not isinstance(header["rest_checksum"], str) or not isinstance(header["finite"], bool)):
+                raise SnapshotError(f"{source}: an inconsistent header (or one of another format than {FORMAT})")
         except (struct.error, StrictJSONError, KeyError) as exc:
             raise SnapshotError(f"{source}: not a shard copy ({exc})") from exc
         body = raw[LENGTH.size + header_bytes:]
-        if index_bytes + plain_bytes > len(body) or checksum_of(body) != header["checksum"]:
-            raise SnapshotError(f"{source}: torn or damaged (its checksum does not match)")
-        return cls(step, incarnation, world_size, part, body[:index_bytes],
-                   body[index_bytes:index_bytes + plain_bytes], body[index_bytes + plain_bytes:], header["checksum"])
+        if index_bytes + plain_bytes > len(body):
+            raise SnapshotError(f"{source}: torn (shorter than its header says)")
+        index, plain, data = body[:index_bytes], body[index_bytes:index_bytes + plain_bytes], body[index_bytes + plain_bytes:]
+        if checksum_of(index, data) != header["checksum"]:
+            raise SnapshotError(f"{source}: torn or damaged (the checksum of its tensors does not match)")
+        if plain_bytes and checksum_of(plain) != header["rest_checksum"]:
+            raise SnapshotError(f"{source}: damaged (the checksum of its unsharded rest does not match)")
+        return cls(step, incarnation, world_size, part, bytes(index), bytes(plain), data, header["checksum"],
+                   header["rest_checksum"], header["finite"])
 
 
 def make_copy(step: int, incarnation: int, context: DistributedContext, index: bytes, plain: bytes,
-              data: bytes) -> ShardCopy:
+              data: bytes | memoryview, finite: bool = True) -> ShardCopy:
     return ShardCopy(step, incarnation, context.world_size, context.rank, index, plain, data,
-                     checksum_of(index, plain, data))
+                     checksum_of(index, data), checksum_of(plain) if plain else "", finite)
 
 
 def node_directory(memory_dir: str, checkpoint_dir: Path, context: DistributedContext,
@@ -136,17 +155,6 @@ def node_directory(memory_dir: str, checkpoint_dir: Path, context: DistributedCo
     return tier.directory
 
 
-def ring_partners(context: DistributedContext) -> tuple[int, int] | None:
-    """(buddy, the rank whose buddy this rank is), or None alone. See the module docstring."""
-    world, rank = context.world_size, context.rank
-    if world < 2:
-        return None
-    per_node = context.local_world_size if 0 < context.local_world_size < world else 1
-    if world % per_node:
-        per_node = 1  # nodes of unequal sizes: a ring of ranks (a buddy may be on the same node)
-    return (rank + per_node) % world, (rank - per_node) % world
-
-
 class ShardMemory:
     """The parts this rank holds in memory, and their copies in its node's memory directory."""
 
@@ -155,24 +163,35 @@ class ShardMemory:
         self.directory = directory  # None: the memory directory could not be used (keep writes nothing)
         self.own: list[ShardCopy] = []
         self.held: list[ShardCopy] = []  # received from the rank before this one in the ring
+        self.partners: tuple[int, int] | None = None  # (buddy, whose buddy this rank is): ring.py
+        self.damaged: list[tuple[int, int, int, str]] = []  # (step, incarnation, part, why): `stored` removed them
+        self._ring_known = False
 
     def commit(self, copy: ShardCopy) -> None:
         """Keep `copy` (this rank's part of a step) and exchange parts with the ring partners, then
         wait until every rank has its partner's part (collectives: every rank calls it at the same
-        step). Once this returns on any rank, every part of the step is on two ranks."""
-        self.own = [*self.own, copy][-KEEP_STEPS:]
-        partners = ring_partners(self.context) if self.context.in_process_group else None
-        if partners is None:
+        step). Once this returns on any rank, every part of the step is on two ranks. A part that is
+        not `finite` is sent all the same (the exchange is symmetric) and kept by neither side."""
+        if copy.finite:
+            self.own = [*self.own, copy][-KEEP_STEPS:]
+        if not self._ring_known:
+            nodes = node_of_each_rank(self.context)
+            self.partners, self._ring_known = ring_partners(self.context.rank, nodes), True
+            if self.context.is_main:
+                warn_if_not_spread(nodes)
+        if self.partners is None or not self.context.in_process_group:
             return
-        received = _exchange(copy.to_bytes(), *partners, self.context.collective_device)
-        self.held = [*self.held, ShardCopy.from_bytes(received, f"the part sent by rank {partners[1]}")][-KEEP_STEPS:]
+        received = _exchange(copy.to_bytes(), *self.partners, self.context.collective_device)
+        held = ShardCopy.from_bytes(received, f"the part sent by rank {self.partners[1]}")
+        if held.finite:
+            self.held = [*self.held, held][-KEEP_STEPS:]
         dist.barrier()
 
     def add_rest(self, step: int, plain: bytes) -> None:
         """Add the unsharded rest to this rank's own part of `step` (once the step is committed)."""
         if self.own and self.own[-1].step == step and not self.own[-1].plain:
             last = self.own[-1]
-            self.own[-1] = dataclasses.replace(last, plain=plain, checksum=checksum_of(last.index, plain, last.data))
+            self.own[-1] = dataclasses.replace(last, plain=plain, rest_checksum=checksum_of(plain))
 
     def lacks_rest(self, step: int) -> bool:
         return bool(self.own) and self.own[-1].step == step and not self.own[-1].plain
@@ -201,12 +220,15 @@ class ShardMemory:
         return written, size
 
     def stored(self) -> list[ShardCopy]:
-        """The whole copies in the node's memory directory (a damaged one is removed and logged)."""
+        """The whole copies in the node's memory directory (a damaged one is removed, logged and
+        listed in `damaged`)."""
+        self.damaged = []
         if self.directory is None or not self.directory.is_dir():
             return []
         found = []
         for name in sorted(os.listdir(self.directory)):
-            if not FILE_PATTERN.match(name):
+            match = FILE_PATTERN.match(name)
+            if not match:
                 continue
             path = self.directory / name
             try:
@@ -218,6 +240,8 @@ class ShardMemory:
             except (OSError, SnapshotError) as exc:
                 logger.warning("memory copy of a shard refused: %s", exc)
                 path.unlink(missing_ok=True)
+                self.damaged.append((int(match.group(1)), int(match.group(2)), int(match.group(3)),
+                                     str(exc).removeprefix(f"{path}: ")))
                 continue
             found.append(copy)
         return found
@@ -239,7 +263,7 @@ class ShardMemory:
             self.remove_all_but(None)
 
 
-def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.device) -> bytearray:
+def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.device) -> memoryview:
     """Send `payload` to `send_to` and receive `receive_from`'s (point to point, over the default group)."""
     size_out = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     size_in = torch.zeros(1, dtype=torch.int64, device=device)
@@ -248,11 +272,13 @@ def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.dev
     incoming = int(size_in.item())
     if not 0 <= incoming <= 4 * len(payload) + 2**26:
         raise SnapshotError(f"rank {receive_from} announced a part of {incoming} bytes; this rank's is {len(payload)}")
-    data_out = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    with warnings.catch_warnings():  # "the given buffer is not writable": it is only read (sent)
+        warnings.simplefilter("ignore", UserWarning)
+        data_out = torch.frombuffer(payload, dtype=torch.uint8).to(device)
     data_in = torch.empty(incoming, dtype=torch.uint8, device=device)
     _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, data_out, send_to),
                                   dist.P2POp(dist.irecv, data_in, receive_from)]))
-    return bytearray(data_in.cpu().numpy().tobytes())
+    return memoryview(data_in.cpu().numpy())
 
 
 def _wait(works: list[dist.Work]) -> None:

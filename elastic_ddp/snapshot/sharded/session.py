@@ -15,10 +15,11 @@ finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2
 
 - memory copies (`--memory_copies`, on by default): at each committed step and after a restore,
   every rank keeps its part of the state in memory and a copy goes to a rank on another node
-  (memory_shards.py); a worker that stops early writes what it holds to its node's memory
-  directory, and the next group restores the newest step whose parts its nodes still hold,
-  resharded, when it is at least as new as the newest durable step (memory_restore.py). A failure
-  of one node then costs no committed step.
+  (memory_session.py, memory_shards.py); a worker that stops early writes what it holds to its
+  node's memory directory, and the next group restores the newest step whose parts its nodes
+  still hold, resharded, when it is at least as new as the newest durable step (memory_restore.py);
+  a memory state that fails to load is refused with its reason and the durable step taken. A
+  failure of one node then costs no committed step.
 
 Limits (docs/sharding.md): the checkpoint directory must be one filesystem that every node reads
 (no replication to other nodes' disks); durable writes are synchronous; when a part and its copy
@@ -33,12 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.locations import local_path
@@ -56,15 +55,14 @@ from elastic_ddp.snapshot.serialization import (
     snapshot_to_bytes,
 )
 from elastic_ddp.snapshot.sharded import step_directories as steps
-from elastic_ddp.snapshot.sharded.memory_checkpoint import save_part
-from elastic_ddp.snapshot.sharded.memory_restore import MemoryState, agree_on_memory_state, load_memory_state
-from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy, node_directory
+from elastic_ddp.snapshot.sharded.divergence import any_rank_diverged
+from elastic_ddp.snapshot.sharded.memory_restore import MemoryState
+from elastic_ddp.snapshot.sharded.memory_session import MemoryCopies
 from elastic_ddp.snapshot.sharded.safe_reader import SafeFileSystemReader
 from elastic_ddp.snapshot.training_state import (
     Snapshot,
     TrainingState,
     capture_rng_state,
-    non_finite_tensors,
     restore_rng_state,
     seed_rng_for_step,
 )
@@ -86,7 +84,7 @@ class ShardedSnapshotSession:
                                        config.snapshot_max_interval_s)
         self.last_saved_step: int | None = None
         self.last_durable_step: int | None = None
-        self.memory: ShardMemory | None = None
+        self.memory: MemoryCopies | None = None
         self._kept_step: int | None = None  # the step whose part this rank last kept (and exchanged)
         self._committed_in = incarnation  # the incarnation that committed the state held (a restored one's)
         self._group_names: list[list[str]] = []  # the parameter names of each optimizer group
@@ -98,8 +96,7 @@ class ShardedSnapshotSession:
             logger.info("--sharding fsdp: snapshots are sharded files in %s, which every node must read; no replicas "
                         "on other nodes' disks", self.root)
         if self.config.memory_copies:
-            self.memory = ShardMemory(self.context, node_directory(self.config.memory_dir, self.root, self.context,
-                                                                   self.fingerprint))
+            self.memory = MemoryCopies(self.config.memory_dir, self.root, self.context, self.events, self.fingerprint)
 
     # ------------------------------------------------------------------------------- restore
 
@@ -109,14 +106,13 @@ class ShardedSnapshotSession:
         if self.context.in_process_group:
             dist.broadcast_object_list(choice, src=0)
         durable = choice[0]
-        in_memory, refused, stored = (agree_on_memory_state(self.memory, self.context, self._check_fits)
-                                      if self.memory is not None else (None, [], {}))
-        if in_memory is not None and (durable is None or in_memory.step >= durable[2]):
-            restored = self._restore_from_memory(state, in_memory, stored)
-        elif durable is not None:
-            refused = [item for item in refused if item["global_step"] > durable[2]]
+        restored, refused = (self.memory.restore(state, durable and durable[2], self._check_fits,
+                                                 self._restore_from_memory)
+                             if self.memory is not None else (None, []))
+        if restored is None and durable is not None:
+            refused = [item for item in refused if item["global_step"] >= durable[2]]
             restored = self._restore_from_file(state, durable[0], durable[1], refused)
-        else:
+        elif restored is None:
             if refused:
                 logger.warning("no sharded snapshot in %s and no whole memory state (%s): starting from scratch",
                                self.root, "; ".join(f"step {item['global_step']}: {item['reason']}" for item in refused))
@@ -127,7 +123,7 @@ class ShardedSnapshotSession:
         if restored is not None:
             self._keep_part(state)  # the restored state is in two nodes' memory before a step is trained
         self._hook_optimizer(state)
-        if self.memory is not None and self.context.local_rank == 0:
+        if self.memory is not None:
             self.memory.remove_all_but((state.global_step, self._committed_in))
         return restored
 
@@ -145,15 +141,12 @@ class ShardedSnapshotSession:
                                 source_host=socket.gethostname(), description=str(directory), data=b"",
                                 refused=refused)
 
-    def _restore_from_memory(self, state: TrainingState, in_memory: MemoryState,
-                             stored: dict[tuple[int, int, int], ShardCopy]) -> RestoredSnapshot:
+    def _restore_from_memory(self, state: TrainingState, in_memory: MemoryState, received: int) -> RestoredSnapshot:
+        """The unsharded rest of `in_memory`, once its shards are loaded (inside `state.updating()`)."""
         description = f"the memory state of step {in_memory.step} (parts of {in_memory.world_size} ranks)"
         plain = snapshot_from_bytes(in_memory.rest, description)  # it fits: agree_on_memory_state checked
-        with state.updating():
-            received = load_memory_state(in_memory, state.model, state.optimizer,
-                                         plain.states["optimizer"]["param_groups"], stored, self.context)
-            mine = in_memory.offers[self.context.rank].plain if in_memory.world_size == self.context.world_size else b""
-            self._load_rest(state, plain, snapshot_from_bytes(mine, description).rng_per_rank[0] if mine else None)
+        mine = in_memory.offers[self.context.rank].plain if in_memory.world_size == self.context.world_size else b""
+        self._load_rest(state, plain, snapshot_from_bytes(mine, description).rng_per_rank[0] if mine else None)
         logger.info("restored %s from memory (%d bytes received from peers)", description, received)
         self.last_saved_step = self.last_durable_step = plain.global_step
         self._committed_in = in_memory.incarnation
@@ -162,8 +155,10 @@ class ShardedSnapshotSession:
                                 source_rank=source_rank, source_host=in_memory.hosts[source_rank],
                                 description=description, data=b"", refused=in_memory.refused)
 
-    def _check_fits(self, rest: bytes, description: str) -> None:
-        check_compatible(snapshot_from_bytes(rest, description), self.fingerprint, description)
+    def _check_fits(self, rest: bytes, description: str) -> Snapshot:
+        plain = snapshot_from_bytes(rest, description)
+        check_compatible(plain, self.fingerprint, description)
+        return plain
 
     def _load_rest(self, state: TrainingState, plain: Snapshot, rng: dict[str, Any] | None) -> None:
         """The unsharded components from `plain`, and this rank's `rng` (None: seeded for the step)."""
@@ -219,7 +214,7 @@ class ShardedSnapshotSession:
                         if self.context.in_process_group else [capture_rng_state()])
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
         tensors = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
-        diverged = _any_rank_diverged(tensors, self.context)
+        diverged = any_rank_diverged(tensors, self.context)
         if diverged:  # never made the newest durable state: the last good one stays the one restored
             if self.context.is_main:
                 self.events.emit(schema.SNAPSHOT_FAILED, global_step=step,
@@ -241,18 +236,14 @@ class ShardedSnapshotSession:
         if self.memory is None:
             return
         step = state.global_step if rest else state.global_step + 1
-        model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
-        index, data = save_part({"model": model_state, "optimizer": {"state": optimizer_state["state"]}})
-        self._group_names = [group["params"] for group in optimizer_state["param_groups"]]
-        self.memory.commit(make_copy(step, self._committed_in, self.context, index,
-                                     self._rest_of(state) if rest else b"", data))
+        self._group_names = self.memory.take(state, step, self._committed_in, self._rest_of if rest else None)
         self._kept_step = step
 
-    def _rest_of(self, state: TrainingState) -> bytes:
+    def _rest_of(self, state: TrainingState, group_names: list[list[str]] | None = None) -> bytes:
         """The unsharded rest of `state` with this rank's RNG, as a format-2 snapshot."""
         # As get_state_dict gives them (parameters by name), without its cost at every step.
         param_groups = [{**group, "params": names} for group, names in
-                        zip(state.optimizer.state_dict()["param_groups"], self._group_names, strict=True)]
+                        zip(state.optimizer.state_dict()["param_groups"], group_names or self._group_names, strict=True)]
         return snapshot_to_bytes(self._plain_snapshot(state, [capture_rng_state()], param_groups, self._committed_in))
 
     def _hook_optimizer(self, state: TrainingState) -> None:
@@ -295,19 +286,8 @@ class ShardedSnapshotSession:
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> None:
         """Write the parts this rank holds (its own and its ring partner's, memory_shards.py) into
         its node's memory directory, without a collective: the group may be broken."""
-        if self.memory is None:
-            return
-        started = time.monotonic()
-        written, size = self.memory.keep()
-        step = self.memory.own[-1].step if self.memory.own else None
-        if not self.context.is_main or step is None:
-            return
-        if self.memory.directory is None:
-            self.events.emit(schema.MEMORY_COPY_FAILED, global_step=step, reason=reason,
-                             error="no usable memory directory (see this rank's log)")
-            return
-        self.events.emit(schema.MEMORY_COPY, global_step=step, reason=reason, size_bytes=size,
-                         seconds=round(time.monotonic() - started, 4), written=written > 0)
+        if self.memory is not None:
+            self.memory.keep(reason)
 
     def finish(self) -> bool | None:
         """Whether the last save is durable (writes are synchronous); None off rank 0."""
@@ -323,24 +303,3 @@ class ShardedSnapshotSession:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-
-
-def _local_shards(value: Any) -> Any:
-    """`value` with every DTensor replaced by this rank's shard of it."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {key: _local_shards(item) for key, item in value.items()}
-    return value
-
-
-def _any_rank_diverged(tensors: dict[str, Any], context: DistributedContext) -> list[str]:
-    """Where this rank's shards hold a NaN or an infinity, or ["another rank's shards"] when only
-    another rank's do; [] when every shard is finite (a collective)."""
-    mine = non_finite_tensors(_local_shards(tensors))
-    if not context.in_process_group:
-        return mine
-    flag = torch.tensor([1 if mine else 0], dtype=torch.int64, device=context.collective_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return mine or (["another rank's shards"] if flag.item() else [])
