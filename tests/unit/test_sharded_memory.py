@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.distributed import DistributedContext
-from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint, read_index, save_part
+from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint, PartWriter, read_index, save_part
 from elastic_ddp.snapshot.sharded.memory_restore import agree_on_memory_state
 from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy
 from elastic_ddp.snapshot.sharded.ring import copies_on_their_own_node, node_of_each_rank, ring_partners
@@ -123,6 +123,21 @@ def test_memory_parts_reshard_from_2_to_3_and_from_3_to_2(tmp_path):
 def _context(rank: int = 0, world_size: int = 1, local_world_size: int = 1) -> DistributedContext:
     return DistributedContext(rank=rank, local_rank=rank % local_world_size, world_size=world_size,
                               local_world_size=local_world_size, device=torch.device("cpu"), backend="gloo")
+
+
+def test_a_part_is_planned_once_while_its_structure_holds():
+    writer = PartWriter()
+    first, data = writer.save({"w": torch.zeros(4, 2)})
+    again, data_again = writer.save({"w": torch.ones(4, 2)})
+    assert again is first and bytes(data_again) != bytes(data)  # the same index, the new values
+    changes = ({"w": torch.ones(4, 3)}, {"w": torch.ones(4, 2, dtype=torch.float64)}, {"v": torch.ones(4, 2)},
+               {"w": torch.ones(4, 2), "v": torch.arange(3)})  # a shape, a dtype, a name, one more tensor
+    for changed in changes:
+        index, data = writer.save(changed)
+        assert index is not first
+        loaded = {name: torch.empty_like(value) for name, value in changed.items()}
+        MergedCheckpoint({0: index}, "test").load(loaded, {0: data})
+        assert all(torch.equal(loaded[name], value) for name, value in changed.items())
 
 
 def _half_covered_index() -> bytes:
