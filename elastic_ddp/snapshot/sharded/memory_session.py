@@ -77,7 +77,7 @@ class MemoryCopies:
                                      data, finite=not diverged))
         return group_names
 
-    def add_rest(self, step: int, rest: bytes) -> None:
+    def add_rest(self, step: int, rest: Callable[[], bytes]) -> None:
         self.memory.add_rest(step, rest)
 
     def restore(self, state: TrainingState, durable_step: int | None, accept: Callable[[bytes, str], object],

@@ -14,8 +14,9 @@ lost node takes its ranks' shards with it. Here, at each committed step (and rig
   not, as in DDP mode), and rank 0 says so once.
 
 Checksums (BLAKE3, snapshot/files/checksum.py): the tensors (index and data) are hashed once, when
-the part is taken, and checked once, when the buddy receives them; the unsharded rest has a
-checksum of its own, so that adding it after the commit hashes only the rest.
+the part is taken, and checked once, when the buddy receives them. The unsharded rest, added to a
+rank's own part once the step is committed, is held as a copy of its objects and serialised (with
+a checksum of its own) only when the part is written: nothing of it is hashed or pickled per step.
 
 Both are kept for the last two steps: a failure during the exchange of step N leaves some buddies
 without step N, and then step N-1 is the newest one whose parts are all present.
@@ -41,6 +42,7 @@ import re
 import secrets
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,7 @@ class ShardMemory:
         self.held: list[ShardCopy] = []  # received from the rank before this one in the ring
         self.partners: tuple[int, int] | None = None  # (buddy, whose buddy this rank is): ring.py
         self.damaged: list[tuple[int, int, int, str]] = []  # (step, incarnation, part, why): `stored` removed them
+        self._rests: dict[int, Callable[[], bytes]] = {}  # step -> its own part's rest, made when written
         self._ring_known = False
 
     def commit(self, copy: ShardCopy) -> None:
@@ -187,20 +190,28 @@ class ShardMemory:
             self.held = [*self.held, held][-KEEP_STEPS:]
         dist.barrier()
 
-    def add_rest(self, step: int, plain: bytes) -> None:
-        """Add the unsharded rest to this rank's own part of `step` (once the step is committed)."""
+    def add_rest(self, step: int, rest: Callable[[], bytes]) -> None:
+        """Add the unsharded rest to this rank's own part of `step` (once the step is committed).
+        `rest()` makes its bytes, only when the part is written (`keep`): it must hold a copy of the
+        state, not refer to the live one."""
         if self.own and self.own[-1].step == step and not self.own[-1].plain:
-            last = self.own[-1]
-            self.own[-1] = dataclasses.replace(last, plain=plain, rest_checksum=checksum_of(plain))
+            kept = {copy.step for copy in self.own}
+            self._rests = {**{known: make for known, make in self._rests.items() if known in kept}, step: rest}
 
-    def lacks_rest(self, step: int) -> bool:
-        return bool(self.own) and self.own[-1].step == step and not self.own[-1].plain
+    def _add_rests(self) -> None:
+        """The rests `add_rest` deferred, made into bytes (when the parts are written)."""
+        for position, copy in enumerate(self.own):
+            make = self._rests.pop(copy.step, None)
+            if make is not None and not copy.plain:
+                plain = make()
+                self.own[position] = dataclasses.replace(copy, plain=plain, rest_checksum=checksum_of(plain))
 
     def keep(self) -> tuple[int, int]:
         """Write the parts held into the node's memory directory (no collective); (files written,
         bytes). Never raises an OSError (logged)."""
         if self.directory is None:
             return 0, 0
+        self._add_rests()
         written = size = 0
         for copy in [*self.own, *self.held]:
             path = self.directory / copy.file_name

@@ -28,6 +28,9 @@ are both lost the restart falls back to the newest durable step (the restore eve
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import logging
 import socket
 import time
@@ -197,7 +200,11 @@ class ShardedSnapshotSession:
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
         """As `SnapshotSession.save`: on the cadence, at the end of training, and on `final`."""
         if self.memory is not None and self._kept_step == state.global_step:
-            self.memory.add_rest(state.global_step, self._rest_of(state))
+            # A copy now, the bytes only if the part is ever written (keep): no serialising per step.
+            # The RNG state is captured afresh and the fingerprint never changes: only the states are copied.
+            rest = self._plain_snapshot(state, [capture_rng_state()], self._named_groups(state), self._committed_in)
+            rest = dataclasses.replace(rest, states=copy.deepcopy(rest.states))
+            self.memory.add_rest(state.global_step, functools.partial(snapshot_to_bytes, rest))
         elif self._kept_step != state.global_step:  # the optimizer step was skipped: no part taken yet
             self._committed_in = self.incarnation
             self._keep_part(state)
@@ -241,10 +248,13 @@ class ShardedSnapshotSession:
 
     def _rest_of(self, state: TrainingState, group_names: list[list[str]] | None = None) -> bytes:
         """The unsharded rest of `state` with this rank's RNG, as a format-2 snapshot."""
-        # As get_state_dict gives them (parameters by name), without its cost at every step.
-        param_groups = [{**group, "params": names} for group, names in
-                        zip(state.optimizer.state_dict()["param_groups"], group_names or self._group_names, strict=True)]
-        return snapshot_to_bytes(self._plain_snapshot(state, [capture_rng_state()], param_groups, self._committed_in))
+        return snapshot_to_bytes(self._plain_snapshot(state, [capture_rng_state()],
+                                                      self._named_groups(state, group_names), self._committed_in))
+
+    def _named_groups(self, state: TrainingState, group_names: list[list[str]] | None = None) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups as get_state_dict gives them (parameters by name), without its cost."""
+        return [{**group, "params": names} for group, names in
+                zip(state.optimizer.state_dict()["param_groups"], group_names or self._group_names, strict=True)]
 
     def _hook_optimizer(self, state: TrainingState) -> None:
         if self.memory is not None and self._hook is None:
@@ -263,7 +273,8 @@ class ShardedSnapshotSession:
     def _plain_snapshot(self, state: TrainingState, rng_per_rank: list[dict[str, Any]],
                         param_groups: list[dict[str, Any]], incarnation: int) -> Snapshot:
         """The unsharded rest of `state` (what DCP does not write)."""
-        plain_states = {name: value for name, value in state.state_dicts().items() if name not in SHARDED}
+        plain_states = {name: component.state_dict() for name, component in state.components().items()
+                        if name not in SHARDED}
         plain_states["optimizer"] = {"param_groups": param_groups}
         plain_states["model"] = {}
         return Snapshot(states=plain_states, rng_per_rank=rng_per_rank, fingerprint=self.fingerprint,
