@@ -184,14 +184,15 @@ def test_a_diverged_step_is_never_kept_in_memory(one_rank_gloo_group, tmp_path, 
 
 def test_without_a_durable_step_a_failed_memory_restore_starts_afresh(one_rank_gloo_group, tmp_path):
     """No durable step yet, the only memory part truncated: the restart refuses it and trains from
-    scratch, from the very weights an untouched run starts from (the failed load is undone)."""
-    config = _sharded(tmp_path / "interrupted", snapshot_every_steps=100)
+    scratch, from the very weights an untouched run starts from (the failed load is undone, and the
+    optimizer left without state, so that weight decay does not enter a momentum buffer early)."""
+    config = _sharded(tmp_path / "interrupted", snapshot_every_steps=100, weight_decay=0.01)
     with pytest.raises(Crash):
         make_trainer(config, after_step=crash_at(2)).fit()
     for path in (tmp_path / "interrupted" / "memory").rglob("shard-*.bin"):
         path.write_bytes(_damage(ShardCopy.from_bytes(path.read_bytes(), str(path)), "truncated").to_bytes())
     restarted = make_trainer(config, after_step=crash_at(1))
-    reference = make_trainer(_sharded(tmp_path / "reference"), after_step=crash_at(1))
+    reference = make_trainer(_sharded(tmp_path / "reference", weight_decay=0.01), after_step=crash_at(1))
     for trainer in (restarted, reference):
         with pytest.raises(Crash):
             trainer.fit()

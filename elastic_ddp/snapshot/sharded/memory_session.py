@@ -104,7 +104,7 @@ class MemoryCopies:
                     in_memory.refused = refused
                     return load_rest(state, in_memory, received), refused
                 if backup is not None:
-                    set_state_dict(state.model, state.optimizer, model_state_dict=backup[0], optim_state_dict=backup[1])
+                    _put_back(state, backup)
             logger.warning("the memory state of step %d was refused while loading: %s", in_memory.step, reason)
             refused.append({"source": "memory", "global_step": in_memory.step, "host": "", "reason": f"refused: {reason}"})
             tried.add((in_memory.step, in_memory.incarnation))
@@ -136,8 +136,17 @@ def _param_groups(in_memory: MemoryState, accept: Callable[[bytes, str], object]
     return accept(in_memory.rest, f"the memory state of step {in_memory.step}").states["optimizer"]["param_groups"]
 
 
-def _copy_of(state: TrainingState) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model's and optimizer's state as they are (this rank's shards), to put back after a failed load."""
+def _copy_of(state: TrainingState) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """The model's and optimizer's state as they are (this rank's shards), to put back after a
+    failed load, and whether the optimizer had any state yet."""
+    had_state = bool(state.optimizer.state)  # get_state_dict initialises an empty one
     model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
     clone = (lambda value: value.detach().clone() if isinstance(value, torch.Tensor) else value)
-    return tree_map(clone, model_state), tree_map(clone, optimizer_state)
+    return tree_map(clone, model_state), tree_map(clone, optimizer_state), had_state
+
+
+def _put_back(state: TrainingState, backup: tuple[dict[str, Any], dict[str, Any], bool]) -> None:
+    model_state, optimizer_state, had_state = backup
+    set_state_dict(state.model, state.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    if not had_state:
+        state.optimizer.state.clear()  # as untouched: the first step creates it (momentum buffers included)
