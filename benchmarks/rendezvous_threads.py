@@ -39,7 +39,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from benchmarks.rendezvous_agents import BUSY, FAILED, ROUND, UNKNOWN, WAITING, Agent, CpuUse, make_agent
+from benchmarks.cpu_use import CpuUse
+from benchmarks.rendezvous_agents import BUSY, FAILED, ROUND, UNKNOWN, WAITING, Agent, make_agent
 from benchmarks.rendezvous_scale import PHASES, _counts, _settle
 from elastic_ddp.agent.rendezvous import torch_internals
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S
