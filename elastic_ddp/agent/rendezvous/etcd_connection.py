@@ -11,6 +11,10 @@ the fix: `EtcdAuthenticationError` (wrong password, no user, missing permission)
 (certificate not trusted). `EtcdUnavailableError` means no endpoint answered within the budget;
 it names every endpoint tried and the last error. All three are `RendezvousConnectionError`s.
 
+Leases are kept alive over one long-lived LeaseKeepAlive stream per connection (`keep_alive`):
+etcd3's `refresh_lease` opens a stream per refresh, and grpc-python serves each with a thread of
+its own (257 agents as threads started about 260 a second for it; docs/benchmarks.md).
+
 Limits: an operation whose request reached etcd but whose answer was lost (a deadline exceeded
 mid-commit) is retried too, so a write may be applied twice; callers make their writes
 idempotent or check (see `EtcdV3RendezvousBackend.set_state`, `EtcdV3Store.add`). A single
@@ -20,6 +24,7 @@ attempt may take `read_timeout`, so an operation can last up to `retry_timeout +
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -92,6 +97,51 @@ def is_lease_not_found(exc: BaseException) -> bool:
             and "lease not found" in (rpc.details() or "").lower())
 
 
+class _KeepAliveFailed(grpc.RpcError):
+    """The keep-alive stream gave no answer in time, or etcd ended it: transient, retried."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.details = lambda: code, lambda: detail
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream on one client; each refresh is a request on it, answered in order.
+    Two threads for its whole life (gRPC's, which sends the requests, and the reader of the
+    answers), where a stream per refresh cost a thread per refresh. Not thread-safe: one refresh at a time."""
+
+    def __init__(self, client: Etcd3Client) -> None:
+        self.client = client
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = client.leasestub.LeaseKeepAlive(iter(self._requests.get, None), metadata=client.metadata,
+                                                     credentials=client.call_credentials)
+        threading.Thread(target=self._read, name="etcd-lease-keepalive", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for answer in self._call:
+                self._answers.put(answer)
+            self._answers.put(_KeepAliveFailed(grpc.StatusCode.UNAVAILABLE, "etcd ended the keep-alive stream"))
+        except grpc.RpcError as exc:
+            self._answers.put(exc)
+
+    def refresh(self, lease: int, timeout: float) -> int:
+        """The lease's new TTL; 0 if etcd no longer has it. Raises grpc.RpcError (the stream is then dead)."""
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise _KeepAliveFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive") from None
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer.TTL
+
+    def close(self) -> None:
+        self._requests.put(None)  # ends gRPC's sending thread
+        self._call.cancel()
+
+
 class EtcdConnection:
     """Clients for every endpoint, the one that worked last tried first. Thread-safe.
 
@@ -111,6 +161,8 @@ class EtcdConnection:
         self._lease_lock = threading.Lock()
         self._lease: int | None = None
         self._lease_refreshed_at = 0.0
+        self._keep_alive_lock = threading.Lock()
+        self._keep_alive_stream: _KeepAliveStream | None = None
 
     @property
     def options(self) -> EtcdV3Options:
@@ -146,8 +198,7 @@ class EtcdConnection:
         with self._lease_lock:
             now = time.monotonic()
             if self._lease is not None and now - self._lease_refreshed_at > self._options.ttl / 3:
-                answers = list(client.refresh_lease(self._lease))
-                if answers and answers[0].TTL > 0:
+                if self.keep_alive(client, self._lease) > 0:
                     self._lease_refreshed_at = now
                 else:
                     self._lease = None  # it expired: its keys are gone already
@@ -156,8 +207,29 @@ class EtcdConnection:
                 self._lease_refreshed_at = now
             return self._lease
 
+    def keep_alive(self, client: Etcd3Client, lease: int) -> int:
+        """Refresh `lease` on this connection's keep-alive stream (opened on `client`, or again on it
+        after a failure or a fail-over); call it inside `call`'s operation. Its new TTL; 0 if etcd
+        no longer has the lease (it expired or was revoked)."""
+        with self._keep_alive_lock:
+            stream = self._keep_alive_stream
+            if stream is None or stream.client is not client:
+                if stream is not None:
+                    stream.close()
+                stream = self._keep_alive_stream = _KeepAliveStream(client)
+            try:
+                return stream.refresh(lease, self._options.read_timeout)
+            except BaseException:
+                stream.close()
+                self._keep_alive_stream = None
+                raise
+
     def close(self) -> None:
         """Close every channel. The lease is left to expire (see the class docstring)."""
+        with self._keep_alive_lock:
+            if self._keep_alive_stream is not None:
+                self._keep_alive_stream.close()
+                self._keep_alive_stream = None
         with self._lock:
             for client in self._clients.values():
                 client.close()

@@ -9,7 +9,8 @@ Keys of run `R`, under `<key_prefix>/R/keyed/`:
     alive/<node>              the node's liveness and beacon port (`keyed_probes`), on its node lease
 
 Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
-(`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval`: when the agent dies
+(`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval` over the connection's
+one keep-alive stream (`EtcdConnection.keep_alive`), without the board's lock: when the agent dies
 the lease expires and etcd deletes its arrival and liveness keys; `leave` revokes it at once. If a
 refresh finds the lease expired (etcd unreachable, or the process starved of CPU, for longer than
 its TTL), the thread takes a new one and writes the node's liveness and last arrival again; so does an
@@ -17,7 +18,8 @@ arrival that finds it gone (retrying the write on the dead lease would fail for 
 budget: seen with 256 agents as threads, `benchmarks/rendezvous_threads.py`).
 
 `view` is one transaction of three range reads (record, closed flag, count and earliest of the
-round's arrivals, by create revision); `close_round` is one transaction that compares the record's
+round's arrivals, by create revision), each of constant size: the record's value (O(N) bytes) comes
+only when its mod revision changed since this board read it; `close_round` is one transaction that compares the record's
 mod revision with the one read. Every operation goes through `EtcdConnection.call` (retries,
 failover, TLS, auth). `counts` counts this board's requests by kind, for the benchmarks: `reads`,
 `writes` (lease, liveness, arrivals, set_closed, revoke), `closes` (of which `lost_closes` lost their
@@ -103,6 +105,7 @@ class EtcdRoundBoard:
         self._node: NodeDesc | None = None
         self._port: int | None = None
         self._arrival_key: str | None = None  # this node's newest arrival
+        self._known: tuple[int, RoundRecord] | None = None  # the record last read, and its mod revision
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self.counts: collections.Counter[str] = collections.Counter()
@@ -110,13 +113,13 @@ class EtcdRoundBoard:
     # --- requests ----------------------------------------------------------------------------
 
     def _txn(self, what: str, success: list, compare: list | None = None, kind: str = "reads",
-             node_lease: bool = False) -> etcdrpc.TxnResponse:
+             node_lease: bool = False, failure: list | None = None) -> etcdrpc.TxnResponse:
         """`node_lease`: the puts are bound to the node lease, and `_NodeLeaseLost` is raised at once
         if etcd no longer has it (the connection would retry the same dead lease for its whole budget)."""
         self.counts[kind] += 1
 
         def send(client: Etcd3Client) -> etcdrpc.TxnResponse:
-            request = etcdrpc.TxnRequest(compare=compare or [], success=success, failure=[])
+            request = etcdrpc.TxnRequest(compare=compare or [], success=success, failure=failure or [])
             try:
                 return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
                                          metadata=client.metadata)
@@ -160,24 +163,29 @@ class EtcdRoundBoard:
     def _keep_alive(self) -> None:
         while not self._stop.wait(self._settings.keep_alive_interval):
             try:
-                with self._lock:
-                    if self._stop.is_set():
-                        return
-                    self._refresh()
+                self._refresh()
             except RendezvousError as exc:  # etcd unreachable beyond the retry budget: try again next tick
                 logger.warning("the keyed rendezvous could not refresh node %s's lease: %s",
                                node_name(self._node) if self._node else "?", exc)
 
     def _refresh(self) -> None:
+        """Refresh the node lease, without `_lock`: a refresh that retries (etcd away, up to its
+        retry budget) must not hold up `arrive` or `leave`. Only a lease found expired takes the
+        lock, to write this node's keys again on a new one, unless `arrive` did that meanwhile."""
         lease = self._lease
+        if lease is None:
+            return
         self.counts["refreshes"] += 1
 
         def refresh(client: Etcd3Client) -> int:
             self._connection.lease_id(client)  # keeps this process's run lease (the record's) alive too
-            answers = list(client.refresh_lease(lease))
-            return answers[0].TTL if answers else 0
+            return self._connection.keep_alive(client, lease)
 
-        if self._connection.call("refresh a node lease", refresh) <= 0:
+        if self._connection.call("refresh a node lease", refresh) > 0:
+            return
+        with self._lock:
+            if self._stop.is_set() or self._lease != lease:
+                return
             logger.warning("node %s's lease had expired: its keys are written again", node_name(self._node))
             self._new_lease()
 
@@ -216,20 +224,32 @@ class EtcdRoundBoard:
             self._arrival_key = key
 
     def view(self, round_number: int) -> BoardView:
-        """See `RoundBoard`. One transaction of three reads."""
-        answer = self._txn("read the round", [
-            _range(self._base + "record"), _range(self._base + "closed", keys_only=True),
-            _range(self._arrival_prefix(round_number), prefix=True, limit=1, keys_only=True,
-                   sort_order=etcdrpc.RangeRequest.ASCEND, sort_target=etcdrpc.RangeRequest.CREATE),
-        ])
+        """See `RoundBoard`. One transaction of three reads, each of constant size: the record's
+        value (about 80 bytes per member) only when its revision is not the one read before."""
+        rest = [_range(self._base + "closed", keys_only=True),
+                _range(self._arrival_prefix(round_number), prefix=True, limit=1, keys_only=True,
+                       sort_order=etcdrpc.RangeRequest.ASCEND, sort_target=etcdrpc.RangeRequest.CREATE)]
+        key, known = self._base + "record", self._known
+        if known is None:
+            answer = self._txn("read the round", [_range(key), *rest])
+        else:
+            unchanged = etcdrpc.Compare(key=key.encode(), result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD,
+                                        mod_revision=known[0])
+            answer = self._txn("read the round", [_range(key, keys_only=True), *rest], compare=[unchanged],
+                               failure=[_range(key), *rest])
         record_kvs, closed_kvs, arrivals = (op.response_range for op in answer.responses)
         record, token = None, 0
-        if record_kvs.kvs:
+        if known is not None and answer.succeeded:
+            token, record = known
+        elif record_kvs.kvs:
             record = decode_record(record_kvs.kvs[0].value)
             if record is None:
-                raise RendezvousStateError(f"the round record at {self._base}record is not valid (schema: "
+                raise RendezvousStateError(f"the round record at {key} is not valid (schema: "
                                            "elastic_ddp.agent.rendezvous.keyed_state)")
             token = record_kvs.kvs[0].mod_revision
+            self._known = (token, record)
+        else:
+            self._known = None  # no record (any more)
         first = None
         if arrivals.kvs:
             first = arrivals.kvs[0].key.decode()[len(self._arrival_prefix(round_number)):]
