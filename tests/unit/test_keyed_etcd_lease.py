@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from concurrent import futures
+from datetime import timedelta
+from types import SimpleNamespace
 
 import grpc
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.etcd_client import etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
@@ -211,3 +215,23 @@ def test_a_view_sends_the_round_record_only_when_it_changed(etcd, board) -> None
     assert etcd.values_sent.count(key) == 2
     etcd.kvs.pop(key)  # its lease expired
     assert board.view(2).record is None and board.view(2).token == 0
+
+
+def test_the_agents_store_of_the_keyed_rendezvous_looks_at_least_every_50_ms(etcd, monkeypatch) -> None:
+    """Members read rank 0's address from the store when they see a new round, often before rank 0
+    wrote it; at the store's 250 ms back-off they saw it up to 250 ms late (64 agents)."""
+    from elastic_ddp.agent.rendezvous import etcd_store, keyed_etcd
+
+    monkeypatch.setattr(keyed_etcd.EtcdRoundBoard, "view", lambda self, round_number: None)  # no Range here
+    handler = keyed_etcd.create_keyed_etcd_v3_handler(RendezvousParameters(
+        "etcd-v3", f"127.0.0.1:{etcd.port}", "run", 1, 2, local_addr="127.0.0.1"))
+    pauses: list[float] = []
+    monkeypatch.setattr(etcd_store, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append))
+    looks = iter([None] * 12 + [b"127.0.0.1"])
+    try:
+        store = handler._board.store.clone()  # what torch's PrefixStore may use
+        assert store._poll("get", timedelta(seconds=60), lambda: next(looks), str) == b"127.0.0.1"
+    finally:
+        handler._witness.close()
+        handler._board._connection.close()
+    assert len(pauses) == 12 and max(pauses) == 0.05 and pauses[0] == 0.01

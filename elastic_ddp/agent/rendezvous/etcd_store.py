@@ -31,8 +31,8 @@ Contract:
   `<key_prefix>/<run_id>/store-queues/<url-quoted key>/`.
 
 Limits:
-- Waiting polls with back-off (10 ms growing to 250 ms) rather than watching: a watch stream of
-  etcd3 0.12 does not survive a failover. A key set is seen up to 250 ms late.
+- Waiting polls with back-off (10 ms growing to `max_poll_s`, 250 ms) rather than watching: a watch
+  stream of etcd3 0.12 does not survive a failover. A key set is seen up to `max_poll_s` late.
 - An etcd outage inside one call is retried for the connection's `retry_timeout`, then raised as
   RendezvousConnectionError. An `add`, `append` or `queue_pop` whose answer was lost after its
   commit is not applied twice: each also writes an operation id of this store instance to a mark
@@ -87,6 +87,9 @@ class EtcdV3Store(Store):
     See the module docstring for the contract and its limits. Thread-safe.
     """
 
+    # The longest pause between two looks of a wait (the first is 10 ms, then doubling).
+    max_poll_s: float = _MAX_POLL_S
+
     def __init__(self, connection: EtcdConnection, run_id: str, timeout: timedelta | None = None) -> None:
         super().__init__()  # the pybind trampoline needs it
         run = run_key(connection.options.key_prefix, run_id)
@@ -114,6 +117,7 @@ class EtcdV3Store(Store):
         half at once, leaving a store whose every call fails with "Not implemented".
         """
         twin = EtcdV3Store(self._connection, self._run_id, self.timeout)
+        twin.max_poll_s = self.max_poll_s
         self._clones.append(twin)
         return twin
 
@@ -335,8 +339,8 @@ class EtcdV3Store(Store):
             result = attempt()
             if result is not None:
                 return result
-            left = _MAX_POLL_S if deadline is None else deadline - time.monotonic()
+            left = self.max_poll_s if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise DistStoreError(f"{operation} timeout after {seconds:g} s waiting for {awaited()} in etcd")
             time.sleep(min(pause, left))
-            pause = min(pause * 2, _MAX_POLL_S)
+            pause = min(pause * 2, self.max_poll_s)
