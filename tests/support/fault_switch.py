@@ -11,8 +11,9 @@ kill from outside can only hit by chance:
   has written its audit line for step 30, that is, committed it): the survivors committed a step
   whose audit line rank 3 never wrote.
 `once` names a file created when the fault fires, so that it fires once per job, whatever the
-restarts. Every rank installs the same comm hook (torch's default all-reduce), so that the ranks
-compute the same sums.
+restarts. Several faults, one per moment, are separated by `;` (each with its own `once`).
+Every rank installs the same hooks (with `at=allreduce`, the comm hook of torch's default
+all-reduce), so that the ranks compute the same sums.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class FaultSwitch:
         if self.trainer is not None or trainer.ddp_model is trainer.model:
             return
         self.trainer = trainer
-        trainer.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
-        trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.moment == "allreduce":  # (DDP takes one comm hook)
+            trainer.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
+        else:
+            trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _armed(self, moment: str) -> bool:
         return (self.moment == moment and self.trainer.context.rank == self.rank
@@ -87,8 +90,13 @@ class FaultSwitch:
 
 
 def main() -> int:
-    fault = FaultSwitch(os.environ[FAULT_VARIABLE]) if os.environ.get(FAULT_VARIABLE) else None
-    return train.main(after_step=held(fault.install if fault is not None else None))
+    faults = [FaultSwitch(spec) for spec in os.environ.get(FAULT_VARIABLE, "").split(";") if spec]
+
+    def install(trainer) -> None:
+        for fault in faults:
+            fault.install(trainer)
+
+    return train.main(after_step=held(install))
 
 
 if __name__ == "__main__":
