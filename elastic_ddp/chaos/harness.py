@@ -16,6 +16,8 @@ runs in a process of its own (elastic_ddp/chaos/store.py) and every node can be 
 included. With `store="node"` the first node hosts it, as with plain torchrun, and symbolic targets
 never pick that node: killing it ends the job (trap 5 in the docs). With `rdzv_backend="etcd-v3"`
 pass the etcd endpoints as `rdzv_endpoint`.
+A held job (`hold`, elastic_ddp/chaos/held_train.py) runs at full speed to the next fault's step and
+stops there until it fires (slowly paced before an event or time trigger); released once the plan is done.
 
 Network faults (`partition_node`, `heal_node`, `blip_node`) put every node and the standalone store
 on a host of its own (a network namespace, root only: elastic_ddp/chaos/network.py).
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S, RDZV_CONF
+from elastic_ddp.chaos import held_train
 from elastic_ddp.chaos.network import ChaosNetwork
 from elastic_ddp.chaos.plan import NETWORK_ACTIONS, Fault, FaultPlan, PlanError
 from elastic_ddp.chaos.targets import FaultTargeting, Firing
@@ -84,7 +87,7 @@ class ChaosHarness:
                  monitor_interval: float | None = MONITOR_INTERVAL_S, agent_env: dict[str, str] = HARNESS_AGENT_ENV,
                  module: str = "elastic_ddp.train", deadline_s: float = 600, max_restarts: int = 100,
                  run_id: str = "chaos", launcher: str = LAUNCHER, env: dict[str, str] | None = None,
-                 on_plan_done: Callable[[], None] | None = None):
+                 on_plan_done: Callable[[], None] | None = None, hold: str | Path | None = None):
         if store not in STORES:
             raise ValueError(f"store: got {store!r}; expected one of {', '.join(STORES)}")
         self.run_dir = Path(run_dir)
@@ -104,7 +107,7 @@ class ChaosHarness:
                             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, run_id=run_id,
                             max_restarts=max_restarts, rdzv_conf=rdzv_conf, monitor_interval=monitor_interval,
                             agent_env=agent_env, module=module, launcher=launcher, env=env)
-        self.on_plan_done = on_plan_done  # e.g. let a held job (elastic_ddp/chaos/held_train.py) finish
+        self.on_plan_done, self.hold = on_plan_done, hold  # a held job's release (chaos/held_train.py), its hold file
         self.nproc_per_node = nproc_per_node
         self.store_host: str | None = (None if self.standalone_store or rdzv_backend not in C10D_BACKENDS
                                        else "node0")
@@ -128,6 +131,7 @@ class ChaosHarness:
         records = [FaultRecord(i, fault.describe(), _fault_dict(fault)) for i, fault in enumerate(self.plan.faults)]
         problems: list[str] = []
         try:
+            self._steer_hold(0)
             if self.network is not None:
                 self.network.open()
             for _ in range(self.plan.initial_nodes):
@@ -161,12 +165,11 @@ class ChaosHarness:
 
     def _start_store(self) -> None:
         host, port = self.job.rdzv_endpoint.rsplit(":", 1)
-        log = open(self.run_dir / "store.log", "ab")
         prefix = self.network.store_prefix() if self.network is not None else []
-        self.store_process = subprocess.Popen([*prefix, sys.executable, "-m", "elastic_ddp.chaos.store",
-                                               self.job.rdzv_endpoint],
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.run_dir / "store.log", "ab") as log:
+            self.store_process = subprocess.Popen([*prefix, sys.executable, "-m", "elastic_ddp.chaos.store",
+                                                   self.job.rdzv_endpoint],
+                                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         listening = (self.network.listening if self.network is not None
                      else lambda endpoint: port_is_listening(host, int(port)))
         wait_for(lambda: listening(self.job.rdzv_endpoint) or self.store_process.poll() is not None, 60,
@@ -215,10 +218,26 @@ class ChaosHarness:
                     later.not_fired_because = "the job had ended"
                 return
             self._fire(record, firing)
+            self._steer_hold(record.index + 1)
             since = record.fired_at
             joiner = self.job.nodes[-1].pid if fault.action == "add_node" else None
             logger.info("fault %d fired: %s on %s at step %s", record.index, record.description, record.node,
                         record.step_when_fired)
+
+    def _steer_hold(self, next_fault: int) -> None:
+        """Stop a held job at the next fault's step (paced before an event or a time); then release it."""
+        if self.hold is None:
+            return
+        for fault in self.plan.faults[next_fault:]:
+            if fault.on_event is not None or fault.at_seconds is not None:
+                break
+            if fault.at_step is not None:
+                held_train.run_to(self.hold, fault.at_step)
+                return
+        if next_fault < len(self.plan.faults):
+            held_train.pace(self.hold)
+        else:
+            held_train.release(self.hold)
 
     def _check_time_and_liveness(self) -> None:
         if time.monotonic() > self._deadline:

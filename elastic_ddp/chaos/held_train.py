@@ -1,18 +1,20 @@
-"""`python -m elastic_ddp.chaos.held_train`: `elastic_ddp.train`, held at a slow pace until released.
+"""`python -m elastic_ddp.chaos.held_train`: `elastic_ddp.train`, held until released.
 
     ELASTIC_DDP_HOLD=/tmp/x/hold python -m elastic_ddp.chaos.held_train --epochs 3 ...
 
-While the file named by ELASTIC_DDP_HOLD exists, every optimizer step of every rank ends with a
-sleep of HELD_STEP_S: the job keeps training (its collectives keep running, so failures are seen
-at once) but cannot finish before a scenario of faults (kills, joins, freezes) has happened,
-however fast the machine. Whoever plays the scenario (the chaos harness's `on_plan_done`, a test)
-deletes the file once it is done, and the job runs to its end at full speed. Trainers got 10x
-faster once and rehearsals sized for the old speed broke; holding the job makes them independent
-of it.
+While the file named by ELASTIC_DDP_HOLD exists, the job cannot finish before a scenario of faults
+(kills, joins, freezes) has happened, however fast the machine. Whoever plays the scenario (the
+chaos harness, a test) deletes the file once it is done (`release`), and the job runs to its end
+at full speed. Trainers got 10x faster once and rehearsals sized for the old speed broke; holding
+the job makes them independent of it. What the file says decides how it holds:
 
-A hold file that says `pause_at=N` also stops every rank after step N, until the file changes or
-the worker gets SIGTERM (torchrun stopping the group for a join must not wait): a scenario that
-takes long (a join) then happens mid-epoch.
+- empty: every optimizer step of every rank ends with a sleep of HELD_STEP_S, so the job keeps
+  training (its collectives keep running, so failures are seen at once) at a slow pace;
+- `pause_at=N` (`pause_at`): the same pace, and every rank stops after step N until the file
+  changes or the worker gets SIGTERM (torchrun stopping the group for a join must not wait), so
+  that a scenario that takes long (a join) happens mid-epoch;
+- `run_to=N` (`run_to`): full speed up to step N, then the same stop: for a player that knows
+  the step of its next fault (the chaos harness), no step is slowed down.
 
 Being an `elastic_ddp.` module, it gets what `-m elastic_ddp.train` gets from the plugin (a store
 of its own for every worker group with torch's c10d; elastic_ddp/agent/rendezvous/plugin.py).
@@ -31,15 +33,49 @@ from elastic_ddp.runtime.distributed import exit_worker
 HOLD_VARIABLE = "ELASTIC_DDP_HOLD"
 HELD_STEP_S = 0.05
 PAUSE_POLL_S = 0.01
+PAUSED_PACE, FULL_SPEED = "pause_at=", "run_to="
 
 
-def pause_step(hold: str) -> float:
-    """The step the hold file pauses at (`pause_at=N`); infinity when it pauses nowhere."""
+def read_hold(hold: str | Path) -> tuple[bool, float]:
+    """What the hold file says: whether steps sleep HELD_STEP_S, and the step the job stops after
+    (infinity: nowhere); (False, infinity) once it is gone."""
     try:
         text = Path(hold).read_text()
     except FileNotFoundError:
-        return float("inf")
-    return int(text.removeprefix("pause_at=")) if text.startswith("pause_at=") else float("inf")
+        return False, float("inf")
+    for prefix, paced in ((PAUSED_PACE, True), (FULL_SPEED, False)):
+        if text.startswith(prefix):
+            return paced, int(text.removeprefix(prefix))
+    return True, float("inf")
+
+
+def _write_hold(hold: str | Path, text: str) -> None:
+    temporary = Path(f"{hold}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, hold)  # the ranks never read half a line
+
+
+def pace(hold: str | Path) -> None:
+    """Hold at the slow pace, stopping nowhere."""
+    _write_hold(hold, "")
+
+
+def pause_at(hold: str | Path, step: int) -> None:
+    """Hold at the slow pace, and stop every rank after `step` until the file changes."""
+    _write_hold(hold, f"{PAUSED_PACE}{step}")
+
+
+def run_to(hold: str | Path, step: int) -> None:
+    """Train at full speed up to `step`, then stop every rank there until the file changes."""
+    _write_hold(hold, f"{FULL_SPEED}{step}")
+
+
+def release(hold: str | Path) -> None:
+    """Let a held job run to its end at full speed."""
+    try:
+        os.unlink(hold)
+    except FileNotFoundError:
+        pass
 
 
 def held(after_step: Callable | None = None, hold: str | None = None) -> Callable:
@@ -49,9 +85,13 @@ def held(after_step: Callable | None = None, hold: str | None = None) -> Callabl
     def hook(trainer) -> None:
         if after_step is not None:
             after_step(trainer)
-        while hold and not trainer.drain.requested and trainer.global_step >= pause_step(hold):
+        if not hold:
+            return
+        paced, stop_after = read_hold(hold)
+        while not trainer.drain.requested and trainer.global_step >= stop_after:
             time.sleep(PAUSE_POLL_S)
-        if hold and os.path.exists(hold):
+            paced, stop_after = read_hold(hold)
+        if paced:
             time.sleep(HELD_STEP_S)
 
     return hook

@@ -5,7 +5,8 @@ docs/failure-semantics.md: the run finishes at exactly epochs x steps per epoch,
 every sample of every epoch exactly once in the surviving trajectory, every restore used a
 snapshot whose write had completed (with the checksum that write recorded) or a verified memory
 copy of a committed step, and no fault cost more than one committed step. The job is held
-(elastic_ddp/chaos/held_train.py) until every fault of the plan has fired, whatever the machine's speed.
+(elastic_ddp/chaos/held_train.py) until every fault of the plan has fired, whatever the machine's speed:
+it stops at each fault's step until the harness has fired it, and trains at full speed otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from elastic_ddp.chaos.equivalence import (
 )
 from elastic_ddp.chaos.harness import ChaosHarness
 from elastic_ddp.chaos.plan import Fault, FaultPlan, random_plan
-from tests.support.cluster import hold_settings, release
+from tests.support.cluster import hold_settings
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +36,10 @@ def training_args(epochs: int = 2, dataset_size: int = 4096, *extra: str) -> lis
 
 
 def play(tmp_path, args, plan, name="chaos", **kwargs):
-    """Play `plan` on a job held until every fault has fired."""
+    """Play `plan` on a job held until every fault has fired: the harness stops it at each fault's
+    step until the fault has fired, and releases it after the last one."""
     hold = tmp_path / f"{name}-hold"
-    harness = ChaosHarness(tmp_path / name, args, plan, on_plan_done=lambda: release(hold),
-                           **hold_settings(hold), **kwargs)
+    harness = ChaosHarness(tmp_path / name, args, plan, hold=hold, **hold_settings(hold), **kwargs)
     report = harness.run()
     return harness, report
 
@@ -55,7 +56,7 @@ def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
     args = training_args(epochs=3, dataset_size=12288)  # 576 steps: a join needs a few seconds of them
     plan = random_plan(seed=2024, total_steps=576, faults=8, initial_nodes=3, min_nodes=1, max_nodes=4,
                        first_step=40)
-    harness, report = play(tmp_path, args, plan, deadline_s=380)
+    _, report = play(tmp_path, args, plan, deadline_s=380)
     print(report.summary())
     assert_promises_kept(report)
     fired = [r for r in report.faults if r.fired]
@@ -110,7 +111,7 @@ def test_a_frozen_node_is_left_behind_within_the_collective_timeout(tmp_path):
     timeout_s = 5
     args = training_args(2, 4096, "--collective_timeout_s", str(timeout_s))
     plan = FaultPlan((Fault("freeze_node", "newest", at_step=30),), initial_nodes=2, min_nodes=1, max_nodes=4)
-    harness, report = play(tmp_path, args, plan, deadline_s=240)
+    _, report = play(tmp_path, args, plan, deadline_s=240)
     print(report.summary())
     assert_promises_kept(report)
     frozen = report.faults[0]
