@@ -38,7 +38,11 @@ from tests.support.cluster import hold_settings, node_logs, pause_at, release, w
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-DATASET, BATCH, EPOCHS = 1536, 64, 100  # 2400 steps: held, longer than the scenario; released, seconds
+# 240 steps. The job is held (elastic_ddp/chaos/held_train.py) and each phase of a scenario first
+# moves its stop 20 steps on (`held_job`, `go_on`), so the job trains while a fault lands and cannot
+# end before the test releases it; then the few steps left run at full speed.
+DATASET, BATCH, EPOCHS = 1536, 64, 10
+STEPS_PER_PHASE = 20
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", str(EPOCHS), "--dataset_size", str(DATASET),
                  "--global_batch_size", str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "20",
                  "--log_interval", "5", "--metrics_port", "0"]
@@ -168,9 +172,21 @@ def world_sizes(watch: Watch, since: float) -> list[int]:
     return sizes
 
 
+def held_job(local_jobs, hold):
+    """A job of TRAINING_ARGS held at the slow pace, that stops after step STEPS_PER_PHASE until `go_on`."""
+    settings = hold_settings(hold)
+    pause_at(hold, STEPS_PER_PHASE)
+    return local_jobs(training_args=TRAINING_ARGS, **settings)
+
+
+def go_on(hold, values: dict[str, float]) -> None:
+    """Let the held job train STEPS_PER_PHASE steps past the step the endpoint showed last."""
+    pause_at(hold, int(values.get(f"{P}global_step", 0)) + STEPS_PER_PHASE)
+
+
 def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs, tmp_path):
     hold = tmp_path / "hold"
-    job = local_jobs(training_args=TRAINING_ARGS, **hold_settings(hold))
+    job = held_job(local_jobs, hold)
     host, other = job.add_node("host"), job.add_node("other")
     first = world_reached(job, 2)  # (the host may have trained alone before: --nnodes=1:4)
     assert next(r for r in first["ranks"] if r["rank"] == 0)["agent_pid"] == host.pid, (
@@ -195,6 +211,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
         return values.get(name, 0.0) - before.get(name, 0.0)
 
     # 1. The other node's worker dies: the whole group is torn down and re-formed, rank 0's process too.
+    go_on(hold, before)  # (rank 0 trains: its next all-reduce fails, no SIGTERM stops it first)
     killed_at = time.time()
     os.kill(next(r["pid"] for r in first["ranks"] if r["rank"] == 1), signal.SIGKILL)
     restarted = watch.until(new_group(2, groups + 1, before.get(f"{P}downtime_seconds_total", 0.0)), 120,
@@ -208,6 +225,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
     assert 0 < restarted[f"{P}last_recovery_downtime_seconds"] == grew(restarted, f"{P}downtime_seconds_total")
 
     # 2. The other node is lost, agent and all: the world goes down; its endpoint ends with its agent.
+    go_on(hold, restarted)
     other.kill()
     wait_for(lambda: not is_running(other_endpoint.pid, other_endpoint.start_ticks), 30,
              "the lost node's metrics server's end")
@@ -248,7 +266,7 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
 
 def test_a_frozen_node_shows_as_a_watchdog_eviction_and_a_peer_evicted_restart(local_jobs, tmp_path):
     hold = tmp_path / "hold"
-    job = local_jobs(training_args=TRAINING_ARGS, **hold_settings(hold))
+    job = held_job(local_jobs, hold)
     host, frozen = job.add_node("host"), job.add_node("frozen")
     first = world_reached(job, 2)
     assert next(r for r in first["ranks"] if r["rank"] == 0)["agent_pid"] == host.pid, (
@@ -258,6 +276,7 @@ def test_a_frozen_node_shows_as_a_watchdog_eviction_and_a_peer_evicted_restart(l
     before = watch.until(lambda v: v.get(f"{P}global_step", 0) >= 10 and v.get(f"{P}world_size") == 2
                          and v.get(f"{P}watchdog_longest_heartbeat_gap_seconds", 0) > 0, 120,
                          "step 10 in the world of 2, heartbeats seen", job)
+    go_on(hold, before)  # (rank 0 waits in its next all-reduce for the frozen peer)
     frozen.freeze()  # SIGSTOP, agent and workers: its sockets stay open, gloo does not fail
     try:
         after = watch.until(new_group(1, groups + 1, before.get(f"{P}downtime_seconds_total", 0.0)), 120,
