@@ -111,30 +111,36 @@ def test_a_lost_node_and_a_joining_one_cost_no_committed_step(local_jobs, tmp_pa
     assert "drain requested" not in logs
 
 
-@pytest.mark.parametrize("moment, committed_step", [("allreduce", 29), ("after_allreduce", 30)])
-def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_path, reference, moment,
-                                                               committed_step):
-    """Rank 3 SIGKILLs itself in step 30: inside the gradient all-reduce (nobody can finish step 30:
-    the survivors keep step 29), or once every other rank has committed step 30 (they keep 30, and
-    write rank 3's audit line for it, which rank 3 never wrote)."""
-    hold, fired = tmp_path / "hold", tmp_path / "fault-fired"
+def test_a_worker_killed_inside_a_step_costs_at_most_that_step(local_jobs, tmp_path, reference):
+    """Rank 3 SIGKILLs itself twice in one job. In step 30, inside the gradient all-reduce: nobody
+    can finish step 30, the survivors keep step 29. Then in step 40 of the next group, once every
+    other rank has committed step 40: they keep 40, and write rank 3's audit line for it, which
+    rank 3 never wrote."""
+    hold, fired = tmp_path / "hold", {step: tmp_path / f"fault-fired-{step}" for step in (30, 40)}
     settings = hold_settings(hold)
     settings["module"] = FAULT_MODULE
-    settings["env"][FAULT_VARIABLE] = f"rank=3,step=30,at={moment},once={fired}"
+    settings["env"][FAULT_VARIABLE] = (f"rank=3,step=30,at=allreduce,once={fired[30]};"
+                                       f"rank=3,step=40,at=after_allreduce,once={fired[40]}")
     job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2, **settings)
     nodes = [job.add_node("a"), job.add_node("b")]
     world_reached(job, 4)
-    wait_for(fired.exists, 120, "the fault in step 30", still_possible=job.why_ended)
-    restore = restore_after(job, 4, fired.stat().st_mtime)
+    restores = {}
+    for step in (30, 40):
+        wait_for(fired[step].exists, 120, f"the fault in step {step}", still_possible=job.why_ended)
+        restores[step] = restore_after(job, 4, fired[step].stat().st_mtime)
     release(hold)
     assert [node.wait(timeout=180) for node in nodes] == [0, 0], node_logs(job)
 
-    assert_from_memory_losing_nothing(restore, committed_step)
-    assert restore["global_step"] == committed_step, "the state the survivors had committed, no other"
-    first = min(e["incarnation"] for e in job.events("start"))
-    step_30 = {rank: [entry for entry in audit_lines(job, first, rank) if entry["step"] == 30] for rank in range(4)}
-    assert not step_30[3], "rank 3 died before it committed step 30"
-    recorded_for_rank_3 = [entry for rank in (0, 1, 2) for entry in step_30[rank] if entry["rank"] == 3]
-    assert bool(recorded_for_rank_3) == (moment == "after_allreduce"), step_30
+    for step, committed_step, moment in ((30, 29, "allreduce"), (40, 40, "after_allreduce")):
+        restore = restores[step]
+        assert_from_memory_losing_nothing(restore, committed_step)
+        assert restore["global_step"] == committed_step, "the state the survivors had committed, no other"
+        fired_at = fired[step].stat().st_mtime
+        died_in = max((e for e in job.events("start") if e["time"] < fired_at), key=lambda e: e["time"])["incarnation"]
+        in_step = {rank: [entry for entry in audit_lines(job, died_in, rank) if entry["step"] == step]
+                   for rank in range(4)}
+        assert not in_step[3], f"rank 3 died before it committed step {step}"
+        recorded_for_rank_3 = [entry for rank in (0, 1, 2) for entry in in_step[rank] if entry["rank"] == 3]
+        assert bool(recorded_for_rank_3) == (moment == "after_allreduce"), in_step
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
-    assert_same_model_as_uninterrupted(job, reference, may_lack_a_loss={30} if moment == "after_allreduce" else set())
+    assert_same_model_as_uninterrupted(job, reference, may_lack_a_loss={40})
