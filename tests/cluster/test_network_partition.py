@@ -1,10 +1,11 @@
 """Promise 10 (docs/design.md): a partitioned node is left behind like a frozen one, never trains
 as a group of its own, and rejoins by itself when its link returns.
 
-Two nodes, each a host of its own (a network namespace with its own address on a bridge:
+Three nodes, each a host of its own (a network namespace with its own address on a bridge:
 elastic_ddp/testbed/netns.py), plain torchrun with `--rdzv_backend=elastic-c10d`; n0 hosts the
-store, n1 is partitioned (its switch port down: its packets vanish, nothing is refused) for longer
-than the peer watchdog's bound. The nodes get the README's flags alone (tests/support/network.py).
+store, rank 0's snapshot replica target is partitioned (its switch port down: its packets vanish,
+nothing is refused) in the middle of a transfer to it, for longer than the peer watchdog's bound.
+The nodes get the README's flags alone (tests/support/network.py).
 Then three nodes, n0 (the store's node) partitioned: the others stop in a stated bound with one
 line naming the endpoint, and a relaunch without n0 resumes (elastic_ddp/agent/rendezvous/store_watch.py).
 
@@ -13,14 +14,19 @@ line naming the endpoint, and a relaunch without n0 resumes (elastic_ddp/agent/r
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from elastic_ddp import load_snapshot
 from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.testbed.netns import NetworkFault, why_unavailable
-from tests.support.cluster import assert_exactly_once, node_logs, release, world_reached
+from tests.support.cluster import assert_exactly_once, node_logs, pause_at, release, world_reached
+from tests.support.held_replication import HOLD_REPLICATION_VARIABLE, held_file
 from tests.support.network import start_job
+
+HELD_REPLICATION = "tests.support.held_replication"
 
 UNAVAILABLE = why_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no network namespaces: {UNAVAILABLE}")
@@ -36,52 +42,95 @@ def _agents(event: dict) -> set[int]:
     return {rank["agent_pid"] for rank in event["ranks"]}
 
 
+def _node_of(job, start: dict, group_rank: int):
+    """The node whose agent ran `group_rank` in the worker group that `start` announced."""
+    [pid] = {rank["agent_pid"] for rank in start["ranks"] if rank["group_rank"] == group_rank}
+    [node] = [node for node in job.nodes if node.pid == pid]
+    return node
+
+
 @pytest.mark.timeout(240)
-def test_a_partitioned_node_is_left_behind_never_trains_alone_and_rejoins_after_the_heal(
+def test_a_partitioned_replica_target_is_left_behind_never_trains_alone_and_rejoins_after_the_heal(
         local_jobs, network_bed, tmp_path):
-    bed = network_bed(["n0", "n1"])
-    hold = tmp_path / "hold"
-    # 960 steps held at 0.05 s or more each: the job cannot end before the heal and the rejoin.
-    dataset_size, epochs, batch = 1024, 60, 64
+    """Three nodes, each with a checkpoint directory of its own (snapshots replicated to one other
+    node, the default). The node partitioned is rank 0's replica target, cut off in the middle of a
+    transfer to it: rank 0's sender stopped after the frame's sizes were agreed, released once
+    the link is down, so its bytes go into the cut link (tests/support/held_replication.py). The
+    survivors train again within the bound all the same, and their next snapshot is replicated to
+    the node they can reach; healed, the node rejoins by itself."""
+    bed = network_bed(["n0", "n1", "n2"])
+    hold, replication_hold = tmp_path / "hold", tmp_path / "replication"
+    replication_hold.touch()
+    # 320 steps held at 0.05 s or more each, paused once the survivors' replica landed until the
+    # partitioned node is back: the job cannot end before the rejoin.
+    dataset_size, epochs, batch = 1024, 20, 64
     args = ["--model", "mlp", "--epochs", str(epochs), "--dataset_size", str(dataset_size),
-            "--global_batch_size", str(batch), "--snapshot_every_steps", "50", "--log_interval", "10"]
-    job = start_job(local_jobs, bed, hold, args, ["n0", "n1"], nnodes="1:2")
-    n0, n1 = job.nodes
+            "--global_batch_size", str(batch), "--snapshot_every_steps", "10", "--log_interval", "10"]
+    job = start_job(local_jobs, bed, hold, args, ["n0", "n1", "n2"], nnodes="2:3", module=HELD_REPLICATION,
+                    env={HOLD_REPLICATION_VARIABLE: str(replication_hold)}, per_node_checkpoint_dirs=True)
     try:
-        world_reached(job, 2)
-        job.wait_for_step(job.last_step() + 5, 30)
+        full = world_reached(job, 3)
+        [rank_0] = [rank for rank in full["ranks"] if rank["rank"] == 0]
+        chosen = job.wait_for_event(lambda e: e["event"] == "replication" and e["incarnation"] == full["incarnation"],
+                                    30, "the replica targets of the group of three")
+        [target] = [_node_of(job, full, group_rank) for group_rank in chosen["target_nodes"]]
+        assert target is not job.nodes[0], f"rank 0's replica target hosts the store: {full['ranks']}"
+
+        def sender_held() -> dict | None:
+            try:
+                held = json.loads(held_file(replication_hold).read_text())
+            except (FileNotFoundError, ValueError):
+                return None
+            return held if held["pid"] == rank_0["pid"] else None
+
+        wait_for(lambda: sender_held() is not None, 60, "rank 0's sender stopped mid-transfer")
+        held_step = sender_held()["global_step"]
         partitioned_at = time.time()
-        bed.apply(NetworkFault.parse("partition n1"))
+        bed.apply(NetworkFault.parse(f"partition {target.name}"))
+        release(replication_hold)  # the rest of the frame now goes into the cut link
+        survivors = {node.pid for node in job.nodes if node is not target}
         alone = job.wait_for_event(lambda e: e["event"] == "start" and e["time"] > partitioned_at, 60,
                                    "the survivors' group after the partition")
-        assert _agents(alone) == {n0.pid}, f"{alone}\n{node_logs(job)}"
+        assert _agents(alone) == survivors, f"{alone}\n{node_logs(job)}"
         first_step = job.wait_for_event(lambda e: e["event"] == "step" and e["time"] > alone["time"], 30,
                                         "a step of the survivors' group")
         training_again_s = first_step["time"] - partitioned_at
         restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["time"] >= alone["time"], 10,
                                      "the survivors' restore")
-        job.wait_for_step(first_step["global_step"] + 5, 30)
+        replicated = job.wait_for_event(lambda e: e["event"] == "snapshot_replicated"
+                                        and e["incarnation"] == alone["incarnation"], 60,
+                                        "the survivors' next snapshot replicated")
+        [reached] = [_node_of(job, alone, group_rank) for group_rank in replicated["nodes"]]
+        # It landed on that node's own disk (its checkpoint directory is no other node's).
+        replica_step = load_snapshot(job.node_checkpoint_dir(reached.name))["global_step"]
+        pause_at(hold, job.last_step() + 3)
         healed_at = time.time()
-        bed.apply(NetworkFault.parse("heal n1"))
+        bed.apply(NetworkFault.parse(f"heal {target.name}"))
 
-        def n1_back() -> bool:
-            return any(e["event"] == "start" and e["time"] > healed_at and n1.pid in _agents(e) for e in job.events())
+        def back() -> bool:
+            return any(e["event"] == "start" and e["time"] > healed_at and target.pid in _agents(e)
+                       for e in job.events())
 
-        wait_for(n1_back, 90, "a group with n1 after the heal",
-                 still_possible=lambda: None if n1.is_running() else f"n1's agent exited {n1.process.returncode}")
+        wait_for(back, 90, f"a group with {target.name} after the heal",
+                 still_possible=lambda: None if target.is_running() else f"its agent exited {target.process.returncode}")
         rejoined_s = time.time() - healed_at
     finally:
+        release(replication_hold)
         release(hold)
-    print(f"partition of n1: the survivor trained again {training_again_s:.1f} s later "
-          f"(restored step {restore['global_step']} from {restore['source']}, {restore['lost_steps']} step(s) lost); "
-          f"healed, n1 was in a group again within {rejoined_s:.1f} s")
+    print(f"partition of {target.name}, rank 0's replica target, mid-transfer of step {held_step}: the survivors "
+          f"trained again {training_again_s:.1f} s later (restored step {restore['global_step']} from "
+          f"{restore['source']}, {restore['lost_steps']} step(s) lost); their snapshot of step "
+          f"{replicated['global_step']} was replicated to {reached.name} in {replicated['seconds']:.2f} s; "
+          f"healed, {target.name} was in a group again within {rejoined_s:.1f} s")
     codes = job.wait(120)
-    assert codes == {"n0": 0, "n1": 0}, f"{codes}\n{node_logs(job)}"
-    # No split brain: n1 never formed a group without n0 (its rank 0 would have logged its start).
+    assert codes == {"n0": 0, "n1": 0, "n2": 0}, f"{codes}\n{node_logs(job)}"
+    # No split brain: the cut-off node never formed a group without n0 (its rank 0 would have logged its start).
     starts = job.events("start")
-    assert all(n0.pid in _agents(start) for start in starts), f"{starts}\n{node_logs(job)}"
+    assert all(job.nodes[0].pid in _agents(start) for start in starts), f"{starts}\n{node_logs(job)}"
     assert restore["source"] == "memory" and restore["lost_steps"] <= 1, restore
     assert training_again_s <= TRAINING_AGAIN_BOUND_S, f"{training_again_s:.1f} s\n{node_logs(job)}"
+    assert reached is not target and reached.pid in survivors, replicated
+    assert replica_step >= replicated["global_step"], (replica_step, replicated)
     assert_exactly_once(job, dataset_size, epochs, batch)
 
 

@@ -43,14 +43,16 @@ def network_bed():
 
 
 def start_job(local_jobs, bed: NetworkBed, hold, args, nodes: list[str], nnodes: str,
-              launcher: str = STOCK_LAUNCHER, **job_options) -> LocalJob:
+              launcher: str = STOCK_LAUNCHER, module: str | None = None, env: dict | None = None,
+              **job_options) -> LocalJob:
     """A held elastic-c10d job of one agent per namespace, started with the README's flags alone
-    (module docstring); the first node hosts the store."""
+    (module docstring); the first node hosts the store. `module` replaces the held trainer (one
+    that holds too), `env` adds to its environment."""
     held = hold_settings(hold)
     endpoint = f"{bed.address(nodes[0])}:{RDZV_PORT}"
     job = local_jobs(args, nnodes=nnodes, rdzv_backend="elastic-c10d", rdzv_endpoint=endpoint,
-                     launcher=launcher, module=held["module"],
-                     env=held["env"], **job_options)
+                     launcher=launcher, module=module or held["module"],
+                     env={**held["env"], **(env or {})}, **job_options)
     for index, node in enumerate(nodes):
         job.add_node(node, hosts_store=False, local_addr=bed.address(node), command_prefix=bed.prefix(node))
         if index == 0:
