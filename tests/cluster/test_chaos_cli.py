@@ -20,7 +20,7 @@ from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.testbed.local_cluster import free_port, port_is_listening, wait_for
 from elastic_ddp.testbed.netns import why_unavailable
-from tests.support.cluster import hold_settings, release
+from tests.support.cluster import hold_settings, pause_at, release
 
 NO_NAMESPACES = why_unavailable()
 BLIP_S = 1.0  # below the peer watchdog's default bound (--watchdog_timeout_s 3)
@@ -73,9 +73,11 @@ def test_the_chaos_cli_plays_a_blip_a_partition_and_a_heal_on_hosts_of_their_own
     1 s (below the peer watchdog's bound): gloo's TCP retransmits carry the collectives over the
     gap, no group re-forms, nothing is lost. Then node1 is partitioned: node0 trains on alone;
     healed, node1 rejoins by itself. Every promise held (exit 0: exactly once, every fault fired,
-    at most one step lost each). The job is held until node1 is back (elastic_ddp/chaos/held_train.py)."""
+    at most one step lost each). The job is held, and paused after step 70, until node1 is back
+    (elastic_ddp/chaos/held_train.py)."""
     hold = tmp_path / "hold"
     held = hold_settings(hold)
+    pause_at(hold, 70)  # after the heal (at step 60 of node0's group alone)
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"initial_nodes": 2, "min_nodes": 1, "max_nodes": 2, "faults": [
         {"action": "blip_node", "target": "node1", "seconds": BLIP_S, "at_step": 20},
@@ -83,8 +85,8 @@ def test_the_chaos_cli_plays_a_blip_a_partition_and_a_heal_on_hosts_of_their_own
         {"action": "partition_node", "target": "node1", "at_step": 40, "settle": False},
         {"action": "heal_node", "target": "node1", "at_step": 60}]}))
     run_dir, report = tmp_path / "run", tmp_path / "report.json"
-    # 800 steps held at 0.05 s or more each: the job cannot end before node1 is back.
-    args = ["--model", "mlp", "--epochs", "50", "--dataset_size", "1024", "--global_batch_size", "64",
+    # 160 steps held at 0.05 s or more each, paused after step 70: the job cannot end before node1 is back.
+    args = ["--model", "mlp", "--epochs", "10", "--dataset_size", "1024", "--global_batch_size", "64",
             "--snapshot_every_steps", "20", "--log_interval", "10"]
     command = [str(Path(sys.executable).with_name("elastic-ddp")), "chaos", "--plan", str(plan), "--run-dir",
                str(run_dir), "--module", held["module"], "--deadline", "200", "--report", str(report), "--", *args]

@@ -151,11 +151,13 @@ def test_a_partitioned_store_host_stops_the_others_with_one_line_and_a_relaunch_
     peer watchdog's store read, are SIGKILLed by torchrun and keep no memory copy."""
     bed = network_bed(["n0", "n1", "n2"])
     hold = tmp_path / "hold"
-    dataset_size, epochs, batch = 1024, 30, 64
+    # 160 steps held at 0.05 s or more each, paused after step 40 should the group of three be late.
+    dataset_size, epochs, batch = 1024, 10, 64
     args = ["--model", "mlp", "--epochs", str(epochs), "--dataset_size", str(dataset_size),
             "--global_batch_size", str(batch), "--snapshot_every_steps", "5", "--log_interval", "10"]
     # At least two nodes: n0, alone on its side, never trains as a group of its own.
     job = start_job(local_jobs, bed, hold, args, ["n0", "n1", "n2"], nnodes="2:3")
+    pause_at(hold, 40)
     n0, n1, n2 = job.nodes
     world_reached(job, 3)
     job.wait_for_event(lambda e: e["event"] == "snapshot" and e["global_step"] >= 10, 60, "a snapshot at step 10")
