@@ -78,6 +78,24 @@ def test_this_node_cut_off_waits_and_goes_on_when_the_store_answers(endpoint_sil
     assert len(messages) == 2 and "seems cut off" in messages[0] and "answers again" in messages[1], messages
 
 
+def test_this_nodes_partition_healing_while_it_judges_is_not_taken_for_a_lost_store(monkeypatch):
+    """Seen in benchmarks/recovery.py --partition (2 of 5 launcher runs): the store silent and no
+    route to it, then the link back just before the peers were probed, so they answered, and the node
+    stopped instead of rejoining. The endpoint is asked again after the peers answer."""
+    answers = iter(["No route to host"])  # silent once; from then on it answers (the heal)
+    monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: next(answers, None))
+    watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
+    watch.peers_answer = lambda: True
+    release = threading.Event()
+    thread = _blocked_call(watch, release)
+    thread.join(0.3)
+    assert thread.is_alive()  # still waiting for its request: not stopped
+    release.set()
+    thread.join(5)
+    assert thread.outcome == "state"
+    assert watch.call("read", lambda: "later") == "later"
+
+
 def test_a_slow_store_whose_machine_answers_is_waited_for(monkeypatch):
     monkeypatch.setattr(c10d_store, "unanswered", lambda host, port: None)
     watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)

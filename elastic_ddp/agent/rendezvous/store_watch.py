@@ -12,7 +12,9 @@ the store's side counts this node as gone anyway) it tries the endpoint itself (
 and when that gets no answer either it asks whether the network works at all, by probing the other
 nodes of the rendezvous (`peers_answer`, their dead-node beacons):
 
-- some other node answers: the network works, the store's node is what is cut off. The request
+- some other node answers, and then the endpoint still does not (asked again, so that this node's
+  own partition healing between the two questions does not count): the network works, the store's
+  node is what is cut off. The request
   raises `RendezvousConnectionError`, one line naming the endpoint, and so does every later one
   at once: torchrun's agent stops its workers and exits. Relaunch the job with an endpoint that
   works; it resumes from the newest state any node holds.
@@ -20,8 +22,8 @@ nodes of the rendezvous (`peers_answer`, their dead-node beacons):
   It says so in one warning line and keeps waiting, as torch does, so that it rejoins by itself
   when its link returns.
 
-Bound: a node stops `silence_s + PROBE_TIMEOUT_S` (+ one beacon probe per peer, 0.25 s each at
-most) after its first unanswered request, 7 s with the shipped settings; then torchrun stops its
+Bound: a node stops `silence_s + 2 * PROBE_TIMEOUT_S` (+ one beacon probe per peer, 0.25 s each at
+most) after its first unanswered request, 9 s with the shipped settings; then torchrun stops its
 workers (SIGTERM; SIGKILL after its shutdown timeout, 30 s by default, for a worker blocked in a
 collective).
 
@@ -86,7 +88,10 @@ class StoreWatch:
         reason = c10d_store.unanswered(self.host, self.port)
         if reason is None:
             return  # the endpoint's machine answers: a slow store, torch's read timeout applies
-        if self.peers_answer():
+        # The endpoint is asked again after the peers answered: a partition of this node that heals
+        # between the two questions would otherwise look like the store's node cut off (the store
+        # silent, then the peers answering), and stop a node that was about to rejoin.
+        if self.peers_answer() and (reason := c10d_store.unanswered(self.host, self.port)) is not None:
             self._lost = (f"lost the c10d rendezvous store at --rdzv_endpoint={self.host}:{self.port}: no answer to "
                           f"'{what}' for {silent_s:.0f} s and none to a new connection ({reason}), while other nodes "
                           "answer: the store's node is cut off. This node stops; relaunch the job with a reachable "
