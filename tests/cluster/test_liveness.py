@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
 from elastic_ddp.agent.rendezvous.handler import elastic_handler
+from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, DeadNodeDetector, beacon_key, probe
 from elastic_ddp.testbed.local_cluster import free_port
 from tests.support.cluster import hold_settings, node_logs
@@ -231,15 +232,24 @@ def test_a_live_peer_that_has_not_come_back_keeps_its_place(store, caplog):
     peer._stop_heartbeats()
 
 
+@pytest.mark.parametrize("algorithm", ["keyed", "dynamic"])
 @pytest.mark.parametrize("probe_dead_nodes, holder_probes", [("1", True), ("0", False)])
 def test_the_elastic_c10d_backend_comes_from_the_entry_point_and_probes_unless_told_not_to(
-        probe_dead_nodes, holder_probes):
+        probe_dead_nodes, holder_probes, algorithm):
     port = free_port()
     handler = get_rendezvous_handler(RendezvousParameters(
-        BACKEND_NAME, f"127.0.0.1:{port}", "launcher", 1, 1, is_host="1", probe_dead_nodes=probe_dead_nodes))
-    assert (handler._state_holder._detector is not None) is holder_probes
+        BACKEND_NAME, f"127.0.0.1:{port}", "launcher", 1, 1, is_host="1", probe_dead_nodes=probe_dead_nodes,
+        algorithm=algorithm))
+    keyed = isinstance(handler, KeyedRendezvousHandler)
+    assert keyed is (algorithm == "keyed")
+    # The keyed handler's witness publishes a beacon port only with the probes on; torch's has a detector.
+    probes = handler._witness.port is not None if keyed else handler._state_holder._detector is not None
+    assert probes is holder_probes
     assert handler.next_rendezvous().world_size == 1
-    handler._stop_heartbeats()
+    if keyed:
+        handler.shutdown()
+    else:
+        handler._stop_heartbeats()
 
 
 @pytest.mark.slow
