@@ -315,9 +315,9 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     connection = EtcdConnection(options)
     try:
         store = EtcdV3Store(connection, params.run_id)
-        # Members read rank 0's address from it as soon as they see a new round, before rank 0 (which
-        # sees the round at its own next look) wrote it: with the store's back-off to 250 ms they saw
-        # it up to 250 ms late (64 agents: 0.33 s from the close to the last return, 0.11 s with 8).
+        # Members read rank 0's address from it as soon as they see a new round, often before rank 0
+        # (at its own next look) wrote it; the store's back-off to 250 ms could make them see it up
+        # to 250 ms late. (64 agents, one run each: close to last return 0.31 s with this, 0.33 s before.)
         store.max_poll_s = SYNC_POLL_S / 2
         board = EtcdRoundBoard(connection, store, params.run_id, settings)
         board.view(0)  # fails here, not in the first round, if etcd refuses us
