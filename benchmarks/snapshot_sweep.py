@@ -64,11 +64,14 @@ class SizeCase:
     size_bytes: float
     batch: int
     repetitions: int
+    min_interval_s: float = 1.0  # the shortest time between the two snapshots (snapshot_interval_steps)
 
 
 FULL = (SizeCase("10 MB", 10e6, batch=64, repetitions=3), SizeCase("100 MB", 100e6, batch=16, repetitions=3),
         SizeCase("1 GB", 1e9, batch=4, repetitions=3))
-QUICK = (SizeCase("10 MB", 10e6, batch=16, repetitions=1),)
+# --quick (a smoke run, whose figures are only checked to parse): 0.25 s between the snapshots, still
+# above 1.3 x the 10 MB write at WRITE_MB_PER_S (0.22 s); 1 s made this case 6 s of a 25 s run.
+QUICK = (SizeCase("10 MB", 10e6, batch=16, repetitions=1, min_interval_s=0.25),)
 
 
 def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
@@ -95,9 +98,10 @@ def seconds_per_step(hidden: int, batch: int, steps: int = 3) -> float:
 WRITE_MB_PER_S = 60
 
 
-def snapshot_interval_steps(step_seconds: float, size_bytes: float) -> int:
-    """Steps between the two snapshots: long enough for the first write to end, at least 5."""
-    seconds = max(1.0, 1.3 * size_bytes / 1e6 / WRITE_MB_PER_S)
+def snapshot_interval_steps(step_seconds: float, size_bytes: float, min_seconds: float = 1.0) -> int:
+    """Steps between the two snapshots: long enough for the first write to end (`min_seconds` at
+    least), at least 5."""
+    seconds = max(min_seconds, 1.3 * size_bytes / 1e6 / WRITE_MB_PER_S)
     return max(5, math.ceil(seconds / step_seconds))
 
 
@@ -121,7 +125,7 @@ def measure(cases: tuple[SizeCase, ...], directory: Path,
 
 def _measure_size(case: SizeCase, directory: Path, snapshot_cost, progress) -> list[Row]:
     hidden = hidden_for_snapshot_bytes(case.size_bytes)
-    every = snapshot_interval_steps(seconds_per_step(hidden, case.batch), case.size_bytes)
+    every = snapshot_interval_steps(seconds_per_step(hidden, case.batch), case.size_bytes, case.min_interval_s)
     # Snapshots at steps `every` (warm-up) and 2 x `every` (the measured window's only one).
     options = snapshot_cost.SnapshotCostOptions(
         hidden=hidden, warmup=every, steps=every, every=every, repetitions=1, batch=case.batch,
