@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.held_train import run_to
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, pause_at, release, world_reached
 
@@ -38,8 +39,10 @@ def assert_finished_exactly_once(job: LocalJob, dataset_size: int = DATASET) -> 
 
 
 def test_the_whole_job_killed_and_relaunched_resumes_without_redoing_work(local_jobs, tmp_path):
-    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2,
-                     **hold_settings(tmp_path / "hold"))
+    hold = tmp_path / "hold"
+    settings = hold_settings(hold)
+    run_to(hold, STEPS // 2)  # full speed to mid-run, stopped there until the kill
+    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2, **settings)
     job.add_node("a")
     job.add_node("b")
     job.wait_for_step(STEPS // 2, timeout=120)
