@@ -50,9 +50,10 @@ from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
+from elastic_ddp.agent.rendezvous.etcd_handler import warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
-from elastic_ddp.agent.rendezvous.handler import never_share_agent_store
+from elastic_ddp.agent.rendezvous.handler import name_the_workers_interface, never_share_agent_store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
@@ -312,6 +313,10 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     options = EtcdV3Options.from_params(params)
     settings = KeyedSettings.from_params(params)
     never_share_agent_store()
+    # As the dynamic path does (`handler.elastic_handler`): on several hosts the workers' gloo must use
+    # the interface of this node's published address, not the host name's (often loopback).
+    warn_if_loopback_published(params.local_addr, options.endpoints)
+    name_the_workers_interface(params.local_addr)
     connection = EtcdConnection(options)
     try:
         store = EtcdV3Store(connection, params.run_id)
