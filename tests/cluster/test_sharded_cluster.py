@@ -112,7 +112,8 @@ def test_a_users_model_trains_sharded_from_the_command_line(tmp_path):
                "--epochs", "3", "--checkpoint_dir", str(checkpoint_dir), "--progress", "log"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1",
-                                 "PYTHONPATH": os.pathsep.join([str(DOCS / "examples"), str(REPO)])})
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(DOCS / "examples"), str(REPO),
+                                                                  os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stderr[-3000:]
     evals = [event for event in read_events(checkpoint_dir / "events.jsonl") if event["event"] == "eval"]
     assert evals and evals[-1]["samples"] == 360, evals

@@ -183,8 +183,9 @@ def test_a_single_node_is_said_once(one_rank_gloo_group, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.sharded.ring"):
         memory.commit(_copy(1, 0, 1))
         memory.commit(_copy(2, 0, 1))
-    said = [record.getMessage() for record in caplog.records if "on one node" in record.getMessage()]
-    assert len(said) == 1 and "all 1 rank(s) are on one node" in said[0]
+    said = [record.getMessage() for record in caplog.records if "memory copies of shards" in record.getMessage()]
+    assert len(said) == 1 and "one rank alone keeps its part in this node's memory only" in said[0]
+    assert "copy is on" not in said[0]  # there is no copy at world 1
     assert [copy.step for copy in memory.own] == [1, 2]
 
 

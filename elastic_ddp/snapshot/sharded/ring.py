@@ -58,7 +58,11 @@ def warn_if_not_spread(nodes: list[int]) -> None:
     exposed = copies_on_their_own_node(nodes)
     if not exposed:
         return
-    if len(set(nodes)) == 1:
+    if len(nodes) == 1:
+        logger.warning("memory copies of shards: one rank alone keeps its part in this node's memory only (there "
+                       "is no other rank to copy it to): a lost worker costs no step, the loss of the node falls "
+                       "back to the newest durable snapshot")
+    elif len(set(nodes)) == 1:
         logger.warning("memory copies of shards: all %d rank(s) are on one node, so each part's copy is on that "
                        "node too: a lost worker costs no step, the loss of the node falls back to the newest "
                        "durable snapshot", len(nodes))
