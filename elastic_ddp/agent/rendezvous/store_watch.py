@@ -8,22 +8,21 @@ blocks well past the store's timeout, and torchrun's agent makes one ten times a
 (`num_nodes_waiting`), so a node whose c10d store's node was cut off never stops: its agent hangs
 in the request. `StoreWatch.call` runs each request of the rendezvous backend on a thread of its
 own and waits for it; once one has had no answer for `silence_s` (the heartbeat expiry: by then
-the store's side counts this node as gone anyway) it tries the endpoint itself (`PROBE_TIMEOUT_S`),
-and when that gets no answer either it asks whether the network works at all, by probing the other
-nodes of the rendezvous (`peers_answer`, their dead-node beacons):
+the store's side counts this node as gone anyway) it asks whether the network works at all, by
+probing the other nodes of the rendezvous (`peers_answer`, their dead-node beacons), then tries the
+endpoint itself (`PROBE_TIMEOUT_S`); an endpoint that answers is a slow store, waited for:
 
-- some other node answers, and then the endpoint still does not (asked again, so that this node's
-  own partition healing between the two questions does not count): the network works, the store's
-  node is what is cut off. The request
-  raises `RendezvousConnectionError`, one line naming the endpoint, and so does every later one
+- some other node answers, and the endpoint, asked after them, does not: the network works, the
+  store's node is what is cut off (asked in that order, so that this node's own partition healing
+  between the two questions does not count). The request raises `RendezvousConnectionError`, one line naming the endpoint, and so does every later one
   at once: torchrun's agent stops its workers and exits. Relaunch the job with an endpoint that
   works; it resumes from the newest state any node holds.
 - no other node answers (or none is known): this node is the one cut off, as far as it can tell.
   It says so in one warning line and keeps waiting, as torch does, so that it rejoins by itself
   when its link returns.
 
-Bound: a node stops `silence_s + 2 * PROBE_TIMEOUT_S` (+ one beacon probe per peer, 0.25 s each at
-most) after its first unanswered request, 9 s with the shipped settings; then torchrun stops its
+Bound: a node stops `silence_s + PROBE_TIMEOUT_S` (+ one beacon probe per peer, 0.25 s each at
+most) after its first unanswered request, 7 s with the shipped settings; then torchrun stops its
 workers (SIGTERM; SIGKILL after its shutdown timeout, 30 s by default, for a worker blocked in a
 collective).
 
@@ -85,13 +84,15 @@ class StoreWatch:
     def _judge(self, what: str, silent_s: float) -> None:
         if self._lost is not None:
             raise RendezvousConnectionError(self._lost)
+        # The peers first, then the endpoint: asked the other way round, a partition of this node
+        # that heals between the two questions (the endpoint unreachable, then the peers answering)
+        # looked like the store's node cut off and stopped a node that was about to rejoin. This
+        # way a heal in between makes the endpoint answer, and the node waits on.
+        peers_answer = self.peers_answer()
         reason = c10d_store.unanswered(self.host, self.port)
         if reason is None:
             return  # the endpoint's machine answers: a slow store, torch's read timeout applies
-        # The endpoint is asked again after the peers answered: a partition of this node that heals
-        # between the two questions would otherwise look like the store's node cut off (the store
-        # silent, then the peers answering), and stop a node that was about to rejoin.
-        if self.peers_answer() and (reason := c10d_store.unanswered(self.host, self.port)) is not None:
+        if peers_answer:
             self._lost = (f"lost the c10d rendezvous store at --rdzv_endpoint={self.host}:{self.port}: no answer to "
                           f"'{what}' for {silent_s:.0f} s and none to a new connection ({reason}), while other nodes "
                           "answer: the store's node is cut off. This node stops; relaunch the job with a reachable "
