@@ -196,11 +196,16 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                   **_phases(unfrozen, events, frozen_at)}
         return {"setting": setting, "kill": kill, "join": join, "freeze": freeze}
     except TimeoutError as error:
-        # Without the nodes' own words a time-out says nothing (seen on a 16-core GPU machine).
-        logs = "\n".join(f"===== {node.name}\n{node.log_text()[-3000:]}" for node in job.nodes)
-        raise TimeoutError(f"{setting}: {error}\n{logs}") from None
+        raise with_node_logs(setting, error, job) from None
     finally:
         job.stop()
+
+
+def with_node_logs(setting: str, error: TimeoutError, job: LocalJob) -> TimeoutError:
+    """`error` with the end of every node's log: without the nodes' own words a time-out says
+    nothing (seen on a 16-core GPU machine)."""
+    logs = "\n".join(f"===== {node.name}\n{node.log_text()[-3000:]}" for node in job.nodes)
+    return TimeoutError(f"{setting}: {error}\n{logs}")
 
 
 def _paused(group: WorkerGroup, events: EventFollower) -> float | None:

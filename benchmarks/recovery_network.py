@@ -43,6 +43,7 @@ from benchmarks.recovery import (
     first_after,
     print_table,
     summarise,
+    with_node_logs,
 )
 from elastic_ddp.runlog.reader import EventFollower
 from elastic_ddp.testbed.local_cluster import AGENT_ENV, LocalJob, wait_for
@@ -120,8 +121,7 @@ def measure_partition_once(setting: str, run_dir: Path, down_s: float = 0, timeo
         rejoin["down_s"] = round(healed_at - partitioned_at, 2)
         return {"setting": setting, "partition": partition, "rejoin": rejoin, "freeze": freeze}
     except TimeoutError as error:
-        logs = "\n".join(f"===== {node.name}\n{node.log_text()[-3000:]}" for node in job.nodes)
-        raise TimeoutError(f"{setting}: {error}\n{logs}") from None
+        raise with_node_logs(setting, error, job) from None
     finally:
         job.stop()
         bed.close()
