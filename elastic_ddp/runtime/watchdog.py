@@ -19,6 +19,11 @@ to the store has waited unanswered for `bound_s` (its host, rank 0's worker, is 
 off). Then the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
 in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
+With a `verdict_path`, it first writes there which nodes were silent (`elastic_ddp.verdicts`: their
+`GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
+node's torchrun agent: its keyed rendezvous then leaves such a node out of the next round as soon
+as the node's beacon does not answer either, instead of waiting for its lease to expire
+(elastic_ddp/agent/rendezvous/keyed_silence.py).
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
 gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 
@@ -44,14 +49,27 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
+
+from elastic_ddp.verdicts import write_verdict
 
 logger = logging.getLogger(__name__)
 
 # EX_UNAVAILABLE from sysexits.h: a service this worker needs (a peer) is unavailable.
 SILENT_PEER_EXIT_CODE = 69
 LEFT = b"left"
+# A heartbeat is b"<count>@<GROUP_RANK>": its writer's node travels with it, for the verdict.
+_NODE_SEPARATOR = b"@"
+
+
+def node_rank_of(heartbeat: bytes | None) -> int | None:
+    """The GROUP_RANK a heartbeat names, or None (none yet, `LEFT`, or a heartbeat without one)."""
+    if not heartbeat or _NODE_SEPARATOR not in heartbeat:
+        return None
+    text = heartbeat.rpartition(_NODE_SEPARATOR)[2]
+    return int(text) if text.isdigit() and len(text) < 10 else None
 
 
 class PeerWatchdog:
@@ -59,12 +77,15 @@ class PeerWatchdog:
 
     def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
                  on_silent: Callable[[str], None], interval_s: float | None = None,
-                 store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None):
+                 store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None,
+                 node_rank: int | None = None, verdict_path: Path | None = None):
         self.rank, self.world_size = rank, world_size
         self.bound_s = bound_s
         self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
         self.on_silent = on_silent
         self.on_gap = on_gap
+        self.node_rank = node_rank  # this rank's GROUP_RANK, carried by its heartbeats
+        self.verdict_path = verdict_path
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
@@ -117,7 +138,8 @@ class PeerWatchdog:
 
     def _beat(self) -> None:
         self._beats += 1
-        self._store.set(str(self.rank), str(self._beats))
+        node = "" if self.node_rank is None else f"{_NODE_SEPARATOR.decode()}{self.node_rank}"
+        self._store.set(str(self.rank), f"{self._beats}{node}")
 
     def _exchange(self) -> None:
         """The heartbeat thread: beat and read the peers' heartbeats every interval. A store request
@@ -150,7 +172,7 @@ class PeerWatchdog:
             # thread starved of CPU (it asked nothing) is not a silent store.
             if asked_at is not None and now - asked_at > self.bound_s:
                 self._fire(f"the worker group's store (rank 0's) has not answered for {now - asked_at:.1f} s "
-                           "(cut off, frozen or gone)")
+                           "(cut off, frozen or gone)", silent_nodes={0})
                 return
             if values is None or answered_at == seen_at:
                 continue
@@ -168,7 +190,7 @@ class PeerWatchdog:
                     silent.append(rank)
             if silent:
                 self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone without "
-                           "closing their connections)")
+                           "closing their connections)", silent_nodes={node_rank_of(last_value[rank]) for rank in silent})
                 return
 
     def _new_longest_gap(self, gap_s: float) -> None:
@@ -189,7 +211,14 @@ class PeerWatchdog:
             return dict(zip(peers, self._store.multi_get(keys)))
         return {rank: self._store.get(str(rank)) if self._store.check([str(rank)]) else None for rank in peers}
 
-    def _fire(self, reason: str) -> None:
+    def _fire(self, reason: str, silent_nodes: set[int | None]) -> None:
         logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)
         self._stop.set()  # the heartbeat thread too: this worker is ending
+        # This node's own rank never: its store going silent may be this node cut off.
+        named = {node for node in silent_nodes if node is not None and node != self.node_rank}
+        if self.verdict_path is not None and named:
+            try:
+                write_verdict(self.verdict_path, named)
+            except OSError as exc:  # the agent then waits for the silent node's lease, as without a verdict
+                logger.warning("peer watchdog: could not write the verdict for this node's agent: %s", exc)
         self.on_silent(reason)

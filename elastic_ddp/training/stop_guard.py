@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 
@@ -38,6 +39,7 @@ from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
 from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.verdicts import worker_verdict_path
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -113,12 +115,16 @@ class StopGuard:
     def watching_peers(self, incarnation: int) -> Iterator[None]:
         """The peer watchdog for the block (none when off, or without a process group). On the way
         out this rank is marked as left, unless it failed: then its peers must find it silent, as
-        a dead one (under NCCL nothing else would tell them)."""
+        a dead one (under NCCL nothing else would tell them). Under torchrun a firing watchdog
+        leaves its verdict for this node's agent (`elastic_ddp.verdicts`)."""
         if not self.watchdog_timeout_s:
             yield
             return
+        node_rank = os.environ.get("GROUP_RANK", "")
         watchdog = PeerWatchdog(self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
-                                on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap).start()
+                                on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
+                                node_rank=int(node_rank) if node_rank.isdigit() else None,
+                                verdict_path=worker_verdict_path()).start()
         try:
             yield
         except DrainRequested:

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.runtime.watchdog import PeerWatchdog
+from elastic_ddp.verdicts import take_verdict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +61,23 @@ def test_live_peers_are_never_silent_and_a_stopped_one_is(store):
     assert "rank(s) [2] sent no heartbeat for over 1 s" in reasons[0]
     assert not fired[2].is_set()
     assert dogs[0].longest_gap_s < BOUND_S
+
+
+def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_agent(store, tmp_path):
+    """Ranks 0 and 1 on node 0, rank 2 on node 1 (GROUP_RANK): rank 2 stops; rank 0's verdict
+    names node 1, never its own node; the agent's read (`take_verdict`) removes the file."""
+    fired = [threading.Event() for _ in range(3)]
+    paths = [tmp_path / f"verdict-{rank}.json" for rank in range(3)]
+    dogs = [PeerWatchdog(rank, 3, 1, BOUND_S, lambda reason, rank=rank: fired[rank].set(), INTERVAL_S,
+                         store=client(store), node_rank=rank // 2, verdict_path=paths[rank]).start()
+            for rank in range(3)]
+    assert not any(event.wait(QUIET_WINDOW_S / 4) for event in fired)
+    dogs[2].stop()
+    assert fired[0].wait(10) and fired[1].wait(10)
+    assert take_verdict(paths[0]) == {1} == take_verdict(paths[1])
+    assert not paths[0].exists() and not paths[2].exists()
+    for dog in dogs[:2]:
+        dog.stop()
 
 
 def test_a_rank_that_left_is_not_watched(store):

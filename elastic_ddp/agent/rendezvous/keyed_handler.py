@@ -30,7 +30,9 @@ Dead nodes: a node's keys live on its lease, refreshed every `keep_alive_interva
 lease expires after `keep_alive_interval x keep_alive_max_attempt` (5 s shipped) and its liveness
 key goes, so the closer stops waiting for it. Sooner, with dead-node probes (`keyed_probes`, on
 unless `probe_dead_nodes=0`): the closer probes the beacon of a missing member it reached before,
-and a refusal (the agent process has exited) counts as dead. `shutdown` revokes the lease at once.
+and a refusal (the agent process has exited) counts as dead. A frozen or cut-off member refuses
+nothing; it counts as dead once this node's workers' watchdog named it and its beacon does not
+answer within half a second either (`keyed_silence`). `shutdown` revokes the lease at once.
 `num_nodes_waiting` counts the arrivals at the next round (one keys-only read), except when the
 round is full and only spares wait. `set_closed` writes a closed flag that every waiting node sees
 at its next read and every later `next_rendezvous` raises on.
@@ -38,8 +40,9 @@ at its next read and every later `next_rendezvous` raises on.
 Writes per node per phase: one arrival, plus one for the closer, plus rank 0's two store keys for
 the workers' address; lease refreshes are one per node per `keep_alive_interval`.
 
-Not guaranteed: a frozen or powered-off node (no refusal) holds the next round up for its lease
-expiry, as in torch; so does a closer killed while it waits (nobody probes a waiting node's
+Not guaranteed: a frozen, powered-off or cut-off node that the closer's own workers did not name
+(they failed otherwise, or a closer without workers in that round) holds the next round up for its
+lease expiry, as in torch; so does a closer killed while it waits (nobody probes a waiting node's
 beacon: the next earliest arrival takes over when its lease expires); a node partitioned from etcd for longer than
 its lease loses its keys and comes back as a new arrival. The round record is bound to the closer's
 process lease (`ttl`, 2 h by default): a job that runs longer than that without a new round after
@@ -67,6 +70,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.keyed_silence import SilenceJudge
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, node_name
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
@@ -118,6 +122,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                  witness: ExitWitness | None = None, poll_s: float = SYNC_POLL_S) -> None:
         self._board = board
         self._witness = witness or ExitWitness(enabled=False)
+        self._silence = SilenceJudge(self._witness)
         self._node = node
         self._settings = settings
         self._poll_s = poll_s
@@ -150,6 +155,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if first.closed:
             raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
         target = first.record.round + 1 if first.record is not None else 0
+        self._silence.start(self._board.alive)
         self._board.arrive(target, self._node)
         record = self._wait_for(target, started)
         rank = record.rank_of(self._node)
@@ -161,6 +167,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                     time.monotonic() - started)
         store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._board.store)
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
+        self._silence.expect(self._settings.run_id, bootstrap.master_addr, bootstrap.master_port, rank, record)
         return RendezvousInfo(store, rank, len(record.members), bootstrap)
 
     def _wait_for(self, target: int, started: float) -> RoundRecord:
@@ -200,7 +207,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
             ports = self._board.alive()
             arrived = set(arrivals)
             suspects = {m: ports[m] for m in view.record.members if m in ports and m not in arrived}
-            alive = set(ports) - self._witness.exited(suspects)
+            alive = set(ports) - self._witness.exited(suspects) - self._silence.silent(view.record)
         if may_close(arrivals, view.record, alive, self._settings, quiet_for):
             record = closed_round(target, arrivals, view.record, self._settings.max_nodes)
             if self._board.close_round(record, view.token):

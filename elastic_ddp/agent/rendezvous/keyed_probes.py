@@ -14,7 +14,8 @@ later closes a round (`keyed_handler`), only the members of the last round that 
 by their lease but have not arrived are probed again. So a node costs one read per round and, in
 connections, one per fellow member per round plus one per suspect; none of it touches etcd's writes.
 
-A probe that times out or cannot resolve says nothing (the lease decides); a node restarted under
+A probe that times out or cannot resolve says nothing here (the lease decides, unless this node's
+workers named the node silent: `keyed_silence` asks its beacon for an answer); a node restarted under
 the same name publishes a new port, which this agent has not reached, so it is never judged by its
 predecessor's refusal. `probe_dead_nodes=0` in `--rdzv_conf` turns the probes off (no beacon).
 """
@@ -79,6 +80,11 @@ class ExitWitness:
             if address is not None and probe(address) is Answer.ACCEPTED:
                 with self._lock:
                     self._reached[(node, port)] = address
+
+    def reached(self, node: NodeDesc, port: int | None) -> tuple | None:
+        """The address at which `node`'s beacon at `port` accepted a connection from this agent, or None."""
+        with self._lock:
+            return self._reached.get((node, port)) if port is not None else None
 
     def exited(self, suspects: Ports) -> set[NodeDesc]:
         """The `suspects` (node -> the port its liveness key names now) found exited. Each one is

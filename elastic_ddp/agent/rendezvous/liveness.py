@@ -29,6 +29,8 @@ heartbeat expiry: a probe that times out (a machine powered off, a network parti
 this agent never reached (killed within about a second of the round forming, a firewall, an agent
 that does not run these probes), and a frozen agent (SIGSTOP), whose kernel still accepts
 connections. So a probe can only make a dead node leave sooner; it cannot evict a live agent.
+(The keyed rendezvous also leaves out a frozen or cut-off node sooner, on its workers' watchdog
+verdict and a beacon that does not answer: `keyed_silence`. This module's probes do not.)
 
 A verdict is about one agent process, not about its name. torch names a node by its address,
 pid and a counter, and a container restarted in place runs torchrun as PID 1 at the same address
@@ -84,6 +86,8 @@ OBSERVE_PER_SYNC = 16
 # a timeout only means "unknown", so this bounds what a lost machine costs each sync, not safety.
 PROBE_TIMEOUT_S = 0.25
 STORE_KEY_PREFIX = "elastic_ddp.beacon."
+# What a beacon sends on each connection it accepts: the proof that its process is running.
+BEACON_ANSWER = b"!"
 
 
 class Answer(enum.Enum):
@@ -107,11 +111,14 @@ def probe(address: tuple, timeout: float = PROBE_TIMEOUT_S) -> Answer:
 
 
 class Beacon:
-    """A listening TCP port that accepts and closes connections, for as long as this process lives.
+    """A listening TCP port that accepts connections, answers each with `BEACON_ANSWER` and closes
+    it, for as long as this process lives.
 
     It listens on every interface (dual-stack where the kernel has it), since peers reach this node
     by the address torch gives it (`--local_addr`, else the FQDN), which may be any of them. It
-    reads nothing and sends nothing. The socket is not inherited by child processes (Python's
+    reads nothing. The answer comes from this thread, which does nothing else: the kernel completes
+    a connection to a frozen process's port too, so only the answer says that the process runs
+    (`keyed_silence`). The socket is not inherited by child processes (Python's
     default), so workers that outlive their agent do not keep it open.
     """
 
@@ -132,6 +139,10 @@ class Beacon:
                 # handshakes until the backlog is full and then drops them: probes see "unknown",
                 # never a refusal, while this process lives.
                 return
+            try:
+                connection.send(BEACON_ANSWER)  # one byte into an empty buffer: never blocks
+            except OSError:
+                pass  # the prober has gone already (a probe that only connects)
             connection.close()
 
     def close(self) -> None:

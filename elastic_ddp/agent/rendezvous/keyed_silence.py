@@ -1,0 +1,161 @@
+"""Silent members: a frozen or cut-off member leaves the next keyed round on two pieces of evidence,
+not when its lease expires.
+
+A killed agent's beacon refuses connections (`keyed_probes`), but a frozen one (SIGSTOP, a hung
+machine) and one behind a network partition refuse nothing: they held the next round up until their
+lease expired (`keep_alive_interval x keep_alive_max_attempt`, 5 s shipped, counted from their last
+refresh), although the survivors' workers had already named them. Here a member of the last round
+that has not arrived counts as not alive once both of these hold:
+
+1. **its workers' verdict**: this node's own workers' peer watchdog (elastic_ddp/runtime/watchdog.py)
+   found that member's workers silent for the watchdog's bound (3 s shipped) and wrote so before
+   ending (`elastic_ddp.verdicts`: the file names node ranks of the round that started them); and
+2. **its beacon's silence**: asked once by this agent, as this node enters the next round, the
+   member's beacon did not answer within `ANSWER_S`. Its beacon must have accepted a connection
+   from this agent before, at the address and port asked now (`keyed_probes.ExitWitness`): a node
+   this agent never reached (a firewall, `probe_dead_nodes=0`) is never judged by a silence.
+
+A connection alone proves nothing: the kernel completes the handshake into a frozen process's
+listen backlog. The answer is a byte that the beacon's thread sends (`liveness.Beacon`). A partition
+makes the connect time out. A live but slow node (its CPU starved) answers from a thread that does
+nothing else, within scheduling delay, so it is kept; and its workers' heartbeats come from such a
+thread too, so no verdict names it in the first place (docs/failure-semantics.md, "The watchdog").
+
+A node wrongly left out (its beacon's answer lost while its workers were silent) is not shut out:
+its own workers find the others silent and end, its agent arrives at the next round, the members
+see it waiting (`num_nodes_waiting`) and restart, and the round after takes it in, as any joining
+node. The cost is one more restart, never a second world: the rule that no live member may be
+missing (`keyed_rounds.may_close`) is only given these two pieces of evidence in place of the lease.
+
+Cost: nothing while training; per round this node's workers' watchdog fired in, one liveness read
+and one connection per named node, on threads of their own while this node arrives. Turned off
+with the dead-node probes (`probe_dead_nodes=0`: no beacons, nothing is reached).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness, Ports
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.verdicts import take_verdict, verdict_path
+
+logger = logging.getLogger(__name__)
+
+# Seconds a beacon has to answer. Its thread does nothing but answer, in an agent process that is
+# idle while its workers train; on this machine with every core busy it answered in milliseconds.
+ANSWER_S = 0.5
+# Errors of a connect that say the peer's machine is out of reach: no answer, as a timeout.
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+
+
+class Reply(enum.Enum):
+    ANSWERED = "answered"
+    SILENT = "silent"  # no answer within the bound: timed out, refused, unreachable
+    UNKNOWN = "unknown"  # closed without an answer (a beacon of an older release), or a local error
+
+
+def ask(address: tuple, answer_s: float = ANSWER_S) -> Reply:
+    """Whether the beacon at `address` (AF_INET or AF_INET6) answers within `answer_s` seconds."""
+    family = socket.AF_INET6 if len(address) == 4 else socket.AF_INET
+    deadline = time.monotonic() + answer_s
+    with socket.socket(family, socket.SOCK_STREAM) as connection:
+        connection.settimeout(answer_s)
+        try:
+            connection.connect(address)
+            connection.settimeout(max(0.001, deadline - time.monotonic()))
+            answer = connection.recv(len(BEACON_ANSWER))
+        except (TimeoutError, ConnectionRefusedError):
+            return Reply.SILENT
+        except OSError as exc:
+            return Reply.SILENT if exc.errno in _UNREACHABLE else Reply.UNKNOWN
+    return Reply.ANSWERED if answer == BEACON_ANSWER else Reply.UNKNOWN
+
+
+class SilenceJudge:
+    """Which members of this node's last round are silent by both pieces of evidence (module
+    docstring). `expect` when a round is joined; `start` when the next one is entered; `silent`
+    while it is being closed. Thread-safe."""
+
+    def __init__(self, witness: ExitWitness, answer_s: float = ANSWER_S, directory: Path | None = None) -> None:
+        self._witness = witness
+        self._answer_s = answer_s
+        self._directory = directory
+        self._expected: tuple[Path, RoundRecord] | None = None  # the verdict file of the round joined last
+        self._judged: tuple[RoundRecord, set[NodeDesc]] | None = None
+        self._probes: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def expect(self, run_id: str, master_addr: str, master_port: int, node_rank: int, record: RoundRecord) -> None:
+        """This node joined `record` as `node_rank`; its workers' store is at `master_addr:master_port`."""
+        path = verdict_path(run_id, master_addr, master_port, node_rank, self._directory)
+        with self._lock:
+            self._expected = (path, record)
+
+    def start(self, read_ports: Callable[[], Ports]) -> None:
+        """Read the verdict the last round's workers left, if any, and ask each node it names on a
+        thread of its own (the answers are read by `silent`)."""
+        with self._lock:
+            expected, self._expected, self._judged = self._expected, None, None
+        if expected is None:
+            return
+        path, record = expected
+        ranks = take_verdict(path)
+        named = [record.members[rank] for rank in sorted(ranks) if rank < len(record.members)]
+        if not named:
+            return
+        logger.info("this node's workers found node(s) %s silent: asking their beacons", named)
+        with self._lock:
+            self._judged = (record, set())
+        self._probes = [threading.Thread(target=self._judge, args=(record, named, read_ports),
+                                         name="keyed-rdzv-silence", daemon=True)]
+        self._probes[0].start()
+
+    def _judge(self, record: RoundRecord, named: list[NodeDesc], read_ports: Callable[[], Ports]) -> None:
+        try:
+            ports = read_ports()
+        except Exception as exc:  # noqa: BLE001 - only an optimisation is lost: the lease still decides
+            logger.debug("could not read the beacon ports: %s", exc)
+            return
+        targets = [(node, self._witness.reached(node, ports.get(node))) for node in named]
+        askers = [threading.Thread(target=self._ask, args=(record, node, address), daemon=True)
+                  for node, address in targets if address is not None]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+
+    def _ask(self, record: RoundRecord, node: NodeDesc, address: tuple) -> None:
+        reply = ask(address, self._answer_s)
+        if reply is not Reply.SILENT:
+            logger.info("node %s, named silent by this node's workers, answers its beacon (%s): kept", node,
+                        reply.value)
+            return
+        logger.warning("node %s is silent (this node's workers found it silent, and its beacon did not answer "
+                       "within %g s): left out of the next round of the keyed rendezvous", node, self._answer_s)
+        with self._lock:
+            if self._judged is not None and self._judged[0] == record:
+                self._judged[1].add(node)
+
+    def silent(self, last: RoundRecord | None) -> set[NodeDesc]:
+        """The members of `last` (the last closed round, as read now) found silent so far; none
+        unless `last` is the round the verdict was about."""
+        with self._lock:
+            if self._judged is None or last is None or self._judged[0] != last:
+                return set()
+            return set(self._judged[1])
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every beacon asked has answered or timed out; False if still asking."""
+        for probe in self._probes:
+            probe.join(timeout)
+        return not any(probe.is_alive() for probe in self._probes)

@@ -1,0 +1,175 @@
+"""Silent members of the keyed rendezvous (`keyed_silence`): the beacon's answer, the workers' verdict
+file, and handlers on a real TCPStore (threads stand in for the agents, real beacons and sockets for
+their ports; a socket that listens but never accepts stands in for a frozen agent's, whose kernel
+still completes the handshake)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard
+from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.keyed_silence import Reply, ask
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.liveness import Beacon
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
+from elastic_ddp.verdicts import MAX_VERDICT_BYTES, take_verdict, verdict_path, write_verdict
+
+pytestmark = pytest.mark.timeout(60)
+
+HERE, OTHER = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
+MADE: list[KeyedRendezvousHandler] = []
+
+
+class FrozenBeacon:
+    """A frozen agent's beacon port: it listens (the kernel completes handshakes into the backlog)
+    but nothing accepts, so nothing answers."""
+
+    def __init__(self) -> None:
+        self._socket = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.port = self._socket.getsockname()[1]
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@pytest.fixture
+def server():
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
+    yield store
+    while MADE:  # their heartbeat threads stop before the store does
+        made = MADE.pop()
+        made._board.leave()
+        made._witness.close()
+
+
+def handler(server: TCPStore, node, witness: ExitWitness, join_timeout: float = 15) -> KeyedRendezvousHandler:
+    # Leases of 200 s: a member left out within the test was left out by the evidence, not its lease.
+    chosen = KeyedSettings("run", 1, 2, join_timeout=join_timeout, last_call_timeout=0.3, keep_alive_interval=0.2,
+                           keep_alive_max_attempt=1000, probe_dead_nodes=witness.port is not None)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
+    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
+    return MADE[-1]
+
+
+def join_all(handlers: list[KeyedRendezvousHandler]) -> dict:
+    results: dict = {}
+
+    def join(h: KeyedRendezvousHandler) -> None:
+        try:
+            info = h.next_rendezvous()
+            results[h.node] = (info.rank, info.world_size)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[h.node] = exc
+
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezvousHandler, KeyedRendezvousHandler]:
+    """Round 0 of HERE and OTHER; HERE's beacon probes (unless not `probes`) reached OTHER's
+    beacon, whose port is then `other_beacon`'s (a live one, or a frozen one)."""
+    other_witness = ExitWitness()
+    other_witness._beacon.close()
+    other_witness._beacon = other_beacon
+    survivor = handler(server, HERE, ExitWitness(enabled=probes), join_timeout=15 if probes else 2)
+    other = handler(server, OTHER, other_witness)
+    assert join_all([survivor, other]) == {HERE: (0, 2), OTHER: (1, 2)}
+    if probes:
+        wait_for(lambda: survivor._witness._reached, 20, "the survivor reaching the other's beacon")
+    return survivor, other
+
+
+def workers_name(survivor: KeyedRendezvousHandler, node) -> None:
+    """What the survivor's workers' watchdog writes when it fires: `node`'s rank in the round."""
+    path, record = survivor._silence._expected
+    write_verdict(path, {record.rank_of(node)})
+
+
+def test_a_beacon_answers_and_a_frozen_or_closed_port_or_an_old_beacon_does_not() -> None:
+    live, frozen = Beacon(), FrozenBeacon()
+    assert ask(("127.0.0.1", live.port)) is Reply.ANSWERED
+    started = time.monotonic()
+    assert ask(("127.0.0.1", frozen.port), answer_s=0.3) is Reply.SILENT  # connected, but no answer
+    assert time.monotonic() - started < 5
+    frozen.close()
+    assert ask(("127.0.0.1", frozen.port)) is Reply.SILENT  # refused
+    with socket.create_server(("127.0.0.1", 0)) as old:  # accepts and closes without a word
+        threading.Thread(target=lambda: old.accept()[0].close(), daemon=True).start()
+        assert ask(("127.0.0.1", old.getsockname()[1]), answer_s=5) is Reply.UNKNOWN
+    live.close()
+
+
+def test_a_verdict_is_read_once_and_anything_but_ours_is_no_verdict(tmp_path) -> None:
+    path = verdict_path("run", "10.0.0.1", 29511, 2, tmp_path)
+    assert path != verdict_path("run", "10.0.0.1", 29512, 2, tmp_path)  # another round
+    assert path.parent == tmp_path and "/" not in verdict_path("../x", "a", 1, 0, tmp_path).name
+    write_verdict(path, {1, 3})
+    assert take_verdict(path) == {1, 3} and take_verdict(path) == set()
+    for planted in (b'{"silent_node_ranks": [1, "2"]}', b"[1]", b"\xff", b'{"silent_node_ranks": [true]}',
+                    b'{"silent_node_ranks": [' + b"1, " * MAX_VERDICT_BYTES + b"1]}"):
+        path.write_bytes(planted)
+        assert take_verdict(path) == set()
+    tmp_path.chmod(0o777)  # a directory others may write in is not used
+    write_verdict_failed = False
+    try:
+        write_verdict(path, {1})
+    except PermissionError:
+        write_verdict_failed = True
+    assert write_verdict_failed
+    tmp_path.chmod(0o700)
+
+
+def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_and_rejoins(server) -> None:
+    frozen_beacon = FrozenBeacon()
+    survivor, frozen = formed_pair(server, frozen_beacon)
+    frozen._board._stop.set()  # frozen: no more heartbeats; its last one stays fresh for 200 s
+    workers_name(survivor, OTHER)
+    assert join_all([survivor]) == {HERE: (0, 1)}  # before: RendezvousTimeoutError after join_timeout
+    assert survivor._board._latest == RoundRecord(1, (HERE,))
+    # Thawed (it was only slow after all): it arrives at the next round, the survivor sees it
+    # waiting and restarts, and the round after holds both again.
+    frozen._board._stop.clear()
+    frozen_beacon.close()
+    rejoined = threading.Thread(target=lambda: join_all([frozen]), daemon=True)
+    rejoined.start()
+    wait_for(lambda: survivor.num_nodes_waiting() > 0, 20, "the survivor seeing the left-out node wait")
+    assert join_all([survivor]) == {HERE: (0, 2)}
+    rejoined.join(timeout=30)
+    assert survivor._board._latest.members == (HERE, OTHER)
+
+
+def test_a_member_named_by_the_workers_whose_beacon_answers_is_kept(server) -> None:
+    survivor, slow = formed_pair(server, Beacon())
+    workers_name(survivor, OTHER)
+    results: dict = {}
+    waiting = threading.Thread(target=lambda: results.update(join_all([survivor])), daemon=True)
+    waiting.start()
+    wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the slow node's beacon")
+    assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == set()
+    assert waiting.is_alive(), results  # still waiting for the slow member
+    assert join_all([slow]) == {OTHER: (1, 2)}  # it arrives: the round holds both
+    waiting.join(timeout=30)
+    assert results == {HERE: (0, 2)}
+
+
+def test_with_probes_off_a_verdict_changes_nothing(server) -> None:
+    """`probe_dead_nodes=0`: no beacon reached, so the frozen member holds the round up until its lease."""
+    survivor, frozen = formed_pair(server, FrozenBeacon(), probes=False)
+    frozen._board._stop.set()
+    workers_name(survivor, OTHER)
+    assert isinstance(join_all([survivor])[HERE], RendezvousTimeoutError)  # join_timeout of 2 s
