@@ -136,5 +136,5 @@ def check_sharding(config: Any, cuda_available: bool) -> None:
                          "expected no --use_amp there (bf16 autocast on the CPU works)")
     if local_path(config.checkpoint_dir) is None:
         raise ValueError(f"--checkpoint_dir: got {config.checkpoint_dir!r}; with --sharding fsdp expected a "
-                         "directory every node can read (a shared filesystem): sharded snapshots are not written "
-                         "to object stores yet")
+                         "local directory (each node's own disk, or a shared filesystem): sharded snapshots are not "
+                         "written to object stores yet")

@@ -52,6 +52,7 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.replica_transfer import ReplicaReceiver, ReplicaTarget, SnapshotReplicator
+from elastic_ddp.snapshot.files.backends import StorageBackend
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 
@@ -152,19 +153,24 @@ class Replication:
 def shared_directories(store: SnapshotStore, context: DistributedContext) -> tuple[list[int], bool]:
     """For every rank, the lowest rank whose checkpoint directory is the same place as its own; and
     whether this rank could write its own. A collective (two all-gathers)."""
+    return shared_places(store.storage, context)
+
+
+def shared_places(storage: StorageBackend, context: DistributedContext) -> tuple[list[int], bool]:
+    """`shared_directories` for any storage (the sharded snapshots' directory too)."""
     probe = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
     try:
-        store.storage.make_location()  # (not prepare_for_writing: it clears other writers' temporaries)
-        store.storage.write_atomically(probe, b"")
+        storage.make_location()  # (not prepare_for_writing: it clears other writers' temporaries)
+        storage.write_atomically(probe, b"")
         written = True
     except OSError as exc:  # e.g. a read-only directory: this node can hold no replica
         logger.warning("cannot write to checkpoint directory %s (%s); this node will hold no replica",
-                       store.describe(), exc)
+                       storage.describe("").rstrip("/"), exc)
         written = False
     probes: list[Any] = [None] * context.world_size
     dist.all_gather_object(probes, probe if written else None)
     try:
-        present = set(store.storage.list_names())
+        present = set(storage.list_names())
     except OSError:
         present = set()
     seen = [rank for rank, name in enumerate(probes) if name is not None and name in present]
@@ -172,9 +178,9 @@ def shared_directories(store: SnapshotStore, context: DistributedContext) -> tup
     dist.all_gather_object(seen_by, seen)
     if written:
         try:
-            store.storage.delete(probe)
+            storage.delete(probe)
         except OSError as exc:
-            logger.warning("could not delete %s: %s", store.describe(probe), exc)
+            logger.warning("could not delete %s: %s", storage.describe(probe), exc)
     sharing = [{other for other in seen_by[rank] if rank in seen_by[other]} | {rank}
                for rank in range(context.world_size)]
     return [min(group) for group in sharing], written

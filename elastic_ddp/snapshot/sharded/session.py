@@ -21,9 +21,13 @@ finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2
   a memory state that fails to load is refused with its reason and the durable step taken. A
   failure of one node then costs no committed step.
 
-Limits (docs/sharding.md): the checkpoint directory must be one filesystem that every node reads
-(no replication to other nodes' disks); durable writes are synchronous; when a part and its copy
-are both lost the restart falls back to the newest durable step (the restore event says why).
+- node-local disks (the ranks' checkpoint directories are not all one place; probed at start):
+  each node commits its own directory of the step and every rank's files are copied to a node of
+  another directory (--snapshot_replicas, node_local.py); a restore takes the newest step whose
+  files the group holds and fetches what a node lacks before DCP loads (node_local_restore.py).
+
+Limits (docs/sharding.md): durable writes and their copies are synchronous; when a part and its
+copy are both lost the restart falls back to the newest durable step (the restore event says why).
 """
 
 from __future__ import annotations
@@ -51,16 +55,19 @@ from elastic_ddp.snapshot.cadence import SnapshotCadence
 from elastic_ddp.snapshot.exchange.cadence_agreement import agree_on_next_snapshot
 from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, RestoredSnapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
+from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.serialization import (
     check_compatible,
     snapshot_from_bytes,
     snapshot_from_file,
     snapshot_to_bytes,
 )
+from elastic_ddp.snapshot.sharded import node_local_restore
 from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.snapshot.sharded.divergence import any_rank_diverged
 from elastic_ddp.snapshot.sharded.memory_restore import MemoryState
 from elastic_ddp.snapshot.sharded.memory_session import MemoryCopies
+from elastic_ddp.snapshot.sharded.node_local import NodeLocalSteps
 from elastic_ddp.snapshot.sharded.safe_reader import SafeFileSystemReader
 from elastic_ddp.snapshot.training_state import (
     Snapshot,
@@ -88,6 +95,7 @@ class ShardedSnapshotSession:
         self.last_saved_step: int | None = None
         self.last_durable_step: int | None = None
         self.memory: MemoryCopies | None = None
+        self.local: NodeLocalSteps | None = None  # node-local directories (None: one place for every rank)
         self._kept_step: int | None = None  # the step whose part this rank last kept (and exchanged)
         self._committed_in = incarnation  # the incarnation that committed the state held (a restored one's)
         self._group_names: list[list[str]] = []  # the parameter names of each optimizer group
@@ -95,9 +103,8 @@ class ShardedSnapshotSession:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        if self.context.is_main and self.config.snapshot_replicas:
-            logger.info("--sharding fsdp: snapshots are sharded files in %s, which every node must read; no replicas "
-                        "on other nodes' disks", self.root)
+        self.local = NodeLocalSteps.start(self.root, self.context, self.events, self.config.snapshot_replicas,
+                                          self.config.keep_last, self.incarnation)
         if self.config.memory_copies:
             self.memory = MemoryCopies(self.config.memory_dir, self.root, self.context, self.events, self.fingerprint)
 
@@ -105,16 +112,21 @@ class ShardedSnapshotSession:
 
     def restore(self, state: TrainingState) -> RestoredSnapshot | None:
         """Load the newest committed step that verifies into `state` (collective); None: from scratch."""
-        choice = [self._choose() if self.context.is_main else None]
-        if self.context.in_process_group:
-            dist.broadcast_object_list(choice, src=0)
+        local_choice, file_refused = (node_local_restore.agree(self.local, self.fingerprint)
+                                      if self.local is not None else (None, []))
+        choice = [local_choice and (local_choice.name, local_choice.checksum, local_choice.step)]
+        if self.local is None:
+            choice = [self._choose() if self.context.is_main else None]
+            if self.context.in_process_group:
+                dist.broadcast_object_list(choice, src=0)
         durable = choice[0]
         restored, refused = (self.memory.restore(state, durable and durable[2], self._check_fits,
                                                  self._restore_from_memory)
                              if self.memory is not None else (None, []))
         if restored is None and durable is not None:
-            refused = [item for item in refused if item["global_step"] >= durable[2]]
-            restored = self._restore_from_file(state, durable[0], durable[1], refused)
+            refused = [item for item in refused if item["global_step"] >= durable[2]] + file_refused
+            fetched = node_local_restore.fetch(self.local, local_choice) if local_choice is not None else None
+            restored = self._restore_from_file(state, durable[0], durable[1], refused, fetched)
         elif restored is None:
             if refused:
                 logger.warning("no sharded snapshot in %s and no whole memory state (%s): starting from scratch",
@@ -130,8 +142,9 @@ class ShardedSnapshotSession:
             self.memory.remove_all_but((state.global_step, self._committed_in))
         return restored
 
-    def _restore_from_file(self, state: TrainingState, name: str, checksum: str,
-                           refused: list[dict[str, Any]]) -> RestoredSnapshot:
+    def _restore_from_file(self, state: TrainingState, name: str, checksum: str, refused: list[dict[str, Any]],
+                           fetched: tuple[str, int, str] | None = None) -> RestoredSnapshot:
+        """`fetched` (node-local directories): what was fetched from where, the rank that served and its host."""
         directory = self.root / name
         plain, _ = snapshot_from_file(directory / steps.TRAINER_FILE, str(directory / steps.TRAINER_FILE))
         with state.updating():
@@ -140,9 +153,11 @@ class ShardedSnapshotSession:
             self._load_rest(state, plain, plain.rng_per_rank[self.context.rank] if same_world else None)
         self.last_saved_step = self.last_durable_step = plain.global_step
         self._committed_in = plain.incarnation
-        return RestoredSnapshot(snapshot=plain, entry=None, checksum=checksum, source=FILE, source_rank=0,
-                                source_host=socket.gethostname(), description=str(directory), data=b"",
-                                refused=refused)
+        where, source_rank, source_host = fetched or (None, 0, socket.gethostname())
+        entry = where and ManifestEntry(where, plain.global_step, plain.epoch, plain.samples_consumed, checksum, 0,
+                                        plain.wall_time)
+        return RestoredSnapshot(snapshot=plain, entry=entry, checksum=checksum, source=FILE, source_rank=source_rank,
+                                source_host=source_host, description=str(directory), data=b"", refused=refused)
 
     def _restore_from_memory(self, state: TrainingState, in_memory: MemoryState, received: int) -> RestoredSnapshot:
         """The unsharded rest of `in_memory`, once its shards are loaded (inside `state.updating()`)."""
@@ -229,8 +244,7 @@ class ShardedSnapshotSession:
             return
         temporary = steps.temporary_directory(self.root, step, self.incarnation)
         dcp.save(tensors, storage_writer=FileSystemWriter(temporary, sync_files=True))
-        if self.context.is_main:
-            self._commit(state, step, temporary, rng_per_rank, optimizer_state["param_groups"], started)
+        self._commit(state, step, temporary, rng_per_rank, optimizer_state["param_groups"], started)
         if self.context.in_process_group:
             dist.barrier()  # no rank reads or prunes a step before it is committed
         if self.cadence.on_budget:
@@ -282,15 +296,23 @@ class ShardedSnapshotSession:
 
     def _commit(self, state: TrainingState, step: int, temporary: Path, rng_per_rank: list[dict[str, Any]],
                 param_groups: list[dict[str, Any]], started: float) -> None:
-        plain = self._plain_snapshot(state, rng_per_rank, param_groups, self._committed_in)
-        (temporary / steps.TRAINER_FILE).write_bytes(snapshot_to_bytes(plain))
-        directory, checksum, size = steps.commit(temporary, step)
+        """Rank 0 adds trainer.snap and commits the step; on node-local directories every rank takes part
+        (the files copied to their holders, each directory committed: node_local.py)."""
+        if self.context.is_main:
+            plain = self._plain_snapshot(state, rng_per_rank, param_groups, self._committed_in)
+            (temporary / steps.TRAINER_FILE).write_bytes(snapshot_to_bytes(plain))
+        if self.local is not None:
+            directory, checksum, size = self.local.commit(step, temporary)
+            self.local.prune()
+        elif self.context.is_main:
+            directory, checksum, size = steps.commit(temporary, step)
+            steps.prune(self.root, self.config.keep_last, self.incarnation)
         self.last_durable_step = step
-        seconds = time.monotonic() - started
-        self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=step, blocked_seconds=round(seconds, 4))
-        self.events.emit(schema.SNAPSHOT, global_step=step, epoch=state.sampler.epoch, file=directory.name,
-                         checksum=checksum, size_bytes=size, write_seconds=round(seconds, 4))
-        steps.prune(self.root, self.config.keep_last, self.incarnation)
+        if self.context.is_main:
+            seconds = time.monotonic() - started
+            self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=step, blocked_seconds=round(seconds, 4))
+            self.events.emit(schema.SNAPSHOT, global_step=step, epoch=state.sampler.epoch, file=directory.name,
+                             checksum=checksum, size_bytes=size, write_seconds=round(seconds, 4))
 
     # ------------------------------------------------------------------------------- the rest
 

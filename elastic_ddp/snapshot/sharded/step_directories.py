@@ -78,7 +78,15 @@ def commit(temporary: Path, step: int) -> tuple[Path, str, int]:
         if path.name == MANIFEST or not path.is_file():
             continue
         files[path.name] = {"size": path.stat().st_size, "checksum": file_checksum(path)}
-        fsync_path(path)
+    return seal(temporary, step, files)
+
+
+def seal(temporary: Path, step: int, files: dict[str, dict[str, object]]) -> tuple[Path, str, int]:
+    """`commit` with the manifest's `files` given: on node-local disks (node_local.py) a directory
+    lists every file of the step and holds those of its node and the copies it received."""
+    for name in files:
+        if (temporary / name).is_file():
+            fsync_path(temporary / name)
     manifest = encode_object({"format": MANIFEST_FORMAT, "global_step": step, "files": files})
     with open(temporary / MANIFEST, "wb") as handle:
         handle.write(manifest)
@@ -91,12 +99,23 @@ def commit(temporary: Path, step: int) -> tuple[Path, str, int]:
     else:
         os.rename(temporary, final)
         fsync_path(final.parent)
-    return final, checksum_of(manifest), sum(entry["size"] for entry in files.values()) + len(manifest)
+    return final, checksum_of(manifest), sum(int(entry["size"]) for entry in files.values()) + len(manifest)
 
 
 def verify(directory: Path) -> str:
     """Check every file `directory`'s manifest lists (name, size, checksum); returns the manifest's
     checksum. Raises ShardedSnapshotError naming the directory and the first problem found."""
+    raw, files = read_manifest(directory)
+    for name, entry in files.items():
+        problem = file_problem(directory / name, entry)
+        if problem:
+            raise ShardedSnapshotError(problem)
+    return checksum_of(raw)
+
+
+def read_manifest(directory: Path) -> tuple[bytes, dict[str, dict]]:
+    """The raw manifest of the committed `directory` and the files it lists, checked for shape (not
+    the files themselves). Raises ShardedSnapshotError naming what is wrong."""
     manifest_path = directory / MANIFEST
     try:
         if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
@@ -112,18 +131,23 @@ def verify(directory: Path) -> str:
         raise ShardedSnapshotError(f"{manifest_path}: not a manifest of step {step} listing {TRAINER_FILE} and "
                                    ".metadata")
     for name, entry in files.items():
-        if not _FILE_NAME.match(name) or name == MANIFEST or not isinstance(entry, dict):
+        if (not _FILE_NAME.match(name) or name == MANIFEST or not isinstance(entry, dict)
+                or type(entry.get("size")) is not int or not isinstance(entry.get("checksum"), str)):
             raise ShardedSnapshotError(f"{manifest_path}: lists {name[:80]!r}, which is no file name of a snapshot")
-        path = directory / name
-        try:
-            size = path.stat().st_size
-        except OSError as exc:
-            raise ShardedSnapshotError(f"{path}: listed but unreadable ({exc})") from exc
-        if size != entry.get("size"):
-            raise ShardedSnapshotError(f"{path}: {size} bytes; the manifest says {entry.get('size')}")
-        if file_checksum(path) != entry.get("checksum"):
-            raise ShardedSnapshotError(f"{path}: its checksum does not match the manifest's (torn or changed)")
-    return checksum_of(raw)
+    return raw, files
+
+
+def file_problem(path: Path, entry: dict) -> str:
+    """Why the file at `path` is not the one its manifest `entry` lists ("" when it is)."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"{path}: listed but unreadable ({exc})"
+    if size != entry.get("size"):
+        return f"{path}: {size} bytes; the manifest says {entry.get('size')}"
+    if file_checksum(path) != entry.get("checksum"):
+        return f"{path}: its checksum does not match the manifest's (torn or changed)"
+    return ""
 
 
 def committed_step_of(directory: Path) -> int:
@@ -133,13 +157,12 @@ def committed_step_of(directory: Path) -> int:
     return int(match.group(1))
 
 
-def prune(root: Path, keep_last: int, incarnation: int) -> list[Path]:
-    """Remove committed steps beyond the newest `keep_last`, and the temporary directories of
-    other incarnations (abandoned writes). Returns what was removed."""
-    removed = [directory for _, directory in committed_steps(root)[keep_last:]]
+def prune(root: Path, keep_last: int, incarnation: int, keep: tuple[int, ...] = ()) -> list[Path]:
+    """Remove committed steps beyond the newest `keep_last` (but not the steps in `keep`), and the
+    temporary directories of other incarnations (abandoned writes). Returns what was removed."""
+    removed = [directory for step, directory in committed_steps(root)[keep_last:] if step not in keep]
     removed += [entry for entry in root.iterdir()
                 if (match := _TEMPORARY.match(entry.name)) and int(match.group(2)) != incarnation]
     for directory in removed:
         shutil.rmtree(directory, ignore_errors=True)
     return removed
-
