@@ -166,3 +166,33 @@ def test_a_full_disk_and_a_damaged_copy_are_refused_and_training_goes_on(tmp_pat
         "__1_0.distcp", "checksums.json"]
     assert sorted(p.name for p in (tmp_path / "ck0" / "sharded-000000008").iterdir()) == [
         ".metadata", "__0_0.distcp", "checksums.json", "trainer.snap"]
+
+
+def test_a_step_of_an_abandoned_trajectory_is_replaced_and_the_same_one_kept(tmp_path):
+    """On node-local disks a retrained step replaces the directory of that step that another manifest
+    left (seal with replace); a directory with the same manifest is kept as it is."""
+    files = {name: {"size": 1, "checksum": steps.file_checksum(_write(tmp_path / "one", name, b"a"))}
+             for name in (".metadata", steps.TRAINER_FILE)}
+    steps.seal(tmp_path / "one", 5, files, replace=True)
+    old = steps.committed_directory(tmp_path, 5)
+    (old / "kept-mark").write_bytes(b"")
+    steps.seal(_copy_files(tmp_path / "one-again", old, files), 5, files, replace=True)
+    assert (old / "kept-mark").exists()  # the same manifest: kept
+    other = {name: {"size": 1, "checksum": steps.file_checksum(_write(tmp_path / "two", name, b"b"))}
+             for name in (".metadata", steps.TRAINER_FILE)}
+    steps.seal(tmp_path / "two", 5, other, replace=True)
+    assert not (old / "kept-mark").exists() and (old / ".metadata").read_bytes() == b"b"
+    steps.verify(old)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sharded-000000005"]
+
+
+def _write(directory: Path, name: str, data: bytes) -> Path:
+    directory.mkdir(exist_ok=True)
+    (directory / name).write_bytes(data)
+    return directory / name
+
+
+def _copy_files(directory: Path, source: Path, files: dict) -> Path:
+    for name in files:
+        _write(directory, name, (source / name).read_bytes())
+    return directory

@@ -16,7 +16,8 @@ each snapshot (a collective, on the training thread, after every rank's DCP writ
 3. the lowest rank of each directory writes the whole manifest (`checksums.json`, every file of the
    step with its size and checksum) into it and renames it to the step's name
    (step_directories.seal): a committed directory lists every file of the step and holds those of
-   its node and the copies it received. A copy refused (no room, damaged) is reported
+   its node and the copies it received (one of the same step with another manifest, left by an
+   abandoned trajectory, is replaced). A copy refused (no room, damaged) is reported
    (`replication_failed`, the node and the reason), the step is committed without it, and training
    goes on; the step then is not *replicated* (every file on two directories).
 4. pruning keeps `--keep_last` steps and, beyond those, the newest replicated step: the last step
@@ -154,7 +155,7 @@ class NodeLocalSteps:
                 refusals += [(name, rank, codes[rank]) for rank in receivers if codes[rank] != file_frames.STORED]
         result = steps.committed_directory(self.root, step), "", 0
         if self.layout.directory_of[self.context.rank] == self.context.rank:
-            result = steps.seal(temporary, step, files)
+            result = steps.seal(temporary, step, files, replace=True)
         replicated = all(len(directories) >= 2 for directories in held.values())
         if replicated:
             self.last_replicated_step = step

@@ -15,15 +15,17 @@
    manifest too and is committed by its rename. Then every rank's directory holds the whole step and
    DCP reshards it as on shared storage. The `restore` event names the files fetched and from where.
 
-Not guaranteed: a directory that holds another manifest of the same step (an earlier incarnation's,
-kept by a node that missed the retrained one) cannot take the files of the chosen one: the restore
-then fails in one line, naming it. Every file of every kept step is checksummed at each restore.
+A directory that holds another manifest of the chosen step (a step of an abandoned trajectory, kept by
+a node that missed its retraining) gets the chosen step whole, which then replaces it.
+
+Not guaranteed: a restore when a directory that lacks files has no room for them (it fails in one
+line, naming the file and the directories). Every file of every kept step is checksummed at each
+restore.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,7 +34,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_ddp.snapshot.files.backends import fsync_path
 from elastic_ddp.snapshot.files.checksum import checksum_of
 from elastic_ddp.snapshot.files.strict_json import parse_object
 from elastic_ddp.snapshot.serialization import check_compatible, snapshot_from_file
@@ -164,8 +165,7 @@ def fetch(local: NodeLocalSteps, choice: LocalChoice) -> tuple[str, int, str]:
         fetched.append(name)
         sources.append(source)
     if into is not None and into.name != choice.name:
-        os.rename(into, steps.committed_directory(local.root, choice.step))
-        fsync_path(local.root)
+        steps.install(into, steps.committed_directory(local.root, choice.step))
     dist.barrier(group=local.group)  # every directory holds the whole step before any rank reads it
     if not fetched:
         return choice.name, 0, choice.hosts[0]
@@ -178,17 +178,15 @@ def fetch(local: NodeLocalSteps, choice: LocalChoice) -> tuple[str, int, str]:
 
 
 def _directory_to_fill(local: NodeLocalSteps, choice: LocalChoice) -> Path:
-    """The committed directory of the step when this directory has it (with the same manifest), else a
-    temporary one holding the manifest, renamed once filled."""
+    """The committed directory of the step when this directory has it with the chosen manifest, else a
+    temporary one holding the manifest, installed once filled (replacing a directory of the step with
+    another manifest: an abandoned trajectory's, which the group did not choose)."""
     final = steps.committed_directory(local.root, choice.step)
-    if final.exists():
-        try:
-            raw, _ = steps.read_manifest(final)
-        except steps.ShardedSnapshotError:
-            raw = b""
-        if raw != choice.manifest:
-            raise steps.ShardedSnapshotError(f"{final}: holds another manifest of step {choice.step} than the one the "
-                                             "group restores; move it away to restore here")
+    try:
+        raw, _ = steps.read_manifest(final) if final.exists() else (b"", {})
+    except steps.ShardedSnapshotError:
+        raw = b""
+    if raw == choice.manifest:
         return final
     temporary = steps.temporary_directory(local.root, choice.step, local.incarnation)
     temporary.mkdir(parents=True, exist_ok=True)

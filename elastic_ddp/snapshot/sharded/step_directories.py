@@ -34,7 +34,7 @@ TRAINER_FILE = "trainer.snap"
 MANIFEST_FORMAT = 1
 MAX_MANIFEST_BYTES = 1 << 20
 _COMMITTED = re.compile(r"^sharded-(\d{9})$")
-_TEMPORARY = re.compile(r"^\.sharded-(\d{9})\.tmp-(\d+)$")
+_TEMPORARY = re.compile(r"^\.sharded-(\d{9})\.tmp-(\d+)(?:-replaced)?$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _CHUNK = 8 << 20
 
@@ -81,9 +81,12 @@ def commit(temporary: Path, step: int) -> tuple[Path, str, int]:
     return seal(temporary, step, files)
 
 
-def seal(temporary: Path, step: int, files: dict[str, dict[str, object]]) -> tuple[Path, str, int]:
+def seal(temporary: Path, step: int, files: dict[str, dict[str, object]],
+         replace: bool = False) -> tuple[Path, str, int]:
     """`commit` with the manifest's `files` given: on node-local disks (node_local.py) a directory
-    lists every file of the step and holds those of its node and the copies it received."""
+    lists every file of the step and holds those of its node and the copies it received. With
+    `replace`, a committed directory of the step with another manifest (an abandoned trajectory's,
+    which no restore chose) is replaced rather than kept."""
     for name in files:
         if (temporary / name).is_file():
             fsync_path(temporary / name)
@@ -94,12 +97,28 @@ def seal(temporary: Path, step: int, files: dict[str, dict[str, object]]) -> tup
         os.fsync(handle.fileno())
     fsync_path(temporary)
     final = committed_directory(temporary.parent, step)
-    if final.exists():
+    if final.exists() and not (replace and _manifest_of(final) != manifest):
         shutil.rmtree(temporary, ignore_errors=True)
     else:
-        os.rename(temporary, final)
-        fsync_path(final.parent)
+        install(temporary, final)
     return final, checksum_of(manifest), sum(int(entry["size"]) for entry in files.values()) + len(manifest)
+
+
+def install(temporary: Path, final: Path) -> None:
+    """Rename `temporary` to `final`; a directory already there is renamed aside first and removed after."""
+    aside = temporary.with_name(f"{temporary.name}-replaced")
+    if final.exists():
+        os.rename(final, aside)
+    os.rename(temporary, final)
+    fsync_path(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _manifest_of(directory: Path) -> bytes:
+    try:
+        return (directory / MANIFEST).read_bytes()[:MAX_MANIFEST_BYTES + 1]
+    except OSError:
+        return b""
 
 
 def verify(directory: Path) -> str:
