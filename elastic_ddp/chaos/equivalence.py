@@ -3,10 +3,14 @@
     reference = run_reference("runs/chaos/reference", training_args)
     result = compare_runs(reference, "runs/chaos/ck")
 
-`run_reference` trains the same configuration in one process, without torchrun and without
-faults. `compare_runs` compares the final parameters and the loss of every optimizer step of the
-surviving trajectory (the newest incarnation's `progress` event per step; train with
-`--log_interval 1` to have one per step).
+`run_reference` trains the same configuration in one process, without faults: without torchrun,
+or, when the configuration asks for `--sharding fsdp` (which needs a process group), as the one
+worker of `torchrun --standalone`, an uninterrupted FSDP run. `compare_runs` compares the final
+parameters and the loss of every optimizer step of the surviving trajectory (the newest
+incarnation's `progress` event per step; train with `--log_interval 1` to have one per step).
+`final_model` reads the final parameters of either kind of run: the newest valid snapshot file of
+DDP mode, or the newest sharded step directory that verifies against its manifest (read whole
+through `snapshot.sharded.safe_reader.read_tensors`, no process group needed), whichever is newer.
 
 Why a tolerance and not bit equality: each rank sums its share of the global batch and the
 all-reduce adds the ranks' sums, so the order of the fp32 additions in every gradient depends on the
@@ -25,6 +29,7 @@ runs whose randomness does not come from (seed, epoch, sample index).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -32,10 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.loading import load_snapshot
+from elastic_ddp.snapshot.sharded import step_directories as sharded_steps
+from elastic_ddp.snapshot.sharded.safe_reader import read_tensors
+
+logger = logging.getLogger(__name__)
 
 # Largest |reference - chaotic| of any parameter element, relative to the largest |parameter| of
 # its tensor; and the largest absolute difference of a per-step mean loss.
@@ -69,6 +81,16 @@ class Equivalence:
                                                   if self.missing_steps else ""))
 
 
+def reference_command(training_args: Sequence[str], checkpoint_dir: str | Path,
+                      module: str = "elastic_ddp.train") -> list[str]:
+    """The command of an uninterrupted run of `training_args`: the module alone, or, with sharding
+    (FSDP2 needs a process group), its one worker under `torchrun --standalone`."""
+    config, _ = TrainingConfig.from_known_args(list(training_args))
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+                if config.sharding != "none" else [sys.executable])
+    return [*launcher, "-m", module, *training_args, "--checkpoint_dir", str(checkpoint_dir)]
+
+
 def run_reference(run_dir: str | Path, training_args: Sequence[str], module: str = "elastic_ddp.train",
                   timeout: float = 600) -> Path:
     """Train `training_args` in one process with no faults; return its checkpoint directory."""
@@ -78,9 +100,39 @@ def run_reference(run_dir: str | Path, training_args: Sequence[str], module: str
     env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(run_dir / "reference.log", "ab") as log:
-        subprocess.run([sys.executable, "-m", module, *training_args, "--checkpoint_dir", str(checkpoint_dir)],
-                       stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=True)
+        subprocess.run(reference_command(training_args, checkpoint_dir, module), stdout=log,
+                       stderr=subprocess.STDOUT, env=env, timeout=timeout, check=True)
     return checkpoint_dir
+
+
+def final_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model's parameters in the newest valid snapshot of `checkpoint_dir`, by name (as in the
+    model's own state dict): a DDP snapshot file, or a sharded step directory, whichever is newer.
+    Sharded steps that do not verify are skipped with a warning, as a restore skips them. Raises
+    FileNotFoundError when there is neither."""
+    sharded = _newest_verified_step(Path(checkpoint_dir))
+    try:
+        snapshot = load_snapshot(checkpoint_dir)
+    except FileNotFoundError:
+        snapshot = None
+    if sharded is not None and (snapshot is None or sharded[0] >= snapshot["global_step"]):
+        prefix = "model."
+        return {name[len(prefix):]: value for name, value in read_tensors(sharded[1]).items()
+                if name.startswith(prefix)}
+    if snapshot is None:
+        raise FileNotFoundError(f"{checkpoint_dir}: no valid snapshot, neither a file nor a sharded step "
+                                "(is it a --checkpoint_dir?)")
+    return snapshot["model"]
+
+
+def _newest_verified_step(checkpoint_dir: Path) -> tuple[int, Path] | None:
+    for step, directory in sharded_steps.committed_steps(checkpoint_dir):
+        try:
+            sharded_steps.verify(directory)
+            return step, directory
+        except sharded_steps.ShardedSnapshotError as exc:
+            logger.warning("skipped %s: %s", directory, exc)
+    return None
 
 
 def surviving_losses(checkpoint_dir: str | Path) -> dict[int, float]:
@@ -95,8 +147,9 @@ def surviving_losses(checkpoint_dir: str | Path) -> dict[int, float]:
 
 
 def compare_runs(reference_dir: str | Path, chaotic_dir: str | Path) -> Equivalence:
-    """Compare the newest snapshots' parameters and the per-step losses of two runs."""
-    reference, chaotic = load_snapshot(reference_dir)["model"], load_snapshot(chaotic_dir)["model"]
+    """Compare the newest snapshots' parameters and the per-step losses of two runs, each of them
+    sharded or not (`final_model`)."""
+    reference, chaotic = final_model(reference_dir), final_model(chaotic_dir)
     if reference.keys() != chaotic.keys():
         raise ValueError(f"{chaotic_dir} holds another model than {reference_dir}")
     worst_name, worst = "", 0.0

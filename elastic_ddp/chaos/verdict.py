@@ -27,12 +27,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from elastic_ddp.testbed.local_cluster import LocalJob
 from elastic_ddp.chaos.plan import REMOVING_ACTIONS, FaultPlan
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
 from elastic_ddp.runlog.reader import WorkerGroup, read_events
+from elastic_ddp.testbed.local_cluster import LocalJob
 
 
 @dataclass
