@@ -16,7 +16,7 @@ import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.testbed.local_cluster import RDZV_CONF, LocalJob, wait_for
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, pause_at, release, world_reached
 
 if TYPE_CHECKING:
     from elastic_ddp.testbed.etcd_server import EtcdCluster, EtcdServer
@@ -56,9 +56,10 @@ def assert_finished(job: LocalJob, dataset_size: int) -> None:
     assert_exactly_once(job, dataset_size, EPOCHS, BATCH)
 
 
-def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_server: EtcdServer,
-                                                                 tmp_path) -> None:
+def test_killing_the_first_node_to_join_leaves_the_job_finishing_and_a_node_added_mid_run_joins(
+        etcd_job, etcd_server: EtcdServer, tmp_path) -> None:
     dataset_size = 4096
+    hold = tmp_path / "hold"
     # Even a user who asked torchrun to share its store with the workers does not get it on etcd-v3:
     # the restart after the kill would hang on stale addresses (pytorch/pytorch#135712).
     job = etcd_job(dataset_size, agent_env={**AGENT_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
@@ -68,51 +69,26 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing(etcd_job, etcd_
     world_reached(job, 2)
     job.wait_for_step(job.last_step() + 10, timeout=90)
     first.kill()
-    job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120, "the job to go on in world 1")
-    release(tmp_path / "hold")
-    assert survivor.wait(timeout=180) == 0, node_logs(job)
+    alone = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 120,
+                               "the job to go on in world 1")
+    # Then a node added mid-run joins the world of 1 (the job waits a few steps on for it).
+    pause_at(hold, alone["global_step"] + 3)
+    joiner = job.add_node("joiner")
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2
+                                 and e["time"] > alone["time"], 120, "the job to continue in world size 2")
+    release(hold)
+    assert restore["previous_world_size"] == 1
+    assert restore["global_step"] < EPOCHS * dataset_size // BATCH, "joined too late to prove anything"
+    assert survivor.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
     assert_finished(job, dataset_size)
-    logs = node_logs(job)
+    logs = "\n".join(node.log_text() for node in job.nodes)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 is ignored" in logs
     assert "TORCHELASTIC_USE_AGENT_STORE" not in logs  # the workers' warning about a shared store
 
 
-def test_a_node_added_mid_run_joins(etcd_job, tmp_path) -> None:
+def test_training_over_tls_with_the_ca_goes_on_through_an_etcd_restart(local_jobs, tls_etcd_server: EtcdServer,
+                                                                        tmp_path) -> None:
     dataset_size = 4096
-    job = etcd_job(dataset_size)
-    job.add_node("first")
-    job.wait_for_step(5, timeout=90)
-    job.add_node("joiner")
-    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 120,
-                                 "the job to continue in world size 2")
-    release(tmp_path / "hold")
-    assert restore["previous_world_size"] == 1
-    assert restore["global_step"] < EPOCHS * dataset_size // BATCH, "joined too late to prove anything"
-    assert job.wait(timeout=180) == {"first": 0, "joiner": 0}, node_logs(job)
-    assert "TORCHELASTIC_USE_AGENT_STORE" not in node_logs(job)
-    assert_finished(job, dataset_size)
-
-
-def test_training_goes_on_through_an_etcd_restart(etcd_job, etcd_server: EtcdServer, tmp_path) -> None:
-    dataset_size = 4096
-    job = etcd_job(dataset_size)
-    job.add_node("a")
-    job.add_node("b")
-    world_reached(job, 2)
-    job.wait_for_step(5, timeout=90)
-    outage_started = time.time()
-    etcd_server.restart(down_for=3.0)
-    outage_ended = time.time()
-    release(tmp_path / "hold")
-    assert job.wait(timeout=180) == {"a": 0, "b": 0}, node_logs(job)
-    steps_during_outage = [e for e in job.events("step") if outage_started < e["time"] < outage_ended]
-    assert steps_during_outage, "training paused while etcd was down"
-    assert len(job.events("start")) == 1, "the outage made the workers restart"
-    assert_finished(job, dataset_size)
-
-
-def test_training_runs_over_tls_with_the_ca(local_jobs, tls_etcd_server: EtcdServer, tmp_path) -> None:
-    dataset_size = 1536
     tls = tls_etcd_server.tls
     assert tls is not None
     job = local_jobs(training_args(dataset_size), name="tls-job", nproc_per_node=1, rdzv_backend="etcd-v3",
@@ -121,8 +97,15 @@ def test_training_runs_over_tls_with_the_ca(local_jobs, tls_etcd_server: EtcdSer
     job.add_node("a")
     job.add_node("b")
     world_reached(job, 2)
+    job.wait_for_step(5, timeout=90)
+    outage_started = time.time()
+    tls_etcd_server.restart(down_for=3.0)
+    outage_ended = time.time()
     release(tmp_path / "hold")
     assert job.wait(timeout=240) == {"a": 0, "b": 0}, node_logs(job)
+    steps_during_outage = [e for e in job.events("step") if outage_started < e["time"] < outage_ended]
+    assert steps_during_outage, "training paused while etcd was down"
+    assert len(job.events("start")) == 1, "the outage made the workers restart"
     assert_finished(job, dataset_size)
 
 
