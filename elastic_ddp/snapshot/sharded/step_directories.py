@@ -1,7 +1,7 @@
 """Sharded snapshots on disk: one directory per step, committed atomically, verified before use.
 
-Layout in the checkpoint directory (a filesystem every node reads, since each rank writes its own
-shard and a resharded restore reads the shards of others):
+Layout in the checkpoint directory (one every node reads; on node-local disks each node's
+directory holds a part of the files its manifest lists: node_local.py):
 
     sharded-000000120/          a committed step: never changed after its rename
         __0_0.distcp ...        DCP's files, one or more per rank (tensors only)
