@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partition", action="store_true",
                         help="Instead: a network partition, its heal and a freeze of 1 of 3 nodes, each node a "
                              "host of its own (root; settings ours and plain: benchmarks/recovery_network.py).")
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="With --partition: keep every node's logs and event log under DIR (else a temporary "
+                             "directory, removed).")
     parser.add_argument("--partition-seconds", type=float, default=0,
                         help="With --partition: keep the link down at least this long before the heal.")
     args = parser.parse_args(argv)

@@ -148,8 +148,13 @@ def main_partition(args, default_settings: bool) -> int:
     if problem is not None:
         print(f"benchmarks.recovery: {problem}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="recovery-") as root:
-        records = measure_partitions(settings, 1 if args.quick else args.repeats, Path(root), args.partition_seconds)
+    repeats = 1 if args.quick else args.repeats
+    if args.keep_logs is not None:
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+        records = measure_partitions(settings, repeats, args.keep_logs, args.partition_seconds)
+    else:
+        with tempfile.TemporaryDirectory(prefix="recovery-") as root:
+            records = measure_partitions(settings, repeats, Path(root), args.partition_seconds)
     summary = summarise(records, NETWORK_EVENTS)
     print_table(summary, NETWORK_EVENTS)
     if args.json:

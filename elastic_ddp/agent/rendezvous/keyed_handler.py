@@ -32,7 +32,7 @@ key goes, so the closer stops waiting for it. Sooner, with dead-node probes (`ke
 unless `probe_dead_nodes=0`): the closer probes the beacon of a missing member it reached before,
 and a refusal (the agent process has exited) counts as dead. A frozen or cut-off member refuses
 nothing; it counts as dead once this node's workers' watchdog named it and its beacon does not
-answer within half a second either (`keyed_silence`). `shutdown` revokes the lease at once.
+answer within 0.3 s either (`keyed_silence`). `shutdown` revokes the lease at once.
 `num_nodes_waiting` counts the arrivals at the next round (one keys-only read), except when the
 round is full and only spares wait. `set_closed` writes a closed flag that every waiting node sees
 at its next read and every later `next_rendezvous` raises on.

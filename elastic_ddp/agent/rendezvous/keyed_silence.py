@@ -51,9 +51,12 @@ from elastic_ddp.verdicts import take_verdict, verdict_path
 
 logger = logging.getLogger(__name__)
 
-# Seconds a beacon has to answer. Its thread does nothing but answer, in an agent process that is
-# idle while its workers train; on this machine with every core busy it answered in milliseconds.
-ANSWER_S = 0.5
+# Seconds a beacon has to answer: what each round that leaves a silent node out waits for it. The
+# beacon's thread does nothing but answer, in an agent process that is idle while its workers
+# train, so scheduling delays it by milliseconds, not tenths. One lost SYN (retransmitted after
+# 1 s) makes a live node miss it: then it is left out only if its workers were silent for the
+# watchdog's bound as well, and it rejoins the round after (module docstring).
+ANSWER_S = 0.3
 # Errors of a connect that say the peer's machine is out of reach: no answer, as a timeout.
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
 
