@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,20 @@ def local_jobs(tmp_path):
     yield make
     for job in jobs:
         job.stop()
+
+
+@pytest.fixture
+def reference_runs(tmp_path):
+    """Starts the uninterrupted reference run of an equivalence check (chaos/equivalence.py
+    `run_reference`) in the background: `start(training_args)` returns a Future of its checkpoint
+    directory, so that it trains while the test's job waits on its scenario (pass the job's own
+    arguments, EXTRA_TRAINING_ARGS included where the job has them). Waited for at the end."""
+    from elastic_ddp.chaos.equivalence import run_reference  # (imports torch: cluster tests only)
+
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def start(training_args, name: str = "reference") -> Future:
+        return pool.submit(run_reference, tmp_path / name, list(training_args))
+
+    yield start
+    pool.shutdown(wait=True)
