@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
+from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, wait_for
 from elastic_ddp.testbed.netns import NetworkFault, why_unavailable
 from tests.support.cluster import (
@@ -56,7 +56,8 @@ def _hold_without_pause(hold) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(local_jobs, network_bed, tmp_path):
+def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(local_jobs, network_bed, tmp_path,
+                                                                          reference_runs):
     bed = network_bed([*MEMBERS, *NODES], etcd_members=MEMBERS)
     etcd = start_etcd(bed, tmp_path / "etcd")
     hold = tmp_path / "hold"
@@ -70,6 +71,7 @@ def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(loca
     n0, n1, n2 = job.nodes
     try:
         world_reached(job, 3)
+        reference = reference_runs([*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])  # trains while the scenario plays
         _hold_without_pause(hold)
         job.wait_for_step(job.last_step() + 3, 30)
         leader = etcd.leader()
@@ -116,8 +118,7 @@ def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(loca
     assert restore["source"] == "memory" and restore["lost_steps"] <= 1, restore
     assert training_again_s <= TRAINING_AGAIN_BOUND_S, f"{training_again_s:.1f} s\n{node_logs(job)}"
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
-    reference = run_reference(tmp_path / "reference", [*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])
-    equivalence = compare_runs(reference, job.checkpoint_dir)
+    equivalence = compare_runs(reference.result(timeout=300), job.checkpoint_dir)
     print(f"against one uninterrupted process: {equivalence.describe()}")
     assert equivalence.parameter_difference <= PARAMETER_TOLERANCE, equivalence.describe()
     assert equivalence.loss_difference <= DEFAULT_LOSS_TOLERANCE, equivalence.describe()
