@@ -3,6 +3,7 @@
     python -m benchmarks.sharded_memory                        # worlds 2 and 4, 3 repetitions
     python -m benchmarks.sharded_memory --worlds 2 --repetitions 1 --hidden 1024
     python -m benchmarks.sharded_memory --no-memory-copies     # both modes without memory copies
+    python -m benchmarks.sharded_memory --phases --worlds 2 --repetitions 1   # where the peak comes from
 
 (run from the repository root, one job at a time on the machine). Each run is one torchrun agent
 with `--nproc_per_node` workers (`benchmarks.throughput.run_torchrun`: plain torchrun, the shipped
@@ -20,6 +21,10 @@ Per run it records:
 - `state_mb`: the state each rank holds, read from the run's last snapshot: DDP's snapshot file
   (the whole model and optimizer, the same on every rank), or the largest of the sharded step's
   `__<rank>_*.distcp` files (the rank's shards of the model and optimizer).
+
+With `--phases` the workers are `benchmarks.memory_phases` (probes at the entry and exit of the
+calls that allocate: building, sharding, a step, a memory part, a snapshot), and the largest rank's
+growth of its peak per interval between two probes is printed under the table.
 
 Not measured: the transient peak inside a step (VmHWM includes it: it is the peak), CUDA memory.
 """
@@ -90,24 +95,42 @@ def state_mb_per_rank(mode: str, checkpoint_dir: Path) -> float:
     return snapshots[-1]["size_bytes"] / MIB
 
 
-def measure_once(mode: str, world_size: int, run_dir: Path, timeout: float, memory_copies: bool) -> dict[str, Any]:
+def measure_once(mode: str, world_size: int, run_dir: Path, timeout: float, memory_copies: bool,
+                 phases: bool = False) -> dict[str, Any]:
     checkpoint_dir = run_dir / "ck"
-    records, seconds = run_torchrun("benchmarks.elastic_worker", training_args(mode, checkpoint_dir, memory_copies), run_dir,
+    worker = "benchmarks.memory_phases" if phases else "benchmarks.elastic_worker"
+    records, seconds = run_torchrun(worker, training_args(mode, checkpoint_dir, memory_copies), run_dir,
                                     world_size, timeout)
-    return {"mode": mode, "world_size": world_size, "seconds": round(seconds, 1),
-            "peak_rss_mb": sorted(r["peak_rss_mb"] for r in records),
-            "state_mb": round(state_mb_per_rank(mode, checkpoint_dir), 2)}
+    record = {"mode": mode, "world_size": world_size, "seconds": round(seconds, 1),
+              "peak_rss_mb": sorted(r["peak_rss_mb"] for r in records),
+              "state_mb": round(state_mb_per_rank(mode, checkpoint_dir), 2)}
+    if phases:
+        largest = max(records, key=lambda r: r["peak_rss_mb"])
+        record["phases"] = {key: largest[key] for key in ("rank", "first_hwm_mb", "hwm_growth", "rss")}
+    return record
+
+
+def print_phases(record: dict[str, Any]) -> None:
+    """The largest rank's growth of its peak per interval between probes (benchmarks.memory_phases)."""
+    phases = record["phases"]
+    print(f"\n{record['mode']} world {record['world_size']}, rank {phases['rank']}: peak "
+          f"{max(record['peak_rss_mb'])} MiB, {phases['first_hwm_mb']} MiB at the first probe; its growth:")
+    for interval, mib in phases["hwm_growth"].items():
+        if mib >= 1:
+            print(f"  {mib:7.1f} MiB  {interval}")
+    print("  largest VmRSS at: " + ", ".join(f"{mark} {mib}" for mark, mib in phases["rss"].items()
+                                              if mark.startswith("exit")))
 
 
 def measure(worlds: list[int], repetitions: int, work_dir: Path, timeout: float,
-            memory_copies: bool = True) -> list[dict]:
+            memory_copies: bool = True, phases: bool = False) -> list[dict]:
     records = []
     for repetition in range(repetitions):
         for world_size in worlds:
             modes = MODES if repetition % 2 == 0 else MODES[::-1]
             for mode in modes:
                 record = measure_once(mode, world_size, work_dir / f"{mode}-{world_size}-{repetition}", timeout,
-                                      memory_copies)
+                                      memory_copies, phases)
                 records.append(record)
                 print(f"{mode} world {world_size} #{repetition + 1}: peak RSS per worker {record['peak_rss_mb']} MiB, "
                       f"state per rank {record['state_mb']} MiB, {record['seconds']} s", file=sys.stderr, flush=True)
@@ -136,13 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="Width of wide_mlp's hidden layers.")
     parser.add_argument("--no-memory-copies", dest="memory_copies", action="store_false",
                         help="Run both modes with --no-memory_copies.")
+    parser.add_argument("--phases", action="store_true",
+                        help="Probe where each worker's peak comes from (benchmarks.memory_phases).")
     parser.add_argument("--timeout", type=float, default=600, help="Seconds one run may take.")
     parser.add_argument("--json", type=Path, help="Also write the raw records here.")
     args = parser.parse_args(argv)
     os.environ["BENCH_HIDDEN"] = str(args.hidden)  # the workers inherit it through torchrun
     with tempfile.TemporaryDirectory(prefix="sharded-memory-") as work_dir:
-        records = measure(args.worlds, args.repetitions, Path(work_dir), args.timeout, args.memory_copies)
+        records = measure(args.worlds, args.repetitions, Path(work_dir), args.timeout, args.memory_copies,
+                          args.phases)
     print(render_markdown(rows(records)))
+    for record in records:
+        if "phases" in record:
+            print_phases(record)
     for world_size in args.worlds:
         medians = {mode: statistics.median(max(r["peak_rss_mb"]) for r in records
                                            if r["world_size"] == world_size and r["mode"] == mode) for mode in MODES}

@@ -71,15 +71,19 @@ class PartWriter:
         self._layout: list[tuple[str, int, int]] = []  # (name, offset, length) of each chunk
         self._size = 0
 
-    def save(self, tensors: dict[str, Any]) -> tuple[bytes, memoryview]:
+    def save(self, tensors: dict[str, Any], into: memoryview | None = None) -> tuple[bytes, memoryview]:
         """(index, data) of this rank's shards of `tensors` (tensors and DTensors only); the data is
-        a new buffer at each call (a copy of the shards, not a view of them)."""
+        a copy of the shards, not a view of them: in `into` (a buffer nobody holds any more) when it
+        is writable and has the part's size, else in a new buffer."""
         flat = _flatten(tensors)
         signature = _signature(flat)
         if signature != self._signature:
             self._plan(flat)
             self._signature = signature
-        buffer = torch.empty(self._size, dtype=torch.uint8)
+        if into is not None and not into.readonly and into.nbytes == self._size and self._size:
+            buffer = torch.frombuffer(into, dtype=torch.uint8)
+        else:
+            buffer = torch.empty(self._size, dtype=torch.uint8)
         for name, offset, length in self._layout:
             if length:
                 buffer[offset:offset + length].copy_(_local(flat[name]).detach().contiguous().reshape(-1)

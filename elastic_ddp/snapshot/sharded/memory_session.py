@@ -72,7 +72,7 @@ class MemoryCopies:
             logger.error("the state of step %d holds non-finite values (NaN or infinity) in %s: this rank's part is "
                          "not kept in memory from now on (a restart resumes from the last finite state)", step,
                          ", ".join(diverged[:3]))
-        index, data = self.writer.save(tensors)
+        index, data = self.writer.save(tensors, self.memory.take_spare())
         self.memory.commit(make_copy(step, committed_in, self.context, index, rest(state, group_names) if rest else b"",
                                      data, finite=not diverged))
         return group_names

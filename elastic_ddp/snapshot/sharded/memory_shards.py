@@ -18,8 +18,16 @@ the part is taken, and checked once, when the buddy receives them. The unsharded
 rank's own part once the step is committed, is held as a copy of its objects and serialised (with
 a checksum of its own) only when the part is written: nothing of it is hashed or pickled per step.
 
-Both are kept for the last two steps: a failure during the exchange of step N leaves some buddies
-without step N, and then step N-1 is the newest one whose parts are all present.
+What is kept: the parts (own and buddy's) of the newest step that this rank committed and whose
+parts every rank took and exchanged whole (finite), plus those of the step being taken. A failure
+during the exchange of step N leaves some buddies without step N, and then step N-1 is the newest
+one whose parts are all present; once this rank has committed step N (its `rest` added) and every
+rank's part of N was exchanged (the barrier that ends the exchange also says whether every part was
+finite), step N-1's parts are dropped: if this rank survives, N is a committed state whose every
+part is on two nodes. So at most four parts per rank exist at once (own and buddy's, two steps,
+during the exchange), two between steps; the buffers of dropped parts are reused for the next
+step's (the part taken, the part received) when their size fits, so that a step does not fault in
+fresh pages. The part is sent as it was taken (no joined copy of its bytes).
 
 When the worker stops early (`keep`, no collective: the group may be broken) every rank writes what
 it holds into its node's memory directory (the run's private directory of snapshot/memory_copies.py),
@@ -29,8 +37,10 @@ worker group gathers them (memory_restore.py).
 
 Not guaranteed: a part whose two holders (its rank and its buddy) both die is lost, and the restart
 falls back to the newest durable snapshot (the `restore` event says why). The copies cost memory:
-up to four parts per rank (own and buddy's, two steps), and the exchange sends each rank's part over
-the network at every step.
+four parts per rank at most (own and buddy's, two steps, during an exchange; the two spare buffers
+stay allocated between steps), and the exchange sends each rank's part over the network at every
+step. A part dropped while `keep` writes it from another thread (a peer silent) and then reused
+could be written torn: its checksum refuses it at the restore.
 """
 
 from __future__ import annotations
@@ -41,14 +51,10 @@ import os
 import re
 import secrets
 import struct
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
@@ -56,11 +62,12 @@ from elastic_ddp.snapshot.files.checksum import new_hasher
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 from elastic_ddp.snapshot.memory_copies import MemoryTier, scope_token
+from elastic_ddp.snapshot.sharded.part_exchange import every_rank, exchange_part
 from elastic_ddp.snapshot.sharded.ring import node_of_each_rank, ring_partners, warn_if_not_spread
 
 logger = logging.getLogger(__name__)
 
-KEEP_STEPS = 2  # see the module docstring
+KEEP_STEPS = 2  # at most, see the module docstring
 FILE_PATTERN = re.compile(r"^shard-(\d{9})-(\d{1,19})-(\d{1,6})of(\d{1,6})\.bin$")
 MAX_HEADER_BYTES = 64 * 1024
 LENGTH = struct.Struct("<q")
@@ -98,16 +105,27 @@ class ShardCopy:
     def file_name(self) -> str:
         return f"shard-{self.step:09d}-{self.incarnation}-{self.part}of{self.world_size}.bin"
 
-    def to_bytes(self) -> bytes:
+    def head(self) -> bytes:
+        """Everything but the data: the length of the header, the header, the index and the rest."""
         header = encode_object({"format": FORMAT, "step": self.step, "incarnation": self.incarnation,
                                 "world_size": self.world_size, "part": self.part, "index_bytes": len(self.index),
                                 "plain_bytes": len(self.plain), "checksum": self.checksum,
                                 "rest_checksum": self.rest_checksum, "finite": self.finite})
-        return b"".join((LENGTH.pack(len(header)), header, self.index, self.plain, self.data))
+        return b"".join((LENGTH.pack(len(header)), header, self.index, self.plain))
+
+    def to_bytes(self) -> bytes:
+        return b"".join((self.head(), self.data))
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview, source: str) -> ShardCopy:
         """The copy in `raw`; SnapshotError when it is torn, damaged or not one (untrusted input)."""
+        return cls.from_head_and_data(raw, None, source)
+
+    @classmethod
+    def from_head_and_data(cls, raw: bytes | bytearray | memoryview, data: memoryview | None,
+                           source: str) -> ShardCopy:
+        """The copy whose `head()` is `raw` and whose data is `data` (None: the data follows the head
+        in `raw`, as `to_bytes` lays it out); SnapshotError when it is torn, damaged or not one."""
         raw = memoryview(raw)
         try:
             (header_bytes,) = LENGTH.unpack_from(raw, 0)
@@ -125,9 +143,10 @@ class ShardCopy:
         except (struct.error, StrictJSONError, KeyError) as exc:
             raise SnapshotError(f"{source}: not a shard copy ({exc})") from exc
         body = raw[LENGTH.size + header_bytes:]
-        if index_bytes + plain_bytes > len(body):
+        if index_bytes + plain_bytes > len(body) or (data is not None and index_bytes + plain_bytes != len(body)):
             raise SnapshotError(f"{source}: torn (shorter than its header says)")
-        index, plain, data = body[:index_bytes], body[index_bytes:index_bytes + plain_bytes], body[index_bytes + plain_bytes:]
+        index, plain = body[:index_bytes], body[index_bytes:index_bytes + plain_bytes]
+        data = body[index_bytes + plain_bytes:] if data is None else data
         if checksum_of(index, data) != header["checksum"]:
             raise SnapshotError(f"{source}: torn or damaged (the checksum of its tensors does not match)")
         if plain_bytes and checksum_of(plain) != header["rest_checksum"]:
@@ -169,6 +188,8 @@ class ShardMemory:
         self.damaged: list[tuple[int, int, int, str]] = []  # (step, incarnation, part, why): `stored` removed them
         self._rests: dict[int, Callable[[], bytes]] = {}  # step -> its own part's rest, made when written
         self._ring_known = False
+        self._complete: tuple[int, int] | None = None  # the newest step every rank took and exchanged whole
+        self._spare: dict[str, memoryview | None] = {"own": None, "held": None}  # buffers of dropped parts
 
     def commit(self, copy: ShardCopy) -> None:
         """Keep `copy` (this rank's part of a step) and exchange parts with the ring partners, then
@@ -176,25 +197,66 @@ class ShardMemory:
         step). Once this returns on any rank, every part of the step is on two ranks. A part that is
         not `finite` is sent all the same (the exchange is symmetric) and kept by neither side."""
         if copy.finite:
-            self.own = [*self.own, copy][-KEEP_STEPS:]
+            self.own = self._kept(self.own, copy, "own")
+        else:
+            self._retire(copy, "own")
         if not self._ring_known:
             nodes = node_of_each_rank(self.context)
             self.partners, self._ring_known = ring_partners(self.context.rank, nodes), True
             if self.context.is_main:
                 warn_if_not_spread(nodes)
         if self.partners is None or not self.context.in_process_group:
+            self._complete = copy.key if copy.finite else None
+        else:
+            head, data = exchange_part(copy.head(), copy.data, *self.partners, self.context.collective_device,
+                                   self._take_spare("held"))
+            held = ShardCopy.from_head_and_data(head, data, f"the part sent by rank {self.partners[1]}")
+            if held.finite:
+                self.held = self._kept(self.held, held, "held")
+            else:
+                self._retire(held, "held")
+            # The barrier: once it returns on any rank, every part of the step is on two ranks.
+            self._complete = copy.key if every_rank(copy.finite and held.finite, self.context) else None
+        if copy.plain:  # taken with its rest: committed already (after a restore, or a skipped step)
+            self._drop_older_than(copy.key)
+
+    def take_spare(self) -> memoryview | None:
+        """A buffer of a dropped own part, for the next part taken (PartWriter.save's `into`)."""
+        return self._take_spare("own")
+
+    def _take_spare(self, kind: str) -> memoryview | None:
+        spare, self._spare[kind] = self._spare[kind], None
+        return spare
+
+    def _kept(self, copies: list[ShardCopy], copy: ShardCopy, kind: str) -> list[ShardCopy]:
+        kept = [*copies, copy]
+        for dropped in kept[:-KEEP_STEPS]:
+            self._retire(dropped, kind)
+        return kept[-KEEP_STEPS:]
+
+    def _retire(self, copy: ShardCopy, kind: str) -> None:
+        """`copy` is no longer held: its buffer may take the next part of `kind`."""
+        if isinstance(copy.data, memoryview) and not copy.data.readonly and copy.data.nbytes:
+            self._spare[kind] = copy.data
+
+    def _drop_older_than(self, key: tuple[int, int]) -> None:
+        """`key`, committed here, is whole on two nodes: the parts of the steps before are dropped
+        (the module docstring says why that is enough)."""
+        if self._complete != key or not self.own or self.own[-1].key != key:
             return
-        received = _exchange(copy.to_bytes(), *self.partners, self.context.collective_device)
-        held = ShardCopy.from_bytes(received, f"the part sent by rank {self.partners[1]}")
-        if held.finite:
-            self.held = [*self.held, held][-KEEP_STEPS:]
-        dist.barrier()
+        for kind, copies in (("own", self.own), ("held", self.held)):
+            for copy in copies:
+                if copy.key != key:
+                    self._retire(copy, kind)
+        self.own = [copy for copy in self.own if copy.key == key]
+        self.held = [copy for copy in self.held if copy.key == key]
 
     def add_rest(self, step: int, rest: Callable[[], bytes]) -> None:
         """Add the unsharded rest to this rank's own part of `step` (once the step is committed).
         `rest()` makes its bytes, only when the part is written (`keep`): it must hold a copy of the
         state, not refer to the live one."""
         if self.own and self.own[-1].step == step and not self.own[-1].plain:
+            self._drop_older_than(self.own[-1].key)
             kept = {copy.step for copy in self.own}
             self._rests = {**{known: make for known, make in self._rests.items() if known in kept}, step: rest}
 
@@ -269,29 +331,6 @@ class ShardMemory:
 
     def forget(self) -> None:
         """The run finished: remove every file (local rank 0) and what this rank holds."""
-        self.own, self.held = [], []
+        self.own, self.held, self._spare = [], [], {"own": None, "held": None}
         if self.directory is not None and self.context.local_rank == 0:
             self.remove_all_but(None)
-
-
-def _exchange(payload: bytes, send_to: int, receive_from: int, device: torch.device) -> memoryview:
-    """Send `payload` to `send_to` and receive `receive_from`'s (point to point, over the default group)."""
-    size_out = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    size_in = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, send_to),
-                                  dist.P2POp(dist.irecv, size_in, receive_from)]))
-    incoming = int(size_in.item())
-    if not 0 <= incoming <= 4 * len(payload) + 2**26:
-        raise SnapshotError(f"rank {receive_from} announced a part of {incoming} bytes; this rank's is {len(payload)}")
-    with warnings.catch_warnings():  # "the given buffer is not writable": it is only read (sent)
-        warnings.simplefilter("ignore", UserWarning)
-        data_out = torch.frombuffer(payload, dtype=torch.uint8).to(device)
-    data_in = torch.empty(incoming, dtype=torch.uint8, device=device)
-    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, data_out, send_to),
-                                  dist.P2POp(dist.irecv, data_in, receive_from)]))
-    return memoryview(data_in.cpu().numpy())
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
