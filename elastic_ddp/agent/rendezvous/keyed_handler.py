@@ -206,7 +206,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if view.record is not None:
             ports = self._board.alive()
             arrived = set(arrivals)
-            suspects = {m: ports[m] for m in view.record.members if m in ports and m not in arrived}
+            asked = self._silence.asked(view.record)
+            suspects = {m: ports[m] for m in view.record.members if m in ports and m not in arrived | asked}
             alive = set(ports) - self._witness.exited(suspects) - self._silence.silent(view.record)
         if may_close(arrivals, view.record, alive, self._settings, quiet_for):
             record = closed_round(target, arrivals, view.record, self._settings.max_nodes)

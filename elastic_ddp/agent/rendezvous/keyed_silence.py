@@ -95,6 +95,7 @@ class SilenceJudge:
         self._directory = directory
         self._expected: tuple[Path, RoundRecord] | None = None  # the verdict file of the round joined last
         self._judged: tuple[RoundRecord, set[NodeDesc]] | None = None
+        self._asking: set[NodeDesc] = set()  # named nodes whose beacon has not answered or timed out yet
         self._probes: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -118,7 +119,7 @@ class SilenceJudge:
             return
         logger.info("this node's workers found node(s) %s silent: asking their beacons", named)
         with self._lock:
-            self._judged = (record, set())
+            self._judged, self._asking = (record, set()), set(named)
         self._probes = [threading.Thread(target=self._judge, args=(record, named, read_ports),
                                          name="keyed-rdzv-silence", daemon=True)]
         self._probes[0].start()
@@ -128,8 +129,12 @@ class SilenceJudge:
             ports = read_ports()
         except Exception as exc:  # noqa: BLE001 - only an optimisation is lost: the lease still decides
             logger.debug("could not read the beacon ports: %s", exc)
+            with self._lock:
+                self._asking.clear()
             return
         targets = [(node, self._witness.reached(node, ports.get(node))) for node in named]
+        with self._lock:
+            self._asking.intersection_update(node for node, address in targets if address is not None)
         askers = [threading.Thread(target=self._ask, args=(record, node, address), daemon=True)
                   for node, address in targets if address is not None]
         for asker in askers:
@@ -139,6 +144,8 @@ class SilenceJudge:
 
     def _ask(self, record: RoundRecord, node: NodeDesc, address: tuple) -> None:
         reply = ask(address, self._answer_s)
+        with self._lock:
+            self._asking.discard(node)
         if reply is not Reply.SILENT:
             logger.info("node %s, named silent by this node's workers, answers its beacon (%s): kept", node,
                         reply.value)
@@ -156,6 +163,15 @@ class SilenceJudge:
             if self._judged is None or last is None or self._judged[0] != last:
                 return set()
             return set(self._judged[1])
+
+    def asked(self, last: RoundRecord | None) -> set[NodeDesc]:
+        """The members of `last` being asked now or found silent: the dead-node probes
+        (`ExitWitness.exited`) need not ask them too (a beacon that is cut off would cost each of
+        them a connect timeout per poll while the round waits; a refusal is silence here too)."""
+        with self._lock:
+            if self._judged is None or last is None or self._judged[0] != last:
+                return set()
+            return self._asking | self._judged[1]
 
     def wait(self, timeout: float) -> bool:
         """Wait until every beacon asked has answered or timed out; False if still asking."""
