@@ -23,17 +23,24 @@ Sections (each module's docstring says exactly what it measures and how):
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new
   node to its first step, with the shipped launch settings against stock torchrun's; and the
   committed steps each redoes, against periodic snapshots alone and the tutorial's per-epoch one.
+- sharded             `--sharding fsdp` (docs/sharding.md): `benchmarks.throughput --sharding fsdp`
+  (the MLP against a bare FSDP2 loop), `benchmarks.sharded_memory` (memory per rank against DDP
+  for the same model, worlds 2 and 4) and `benchmarks.recovery --settings fsdp ours` (a SIGKILL, a
+  join and a SIGSTOP to the first step, and the committed steps redone, against the same launch in
+  DDP mode).
 
 Each cell is `median [min..max]` over the repetitions; the ratio is elastic_ddp over the baseline
 (per repetition when the two were measured in pairs). The table is preceded by a description of
 the machine. `--quick` shrinks every section (rendezvous: 2 and 4 agents, elastic-c10d's dynamic handler only) and
-leaves recovery out (one stock-torchrun kill alone waits out its 30 s rendezvous timeout). A section that fails is reported in the table and makes the
+leaves recovery out (one stock-torchrun kill alone waits out its 30 s rendezvous timeout) and sharded
+(its three benchmarks start about 20 torchrun jobs; `--only sharded` runs it alone). A section that fails is reported in the table and makes the
 exit code 1; the other sections still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -48,8 +55,10 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py`: make the reposi
 
 from benchmarks.table import Row, render_markdown
 
-SECTIONS = ("throughput", "data_path", "snapshot", "checksums", "rendezvous", "recovery")
+SECTIONS = ("throughput", "data_path", "snapshot", "checksums", "rendezvous", "recovery", "sharded")
 RECOVERY_SETTINGS = ("ours", "stock", "tutorial")
+SHARDED_RECOVERY_SETTINGS = ("fsdp", "ours")  # sharded, then the same launch in DDP mode (its baseline)
+SHARDED_MEMORY_WORLDS = [2, 4]
 # One cadence run of benchmarks.snapshot_cost in --quick (its own default is the full one).
 QUICK_CADENCE = {"hidden": 512, "warmup": 2, "steps": 40, "every": 20, "repetitions": 1}
 
@@ -150,8 +159,54 @@ def recovery_rows(records: list[dict]) -> list[Row]:
     return rows
 
 
+def run_sharded(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
+    if quick:
+        raise SectionSkipped("left out of --quick: its three benchmarks start about 20 torchrun jobs (minutes on "
+                             "2 cores); run without --quick, or `--only sharded`")
+    from benchmarks import recovery, sharded_memory, throughput
+
+    repetitions = repetitions or 3
+    workloads = throughput.workloads_for(False, ["mlp"], sharding="fsdp")
+    rows = [sharded_row(row) for row in throughput.measure(workloads, repetitions, work_dir / "sharded-throughput",
+                                                           progress=progress)]
+    started = time.monotonic()
+    records = sharded_memory.measure(SHARDED_MEMORY_WORLDS, repetitions, work_dir / "sharded-memory", timeout=600)
+    progress(f"sharded memory: {len(records)} runs in {time.monotonic() - started:.0f} s")
+    rows += [sharded_row(row) for row in sharded_memory.rows(records)]
+    records = recovery.measure(list(SHARDED_RECOVERY_SETTINGS), repetitions, work_dir / "sharded-recovery")
+    return rows + sharded_recovery_rows(records)
+
+
+def sharded_row(row: Row) -> Row:
+    """A row of a benchmark run with `--sharding fsdp`, under the `sharded` heading; the bare loop it
+    is measured against is then a bare FSDP2 loop."""
+    baseline_name = "bare FSDP2" if row.baseline_name == "bare DDP" else row.baseline_name
+    return dataclasses.replace(row, benchmark="sharded", baseline_name=baseline_name)
+
+
+def sharded_recovery_rows(records: list[dict]) -> list[Row]:
+    """Rows from `benchmarks.recovery.measure` records of SHARDED_RECOVERY_SETTINGS: sharded against
+    DDP, the same launch, paired per round."""
+    note = "3 torchrun agents of 1 worker on 127.0.0.1, MLP, the shipped launcher; the same with DDP"
+    titles = {"kill": "SIGKILL of 1 of 3 nodes -> first step without it, s",
+              "join": "new node started -> first step with it (world 2 -> 3), s",
+              "freeze": "SIGSTOP of a node -> first step without it, s"}
+
+    def of(setting: str, event: str, key: str) -> list[float]:
+        return [r[event][key] for r in records if r["setting"] == setting and r[event].get(key) is not None]
+
+    rows = [Row("sharded", figure, of("fsdp", event, "seconds"), of("ours", event, "seconds"), "DDP",
+                note=note) for event, figure in titles.items()]
+    for event in ("kill", "freeze"):
+        rows.append(Row("sharded", f"committed steps redone after a {'SIGKILL' if event == 'kill' else 'SIGSTOP'}",
+                        of("fsdp", event, "lost_steps"), of("ours", event, "lost_steps"), "DDP",
+                        target="<= 0", target_on="elastic", note=note))
+    return rows
+
+
 RUNNERS = {"throughput": run_throughput, "data_path": run_data_path, "snapshot": run_snapshot,
-           "checksums": run_checksums, "rendezvous": run_rendezvous, "recovery": run_recovery}
+           "checksums": run_checksums, "rendezvous": run_rendezvous, "recovery": run_recovery,
+           "sharded": run_sharded}
 
 
 def machine_description() -> str:
@@ -199,7 +254,8 @@ def run(sections: Sequence[str], quick: bool, repetitions: int | None, work_dir:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/run_all.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: small runs, one repetition, no recovery")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized: small runs, one repetition, no recovery and no sharded section")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
                         help=f"run these sections only ({', '.join(SECTIONS)})")
     parser.add_argument("--repetitions", type=int, default=None,

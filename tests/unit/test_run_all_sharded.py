@@ -1,0 +1,42 @@
+"""benchmarks/run_all.py's sharded section: its rows from the records of the benchmarks it runs, and
+its absence from --quick (no benchmark is run here; the section runs with `run_all.py --only sharded`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run_all
+from benchmarks.table import Row
+
+
+def test_sharded_recovery_records_become_rows_against_ddp_with_the_steps_redone():
+    records = [{"setting": setting, "kill": {"seconds": kill, "lost_steps": 0}, "join": {"seconds": 4.0, "lost_steps": 0},
+                "freeze": {"seconds": 5.0, "lost_steps": lost}}
+               for setting, kill, lost in (("fsdp", 0.6, 0), ("ours", 0.4, 0), ("ours", 0.5, 0), ("fsdp", 0.5, 1))]
+    rows = {row.figure: row for row in run_all.sharded_recovery_rows(records)}
+    kill = rows["SIGKILL of 1 of 3 nodes -> first step without it, s"]
+    assert (kill.benchmark, kill.elastic, kill.baseline, kill.baseline_name) == ("sharded", [0.6, 0.5], [0.4, 0.5], "DDP")
+    assert kill.ratio == pytest.approx((0.6 / 0.4 + 1.0) / 2)
+    assert {"new node started -> first step with it (world 2 -> 3), s",
+            "SIGSTOP of a node -> first step without it, s"} < rows.keys()
+    assert rows["committed steps redone after a SIGKILL"].target_met() is True
+    assert rows["committed steps redone after a SIGSTOP"].target_met() is False  # a median of 0.5 steps lost
+    assert len(rows) == 5
+
+
+def test_rows_of_a_sharded_run_go_under_their_own_heading_against_a_bare_fsdp2_loop():
+    throughput = run_all.sharded_row(Row("throughput", "mlp, default snapshots, on the budget: samples/s", [9.0], [10.0],
+                                         "bare DDP", target=">= 0.98"))
+    memory = run_all.sharded_row(Row("memory", "world 2: peak RSS per worker (largest rank), MiB", [1443.0], [844.0],
+                                     "DDP"))
+    assert (throughput.benchmark, throughput.baseline_name, throughput.ratio, throughput.target_met()) == (
+        "sharded", "bare FSDP2", 0.9, False)
+    assert (memory.benchmark, memory.baseline_name) == ("sharded", "DDP")
+
+
+def test_the_sharded_section_is_left_out_of_quick_with_its_reason(tmp_path: Path):
+    rows, missing, ok = run_all.run(["sharded"], quick=True, repetitions=None, work_dir=tmp_path, progress=print)
+    assert (rows, ok) == ([], True)
+    assert [(section, reason.startswith("left out of --quick")) for section, reason in missing] == [("sharded", True)]
