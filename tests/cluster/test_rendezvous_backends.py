@@ -75,7 +75,7 @@ def test_a_round_after_a_failure_completes_when_every_live_node_is_back_not_afte
 
 
 def test_without_prompt_completion_the_last_call_applies(store_port):
-    conf = {"last_call_timeout": "60", "join_timeout": "5", "prompt_completion": "0"}
+    conf = {"last_call_timeout": "60", "join_timeout": "3", "prompt_completion": "0"}
     nodes = [handler(store_port, "no-prompt", max_nodes=3, **conf) for _ in range(3)]
     # The first round waits for its last call as well: three nodes at max_nodes complete it at once.
     assert [info.world_size for info in rendezvous_together(nodes)] == [3, 3, 3]
@@ -90,7 +90,7 @@ def test_without_prompt_completion_the_last_call_applies(store_port):
 def test_a_node_that_has_not_come_back_is_waited_for(store_port):
     """One survivor rejoins, the other still trains as far as anyone knows (its heartbeat is fresh,
     its beacon answers): no prompt completion; the last call (60 s) outlasts the join timeout."""
-    conf = {"last_call_timeout": "60", "join_timeout": "5"}
+    conf = {"last_call_timeout": "60", "join_timeout": "3"}
     nodes = [handler(store_port, "waits", max_nodes=3, **conf) for _ in range(3)]
     assert [info.world_size for info in rendezvous_together(nodes)] == [3, 3, 3]
     with pytest.raises(RendezvousTimeoutError):
