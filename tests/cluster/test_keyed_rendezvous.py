@@ -35,11 +35,13 @@ def params(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf: A
 
 
 @pytest.fixture
-def make_handlers(etcd_server, run_id):
+def make_handlers(shared_etcd_server, run_id):
+    """Handlers of this test's own run id on the module's etcd member (a fresh one costs ~1 s a test)."""
     made: list[KeyedRendezvousHandler] = []
 
     def make(count: int, min_nodes: int, max_nodes: int, **conf: Any) -> list[KeyedRendezvousHandler]:
-        handlers = [create_keyed_etcd_v3_handler(params(etcd_server.endpoint, run_id, min_nodes, max_nodes, **conf))
+        handlers = [create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, min_nodes, max_nodes,
+                                                        **conf))
                     for _ in range(count)]
         made.extend(handlers)
         return handlers
@@ -150,22 +152,22 @@ def test_handler_contract_names_and_store(make_handlers, run_id) -> None:
     assert handler.shutdown() is True
 
 
-def test_the_entry_point_builds_the_keyed_handler_by_default_and_refuses_an_unknown_algorithm(etcd_server,
+def test_the_entry_point_builds_the_keyed_handler_by_default_and_refuses_an_unknown_algorithm(shared_etcd_server,
                                                                                              run_id) -> None:
     create = etcd_v3_handler_factory()
     # torch's dynamic handler takes whole seconds only (FAST has fractions).
     whole_seconds = {key: "1" for key, value in FAST.items() if "." in str(value)}
     for conf in ({}, {"algorithm": "keyed"}, {"algorithm": "dynamic", **whole_seconds}):
-        handler = create(params(etcd_server.endpoint, run_id, 1, 1, **conf))
+        handler = create(params(shared_etcd_server.endpoint, run_id, 1, 1, **conf))
         try:
             assert isinstance(handler, KeyedRendezvousHandler) == (conf.get("algorithm") != "dynamic"), conf
         finally:
             handler.shutdown()
     with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected one of keyed "):
-        create(params(etcd_server.endpoint, run_id, 1, 1, algorithm="fancy"))
+        create(params(shared_etcd_server.endpoint, run_id, 1, 1, algorithm="fancy"))
 
 
-def test_a_forged_round_record_is_refused_not_executed(make_handlers, etcd_server, run_id) -> None:
+def test_a_forged_round_record_is_refused_not_executed(make_handlers) -> None:
     handler = make_handlers(1, 1, 1)[0]
     board = handler._board
     board._connection.call("forge", lambda client: client.put(board._base + "record", b"\x80\x04cos\nsystem\n."))
