@@ -137,7 +137,7 @@ def test_the_final_snapshot_still_waits_for_a_slow_write_up_to_the_write_timeout
 
 def test_training_on_hung_storage_goes_on_at_full_speed_and_says_which_snapshots_it_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(background_writer, "POINT_WAIT_S", 0.3)
-    config = small_config(tmp_path, epochs=1, snapshot_every_steps=1, snapshot_timeout_s=2)  # 6 steps
+    config = small_config(tmp_path, epochs=1, snapshot_every_steps=1, snapshot_timeout_s=1)  # 6 steps
     hung = threading.Event()
     original = LocalDirectoryStorage.write_stream_atomically
 
