@@ -123,8 +123,9 @@ class ShardedSnapshotSession:
         restored, refused = (self.memory.restore(state, durable and durable[2], self._check_fits,
                                                  self._restore_from_memory)
                              if self.memory is not None else (None, []))
+        refused = sorted(refused + file_refused, key=lambda item: -item["global_step"])  # newest first
         if restored is None and durable is not None:
-            refused = [item for item in refused if item["global_step"] >= durable[2]] + file_refused
+            refused = [item for item in refused if item["global_step"] >= durable[2]]
             fetched = node_local_restore.fetch(self.local, local_choice) if local_choice is not None else None
             restored = self._restore_from_file(state, durable[0], durable[1], refused, fetched)
         elif restored is None:
