@@ -153,6 +153,15 @@ def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_
     assert survivor._board._latest.members == (HERE, OTHER)
 
 
+def test_an_agent_that_shuts_down_leaves_no_verdict_behind(server) -> None:
+    survivor, _ = formed_pair(server, Beacon())
+    workers_name(survivor, OTHER)
+    path = survivor._silence._expected[0]
+    assert path.exists()
+    survivor.shutdown()
+    assert not path.exists()
+
+
 def test_a_member_named_by_the_workers_whose_beacon_answers_is_kept(server) -> None:
     survivor, slow = formed_pair(server, Beacon())
     workers_name(survivor, OTHER)

@@ -248,6 +248,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         restarts; docs/failure-semantics.md, "When torchrun closes the rendezvous for everyone"), then
         revokes this node's liveness: its keys go at once."""
         self._witness.close()
+        self._silence.forget()
         try:
             self._board.set_closed()
             self._board.leave()

@@ -105,6 +105,13 @@ class SilenceJudge:
         with self._lock:
             self._expected = (path, record)
 
+    def forget(self) -> None:
+        """This agent is ending: remove the verdict file its last round's workers may have left."""
+        with self._lock:
+            expected, self._expected = self._expected, None
+        if expected is not None:
+            expected[0].unlink(missing_ok=True)
+
     def start(self, read_ports: Callable[[], Ports]) -> None:
         """Read the verdict the last round's workers left, if any, and ask each node it names on a
         thread of its own (the answers are read by `silent`)."""
