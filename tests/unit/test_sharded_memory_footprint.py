@@ -54,7 +54,7 @@ def _rank(rank: int, store_file: str, out: str) -> None:
         memory, writer = ShardMemory(context, None), PartWriter()
         alive = []  # every part's buffer, so that no address is freed and handed out again
         seen: dict[str, list] = {"exchanged": [], "committed": [], "held_values": [], "own_buffers": [],
-                                 "held_buffers": []}
+                                 "held_buffers": [], "views": []}
         for step in range(1, STEPS + 1):
             value = float("nan") if (rank, step) == NOT_FINITE else float(100 * step + rank)
             index, data = writer.save({"w": torch.full((ELEMENTS,), value)}, memory.take_spare())
@@ -67,6 +67,7 @@ def _rank(rank: int, store_file: str, out: str) -> None:
             alive += [c.data for c in (*memory.own, *memory.held)]
             seen["own_buffers"] += [_address(c.data) for c in memory.own]
             seen["held_buffers"] += [_address(c.data) for c in memory.held]
+            seen["views"] += [id(c.data) for c in (*memory.own, *memory.held)]
         Path(out, f"rank-{rank}.json").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
@@ -91,6 +92,7 @@ def test_a_rank_holds_one_committed_step_between_steps_and_reuses_its_buffers(tm
         # two per kind, and a third after step 4, which dropped nothing.
         assert len(set(seen["own_buffers"])) <= 3, "own parts: a new buffer per step"
         assert len(set(seen["held_buffers"])) <= 3, "received parts: a new buffer per step"
+        assert len(set(seen["views"])) <= 6, "a new view of a reused buffer per step (views of views chain)"
 
 
 CHILD = textwrap.dedent("""

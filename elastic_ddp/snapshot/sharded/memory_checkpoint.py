@@ -80,15 +80,14 @@ class PartWriter:
         if signature != self._signature:
             self._plan(flat)
             self._signature = signature
-        if into is not None and not into.readonly and into.nbytes == self._size and self._size:
-            buffer = torch.frombuffer(into, dtype=torch.uint8)
-        else:
-            buffer = torch.empty(self._size, dtype=torch.uint8)
+        reuse = into is not None and not into.readonly and into.nbytes == self._size and self._size
+        # `into` itself is returned, not a view made anew: views of views would chain step after step
+        buffer = torch.frombuffer(into, dtype=torch.uint8) if reuse else torch.empty(self._size, dtype=torch.uint8)
         for name, offset, length in self._layout:
             if length:
                 buffer[offset:offset + length].copy_(_local(flat[name]).detach().contiguous().reshape(-1)
                                                      .view(torch.uint8))
-        return self._index, memoryview(buffer.numpy())
+        return self._index, into if reuse else memoryview(buffer.numpy())
 
     def _plan(self, flat: dict[str, Any]) -> None:
         plan = create_default_local_save_plan(flat, is_coordinator=True)

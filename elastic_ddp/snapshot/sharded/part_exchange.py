@@ -32,12 +32,12 @@ def exchange_part(head: bytes, data: bytes | memoryview, send_to: int, receive_f
                             f"{len(head)} + {len(data)}")
     head_in = _receive_pair(_as_tensor(head, device), send_to, torch.empty(head_size, dtype=torch.uint8, device=device),
                             receive_from)
-    if spare is not None and device.type == "cpu" and spare.nbytes == data_size:
-        data_in = torch.frombuffer(spare, dtype=torch.uint8)
-    else:
-        data_in = torch.empty(data_size, dtype=torch.uint8, device=device)
+    reuse = spare is not None and device.type == "cpu" and spare.nbytes == data_size and data_size > 0
+    data_in = torch.frombuffer(spare, dtype=torch.uint8) if reuse else torch.empty(data_size, dtype=torch.uint8,
+                                                                                   device=device)
     data_in = _receive_pair(_as_tensor(data, device), send_to, data_in, receive_from)
-    return memoryview(head_in.cpu().numpy()), memoryview(data_in.cpu().numpy())
+    # `spare` itself, not a view made anew: views of views would chain step after step
+    return memoryview(head_in.cpu().numpy()), spare if reuse else memoryview(data_in.cpu().numpy())
 
 
 def _as_tensor(raw: bytes | memoryview, device: torch.device) -> torch.Tensor:
