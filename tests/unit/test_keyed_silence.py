@@ -153,6 +153,20 @@ def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_
     assert survivor._board._latest.members == (HERE, OTHER)
 
 
+def test_a_verdict_found_while_the_workers_end_is_asked_at_once_and_kept_for_the_next_round(server) -> None:
+    frozen_beacon = FrozenBeacon()
+    survivor, frozen = formed_pair(server, frozen_beacon)
+    frozen._board._stop.set()
+    assert survivor.num_nodes_waiting() == 0  # no verdict yet: nothing asked
+    assert survivor._silence._probes == []
+    workers_name(survivor, OTHER)
+    assert survivor.num_nodes_waiting() == 0  # torchrun's monitor poll finds the verdict: asked now
+    wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the frozen node's beacon")
+    assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == {OTHER}
+    assert join_all([survivor]) == {HERE: (0, 1)}
+    frozen_beacon.close()
+
+
 def test_an_agent_that_shuts_down_leaves_no_verdict_behind(server) -> None:
     survivor, _ = formed_pair(server, Beacon())
     workers_name(survivor, OTHER)

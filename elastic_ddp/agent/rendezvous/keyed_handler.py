@@ -227,9 +227,10 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """See base class. 0 before this node's first round. Spares beyond a full round count once a
         member of it is no longer alive (torch moves them to its wait list then): the survivors
         restart for the spare, whether or not their workers noticed the loss. Liveness is read
-        only then, while spares wait."""
+        only then, while spares wait. Also looks for this node's workers' verdict (`keyed_silence`)."""
         if self._round is None:
             return 0
+        self._silence.start(self._board.alive, early=True)
         waiting = self._board.waiting(self._round.round + 1)
         count = waiting_count(waiting, self._round, self._settings.max_nodes)
         if count == 0 and waiting:

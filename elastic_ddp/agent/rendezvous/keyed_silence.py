@@ -27,7 +27,10 @@ see it waiting (`num_nodes_waiting`) and restart, and the round after takes it i
 node. The cost is one more restart, never a second world: the rule that no live member may be
 missing (`keyed_rounds.may_close`) is only given these two pieces of evidence in place of the lease.
 
-Cost: nothing while training; per round this node's workers' watchdog fired in, one liveness read
+The verdict is looked for while the workers train too, at each of torchrun's monitor polls (one
+`stat`), so that the beacons are asked while the worker that wrote it is still ending.
+
+Cost: nothing while training but that `stat`; per round this node's workers' watchdog fired in, one liveness read
 and one connection per named node, on threads of their own while this node arrives. Turned off
 with the dead-node probes (`probe_dead_nodes=0`: no beacons, nothing is reached).
 """
@@ -112,13 +115,17 @@ class SilenceJudge:
         if expected is not None:
             expected[0].unlink(missing_ok=True)
 
-    def start(self, read_ports: Callable[[], Ports]) -> None:
+    def start(self, read_ports: Callable[[], Ports], early: bool = False) -> None:
         """Read the verdict the last round's workers left, if any, and ask each node it names on a
-        thread of its own (the answers are read by `silent`)."""
+        thread of its own (the answers are read by `silent`). `early`: only if the verdict is there
+        already (torchrun's monitor loop, while the worker that wrote it is still ending: the
+        answers are in by the time this node arrives); the next round's own `start` then keeps
+        what was found."""
         with self._lock:
-            expected, self._expected, self._judged = self._expected, None, None
-        if expected is None:
-            return
+            expected = self._expected
+            if expected is None or (early and not expected[0].exists()):
+                return
+            self._expected, self._judged = None, None
         path, record = expected
         ranks = take_verdict(path)
         named = [record.members[rank] for rank in sorted(ranks) if rank < len(record.members)]
