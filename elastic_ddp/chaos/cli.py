@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", default="elastic_ddp.train", help="Training module torchrun runs.")
     parser.add_argument("--deadline", type=float, default=900, help="Seconds the whole run may take.")
     parser.add_argument("--compare", action="store_true",
-                        help="Also train without faults in one process and compare final parameters and "
-                             "per-step losses (use a model without BatchNorm and --log_interval 1).")
+                        help="Also train without faults in one process (with --sharding fsdp: the one worker of "
+                             "torchrun --standalone) and compare final parameters and per-step losses, of DDP "
+                             "snapshots or sharded steps (use a model without BatchNorm and --log_interval 1).")
     parser.add_argument("--report", type=Path, help="Write the report as JSON here.")
     parser.add_argument("--save-plan", type=Path, help="Write the plan that was played as JSON here.")
     parser.add_argument("training_args", nargs=argparse.REMAINDER,
