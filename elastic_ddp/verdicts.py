@@ -21,6 +21,10 @@ own: the beacon probe must also go unanswered.
     write_verdict(path, {1})        # the worker: node 1 of this round is silent
     take_verdict(path)              # the agent: {1}, and the file is gone
 
+Not guaranteed: that every file is read. A worker cannot tell whether its agent reads verdicts;
+under a rendezvous that does not (torch's own `c10d`, `algorithm=dynamic`), or when the agent ends
+by a signal before its next round, the file (a few dozen bytes) stays in the directory.
+
 The bottom layer of the package: it imports neither torch nor anything of elastic_ddp, so the agent
 (which never imports the worker side) and the worker both use it.
 """
