@@ -33,7 +33,8 @@ Each cell is `median [min..max]` over the repetitions; the ratio is elastic_ddp 
 (per repetition when the two were measured in pairs). The table is preceded by a description of
 the machine. `--quick` shrinks every section (rendezvous: 2 and 4 agents, elastic-c10d's dynamic handler only) and
 leaves recovery out (one stock-torchrun kill alone waits out its 30 s rendezvous timeout) and sharded
-(its three benchmarks start about 20 torchrun jobs; `--only sharded` runs it alone). A section that fails is reported in the table and makes the
+(its three benchmarks run torchrun jobs for minutes: 260 s with `--repetitions 1` on 2 cores;
+`--only sharded` runs it alone). A section that fails is reported in the table and makes the
 exit code 1; the other sections still run.
 """
 
@@ -161,8 +162,8 @@ def recovery_rows(records: list[dict]) -> list[Row]:
 
 def run_sharded(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
     if quick:
-        raise SectionSkipped("left out of --quick: its three benchmarks start about 20 torchrun jobs (minutes on "
-                             "2 cores); run without --quick, or `--only sharded`")
+        raise SectionSkipped("left out of --quick: its three benchmarks run torchrun jobs for minutes (260 s with "
+                             "--repetitions 1 on 2 cores); run without --quick, or `--only sharded`")
     from benchmarks import recovery, sharded_memory, throughput
 
     repetitions = repetitions or 3
