@@ -26,6 +26,14 @@ def rendezvous_together(handlers, timeout: float = 90) -> list:
     return results
 
 
+def ranks_by_node(handlers, timeout: float = 30) -> dict:
+    """`rendezvous_together` for handlers with a `node` (the keyed ones): node -> (rank, world size),
+    or the exception its next_rendezvous raised."""
+    results = rendezvous_together(handlers, timeout)
+    return {handler.node: result if isinstance(result, BaseException) else (result.rank, result.world_size)
+            for handler, result in zip(handlers, results)}
+
+
 class Background:
     """`handler.next_rendezvous()` in a thread (torch's tests: `_CapturingThread`); `result()` waits
     for it under a deadline and returns its RendezvousInfo or the exception it raised."""

@@ -29,6 +29,7 @@ from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
+from tests.support.rendezvous import ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,38 +59,19 @@ def handler(server: TCPStore, node: NodeDesc, chosen: KeyedSettings,
     return MADE[-1]
 
 
-def join_all(handlers: list[KeyedRendezvousHandler]) -> dict[NodeDesc, object]:
-    """next_rendezvous of each handler on a thread of its own: node -> (rank, world size) or the error."""
-    results: dict[NodeDesc, object] = {}
-
-    def join(h: KeyedRendezvousHandler) -> None:
-        try:
-            info = h.next_rendezvous()
-            results[h.node] = (info.rank, info.world_size)
-        except Exception as exc:  # noqa: BLE001 - the test reads it
-            results[h.node] = exc
-
-    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return results
-
-
 def test_a_round_ranks_by_node_name_keeps_a_spare_and_takes_it_when_a_member_leaves(server) -> None:
     chosen = settings(max_nodes=2)
     a, b, c = (handler(server, node, chosen) for node in (C, A, B))  # C arrives first: ranks ignore arrival order
-    first = join_all([a, b])
+    first = ranks_by_node([a, b])
     assert first == {C: (1, 2), A: (0, 2)}
-    spare = threading.Thread(target=lambda: join_all([c]), daemon=True)
+    spare = threading.Thread(target=lambda: ranks_by_node([c]), daemon=True)
     spare.start()
     board = c._board
     while board._slots.get(1) is None:  # the spare has arrived at the next round
         threading.Event().wait(0.01)
     assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0  # a full world is not restarted for a spare
     a._board.leave()  # A is gone (its heartbeat key removed); shutdown would close the run for everyone
-    second = join_all([b])  # B restarts its workers; A left: B and the spare C form round 1
+    second = ranks_by_node([b])  # B restarts its workers; A left: B and the spare C form round 1
     spare.join(timeout=30)
     assert second == {A: (0, 2)}
     assert board._latest == RoundRecord(1, (A, B))
@@ -98,7 +80,7 @@ def test_a_round_ranks_by_node_name_keeps_a_spare_and_takes_it_when_a_member_lea
 def test_joining_is_one_add_and_one_set_and_one_node_closes(server) -> None:
     chosen = settings(max_nodes=3)
     handlers = [handler(server, node, chosen) for node in (A, B, C)]
-    results = join_all(handlers)
+    results = ranks_by_node(handlers)
     assert sorted(results.values()) == [(0, 3), (1, 3), (2, 3)]
     closes = [h._board.counts["closes"] for h in handlers]
     assert sum(closes) >= 1 and sum(h._board.counts["lost_closes"] for h in handlers) == sum(closes) - 1
@@ -113,7 +95,7 @@ def test_an_arrival_whose_heartbeats_stop_is_left_out_and_the_next_one_closes(se
     frozen._board.start(A, None)
     frozen._board.arrive(0, A)  # the earliest arrival, the closer, then silent (frozen)
     frozen._board._stop.set()
-    results = join_all([b, c])
+    results = ranks_by_node([b, c])
     assert results == {B: (0, 2), C: (1, 2)}
 
 
@@ -121,11 +103,11 @@ def test_a_member_whose_beacon_refuses_is_left_out_long_before_its_heartbeat_exp
     chosen = dataclasses.replace(settings(min_nodes=1, max_nodes=3, expiry_beats=1000), join_timeout=20)
     here, gone = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
     survivor, killed = (handler(server, node, chosen, ExitWitness()) for node in (here, gone))
-    assert join_all([survivor, killed]) == {here: (0, 2), gone: (1, 2)}
+    assert ranks_by_node([survivor, killed]) == {here: (0, 2), gone: (1, 2)}
     wait_for(lambda: survivor._witness._reached, 20, "the survivor reaching the other's beacon")
     killed._board._stop.set()  # "killed": no more heartbeats (the last one stays fresh for 200 s) ...
     killed._witness.close()  # ... and its beacon refuses
-    assert join_all([survivor]) == {here: (0, 1)}  # else RendezvousTimeoutError after join_timeout
+    assert ranks_by_node([survivor]) == {here: (0, 1)}  # else RendezvousTimeoutError after join_timeout
 
 
 def test_the_handler_takes_rdzv_conf_values_and_the_shipped_defaults_for_the_rest(server) -> None:
@@ -165,7 +147,7 @@ def test_set_closed_ends_a_waiting_node_and_every_later_round(server) -> None:
     chosen = settings(min_nodes=2, max_nodes=2)
     a, b = handler(server, A, chosen), handler(server, B, chosen)
     results: dict = {}
-    waiting = threading.Thread(target=lambda: results.update(join_all([a])), daemon=True)
+    waiting = threading.Thread(target=lambda: results.update(ranks_by_node([a])), daemon=True)
     waiting.start()
     while a._board._slots.get(0) is None:
         threading.Event().wait(0.01)

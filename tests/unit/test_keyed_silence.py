@@ -24,6 +24,7 @@ from elastic_ddp.agent.rendezvous.liveness import Beacon
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.verdicts import MAX_VERDICT_BYTES, take_verdict, verdict_path, write_verdict
+from tests.support.rendezvous import ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,24 +63,6 @@ def handler(server: TCPStore, node, witness: ExitWitness, join_timeout: float = 
     return MADE[-1]
 
 
-def join_all(handlers: list[KeyedRendezvousHandler]) -> dict:
-    results: dict = {}
-
-    def join(h: KeyedRendezvousHandler) -> None:
-        try:
-            info = h.next_rendezvous()
-            results[h.node] = (info.rank, info.world_size)
-        except Exception as exc:  # noqa: BLE001 - the test reads it
-            results[h.node] = exc
-
-    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return results
-
-
 def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezvousHandler, KeyedRendezvousHandler]:
     """Round 0 of HERE and OTHER; HERE's beacon probes (unless not `probes`) reached OTHER's
     beacon, whose port is then `other_beacon`'s (a live one, or a frozen one)."""
@@ -88,7 +71,7 @@ def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezv
     other_witness._beacon = other_beacon
     survivor = handler(server, HERE, ExitWitness(enabled=probes), join_timeout=15 if probes else 2)
     other = handler(server, OTHER, other_witness)
-    assert join_all([survivor, other]) == {HERE: (0, 2), OTHER: (1, 2)}
+    assert ranks_by_node([survivor, other]) == {HERE: (0, 2), OTHER: (1, 2)}
     if probes:
         wait_for(lambda: survivor._witness._reached, 20, "the survivor reaching the other's beacon")
     return survivor, other
@@ -139,16 +122,16 @@ def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_
     survivor, frozen = formed_pair(server, frozen_beacon)
     frozen._board._stop.set()  # frozen: no more heartbeats; its last one stays fresh for 200 s
     workers_name(survivor, OTHER)
-    assert join_all([survivor]) == {HERE: (0, 1)}  # before: RendezvousTimeoutError after join_timeout
+    assert ranks_by_node([survivor]) == {HERE: (0, 1)}  # before: RendezvousTimeoutError after join_timeout
     assert survivor._board._latest == RoundRecord(1, (HERE,))
     # Thawed (it was only slow after all): it arrives at the next round, the survivor sees it
     # waiting and restarts, and the round after holds both again.
     frozen._board._stop.clear()
     frozen_beacon.close()
-    rejoined = threading.Thread(target=lambda: join_all([frozen]), daemon=True)
+    rejoined = threading.Thread(target=lambda: ranks_by_node([frozen]), daemon=True)
     rejoined.start()
     wait_for(lambda: survivor.num_nodes_waiting() > 0, 20, "the survivor seeing the left-out node wait")
-    assert join_all([survivor]) == {HERE: (0, 2)}
+    assert ranks_by_node([survivor]) == {HERE: (0, 2)}
     rejoined.join(timeout=30)
     assert survivor._board._latest.members == (HERE, OTHER)
 
@@ -163,7 +146,7 @@ def test_a_verdict_found_while_the_workers_end_is_asked_at_once_and_kept_for_the
     assert survivor.num_nodes_waiting() == 0  # torchrun's monitor poll finds the verdict: asked now
     wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the frozen node's beacon")
     assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == {OTHER}
-    assert join_all([survivor]) == {HERE: (0, 1)}
+    assert ranks_by_node([survivor]) == {HERE: (0, 1)}
     frozen_beacon.close()
 
 
@@ -180,12 +163,12 @@ def test_a_member_named_by_the_workers_whose_beacon_answers_is_kept(server) -> N
     survivor, slow = formed_pair(server, Beacon())
     workers_name(survivor, OTHER)
     results: dict = {}
-    waiting = threading.Thread(target=lambda: results.update(join_all([survivor])), daemon=True)
+    waiting = threading.Thread(target=lambda: results.update(ranks_by_node([survivor])), daemon=True)
     waiting.start()
     wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the slow node's beacon")
     assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == set()
     assert waiting.is_alive(), results  # still waiting for the slow member
-    assert join_all([slow]) == {OTHER: (1, 2)}  # it arrives: the round holds both
+    assert ranks_by_node([slow]) == {OTHER: (1, 2)}  # it arrives: the round holds both
     waiting.join(timeout=30)
     assert results == {HERE: (0, 2)}
 
@@ -195,4 +178,4 @@ def test_with_probes_off_a_verdict_changes_nothing(server) -> None:
     survivor, frozen = formed_pair(server, FrozenBeacon(), probes=False)
     frozen._board._stop.set()
     workers_name(survivor, OTHER)
-    assert isinstance(join_all([survivor])[HERE], RendezvousTimeoutError)  # join_timeout of 2 s
+    assert isinstance(ranks_by_node([survivor])[HERE], RendezvousTimeoutError)  # join_timeout of 2 s

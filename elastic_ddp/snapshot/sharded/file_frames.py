@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.snapshot.exchange.transport import FrameError, FrameLimits, FrameRefused, ProcessGroupTransport
-from elastic_ddp.snapshot.files.backends import fsync_path
+from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
 from elastic_ddp.snapshot.files.checksum import matches
 
 logger = logging.getLogger(__name__)
@@ -97,19 +97,10 @@ def receive_file(transport: ProcessGroupTransport, source: int, step: int, manif
 
 
 def write_atomically(path: Path, data: bytes | bytearray | mmap.mmap) -> None:
-    """`data` at `path`, whole or not at all: a temporary name, fsync, rename, fsync of the directory."""
+    """`data` at `path`, whole or not at all (`LocalDirectoryStorage.write_atomically`: a temporary
+    name, fsync, rename, fsync of the directory), its directory made first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.part")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    LocalDirectoryStorage(path.parent).write_atomically(path.name, data)
 
 
 def verdicts(group: dist.ProcessGroup | None, code: int, deadline: timedelta) -> list[int]:
