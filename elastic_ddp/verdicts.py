@@ -1,29 +1,34 @@
-"""The peer watchdog's verdict, handed from a worker to its torchrun agent through a small file.
+"""The peer watchdog's verdict, handed from a worker to its torchrun agent in one datagram.
 
-A worker whose peer watchdog (elastic_ddp/runtime/watchdog.py) found peers silent writes, just
+A worker whose peer watchdog (elastic_ddp/runtime/watchdog.py) found peers silent sends, just
 before it ends with `SILENT_PEER_EXIT_CODE`, which nodes they were: their `GROUP_RANK`s, the ranks
-of their nodes in the round that started this worker. Its agent's keyed rendezvous reads the file
-when it enters the next round (elastic_ddp/agent/rendezvous/keyed_silence.py) and takes it as one of
-two pieces of evidence that a member is not alive; the other is its own probe of that node's beacon.
+of their nodes in the round that started this worker. Its agent's keyed rendezvous reads it when it
+enters the next round, or at torchrun's monitor polls before (elastic_ddp/agent/rendezvous/
+keyed_silence.py), and takes it as one of two pieces of evidence that a member is not alive; the
+other is its own probe of that node's beacon.
 
-Both sides find the file without talking to each other: its name is made from what the worker's
+Both sides find the address without talking to each other: it is made from what the worker's
 environment holds and the agent's handler made itself when the round formed, the run id, rank 0's
 store address and port (`MASTER_ADDR`, `MASTER_PORT`: a new port each round) and the node's rank
 (`GROUP_RANK`). So a verdict is about one round of one node, and a later round never reads it.
-The directory is private to the user (0700) under the temporary directory; one that belongs to
-someone else, or that others may write in, is not used.
 
-The file is untrusted input for the agent: read at most `MAX_VERDICT_BYTES`, JSON with one list of
-node ranks, anything else ignored (no verdict). A forged verdict cannot remove a live node on its
-own: the beacon probe must also go unanswered.
+The address is a Unix datagram socket in Linux's abstract namespace (no file: it is gone with the
+agent's process, SIGKILL included, and nothing is left on the machine), bound by the agent for the
+round (`VerdictInbox`). A worker whose agent reads no verdicts (torch's own `c10d`,
+`algorithm=dynamic`) finds nothing bound there and sends nothing. The namespace is per network
+namespace, which a node's agent and its workers share. Elsewhere than on Linux nothing is bound and
+the agent waits for the silent node's lease, as without a verdict.
 
-    path = verdict_path("run", "10.0.0.1", 29511, group_rank=2)
-    write_verdict(path, {1})        # the worker: node 1 of this round is silent
-    take_verdict(path)              # the agent: {1}, and the file is gone
+A verdict is untrusted input for the agent: a datagram from another user (the kernel's credentials)
+is dropped, one longer than `MAX_VERDICT_BYTES` or not our JSON with one list of node ranks is no
+verdict. A forged verdict cannot remove a live node on its own: the beacon probe must also go
+unanswered.
 
-Not guaranteed: that every file is read. A worker cannot tell whether its agent reads verdicts;
-under a rendezvous that does not (torch's own `c10d`, `algorithm=dynamic`), or when the agent ends
-by a signal before its next round, the file (a few dozen bytes) stays in the directory.
+    address = verdict_address("run", "10.0.0.1", 29511, group_rank=2)
+    inbox = VerdictInbox(address)        # the agent, when the round forms
+    send_verdict(address, {1})           # the worker: node 1 of this round is silent -> True
+    inbox.take()                         # the agent: {1}
+    inbox.close()
 
 The bottom layer of the package: it imports neither torch nor anything of elastic_ddp, so the agent
 (which never imports the worker side) and the worker both use it.
@@ -34,82 +39,103 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import socket
+import struct
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 # A verdict names a few node ranks; 64 KiB holds over 8000 of them.
 MAX_VERDICT_BYTES = 64 * 1024
-_DIRECTORY_NAME = "elastic_ddp-verdicts"
+_PREFIX = b"\0elastic_ddp-verdict-"
+_CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+_SO_PASSCRED = getattr(socket, "SO_PASSCRED", None)
+_SCM_CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", None)
 
 
-def verdict_directory() -> Path:
-    """Where this user's verdict files live (the same for a worker and its agent)."""
-    return Path(tempfile.gettempdir()) / f"{_DIRECTORY_NAME}-{os.getuid()}"
-
-
-def verdict_path(run_id: str, master_addr: str, master_port: int, group_rank: int,
-                 directory: Path | None = None) -> Path:
-    """The verdict file of node `group_rank` in the round whose workers' store is at
-    `master_addr:master_port`. The name is a digest: no character of a run id reaches the path."""
+def verdict_address(run_id: str, master_addr: str, master_port: int, group_rank: int) -> bytes:
+    """The abstract socket address of node `group_rank`'s verdicts in the round whose workers' store
+    is at `master_addr:master_port`. A digest: no character of a run id reaches the address."""
     key = json.dumps([run_id, master_addr, int(master_port), int(group_rank)]).encode()
-    return (directory or verdict_directory()) / f"{hashlib.sha256(key).hexdigest()[:32]}.json"
+    return _PREFIX + hashlib.sha256(key).hexdigest()[:32].encode()
 
 
-def worker_verdict_path(environment: Mapping[str, str] = os.environ) -> Path | None:
-    """This worker's verdict file, from what torchrun put in its environment; None outside torchrun."""
+def worker_verdict_address(environment: Mapping[str, str] = os.environ) -> bytes | None:
+    """This worker's verdict address, from what torchrun put in its environment; None outside torchrun."""
     try:
-        return verdict_path(environment["TORCHELASTIC_RUN_ID"], environment["MASTER_ADDR"],
-                            int(environment["MASTER_PORT"]), int(environment["GROUP_RANK"]))
+        return verdict_address(environment["TORCHELASTIC_RUN_ID"], environment["MASTER_ADDR"],
+                               int(environment["MASTER_PORT"]), int(environment["GROUP_RANK"]))
     except (KeyError, ValueError):
         return None
 
 
-def write_verdict(path: Path, silent_node_ranks: Iterable[int]) -> None:
-    """Write the verdict whole (a rename), or not at all: an error propagates to the caller."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not _ours(path.parent):
-        raise PermissionError(f"{path.parent} belongs to another user: no verdict written")
-    text = json.dumps({"silent_node_ranks": sorted({int(rank) for rank in silent_node_ranks})})
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".verdict-")
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+def send_verdict(address: bytes, silent_node_ranks: Iterable[int]) -> bool:
+    """Send the verdict to this worker's agent; False if no agent reads verdicts at `address`.
+    Another OSError propagates to the caller."""
+    text = json.dumps({"silent_node_ranks": sorted({int(rank) for rank in silent_node_ranks})}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        try:
+            sender.sendto(text, address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
 
 
-def take_verdict(path: Path) -> set[int]:
-    """The node ranks the verdict at `path` names, and the file removed; an empty set when there is
-    none, or when it is not a valid verdict (longer than `MAX_VERDICT_BYTES`, not our JSON)."""
-    if not _ours(path.parent):
-        return set()
+class VerdictInbox:
+    """The agent's end for one round: bound at `address` until `close`. Raises OSError where it
+    cannot be bound (not Linux, or the address is taken); the caller then goes without verdicts."""
+
+    def __init__(self, address: bytes) -> None:
+        if _SO_PASSCRED is None or _SCM_CREDENTIALS is None:
+            raise OSError("verdicts need Linux's abstract Unix sockets")
+        self.address = address
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, _SO_PASSCRED, 1)  # the sender's uid on each datagram
+            self._socket.bind(address)
+        except OSError:
+            self._socket.close()
+            raise
+        self._socket.setblocking(False)
+        self._taken: set[int] = set()
+
+    def waiting(self) -> bool:
+        """Whether a datagram has arrived (not read)."""
+        try:
+            return bool(self._socket.recv(1, socket.MSG_PEEK))
+        except (BlockingIOError, OSError):
+            return False
+
+    def take(self) -> set[int]:
+        """The node ranks named by every valid verdict received so far (each worker of the node may
+        send one); datagrams from another user, oversized or not our JSON are dropped."""
+        while True:
+            try:
+                data, ancillary, flags, _ = self._socket.recvmsg(MAX_VERDICT_BYTES + 1,
+                                                                 socket.CMSG_SPACE(_CREDENTIALS.size))
+            except (BlockingIOError, OSError):
+                return set(self._taken)
+            if flags & socket.MSG_TRUNC or len(data) > MAX_VERDICT_BYTES or not _from_this_user(ancillary):
+                continue
+            self._taken |= _parse(data)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def _from_this_user(ancillary: list) -> bool:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SCM_CREDENTIALS and len(data) >= _CREDENTIALS.size:
+            return _CREDENTIALS.unpack_from(data)[1] == os.getuid()
+    return False
+
+
+def _parse(data: bytes) -> set[int]:
     try:
-        with open(path, "rb") as file:
-            content = file.read(MAX_VERDICT_BYTES + 1)
-        path.unlink(missing_ok=True)
-    except OSError:
-        return set()
-    if len(content) > MAX_VERDICT_BYTES:
-        return set()
-    try:
-        ranks = json.loads(content).get("silent_node_ranks")
+        ranks = json.loads(data).get("silent_node_ranks")
     except (ValueError, UnicodeDecodeError, AttributeError):
         return set()
     if not isinstance(ranks, list) or not all(_is_rank(rank) for rank in ranks):
         return set()
     return set(ranks)
-
-
-def _ours(directory: Path) -> bool:
-    """Whether `directory` is this user's and nobody else may write in it (a shared /tmp)."""
-    try:
-        status = directory.lstat()
-    except OSError:
-        return False
-    return status.st_uid == os.getuid() and not status.st_mode & 0o022
 
 
 def _is_rank(value: object) -> bool:

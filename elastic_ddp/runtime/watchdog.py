@@ -19,7 +19,7 @@ to the store has waited unanswered for `bound_s` (its host, rank 0's worker, is 
 off). Then the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
 in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
-With a `verdict_path`, it first writes there which nodes were silent (`elastic_ddp.verdicts`: their
+With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
 node's torchrun agent: its keyed rendezvous then leaves such a node out of the next round as soon
 as the node's beacon does not answer either, instead of waiting for its lease to expire
@@ -49,11 +49,10 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
-from elastic_ddp.verdicts import write_verdict
+from elastic_ddp.verdicts import send_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +77,14 @@ class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
                  on_silent: Callable[[str], None], interval_s: float | None = None,
                  store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None,
-                 node_rank: int | None = None, verdict_path: Path | None = None):
+                 node_rank: int | None = None, verdict_address: bytes | None = None):
         self.rank, self.world_size = rank, world_size
         self.bound_s = bound_s
         self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
         self.on_silent = on_silent
         self.on_gap = on_gap
         self.node_rank = node_rank  # this rank's GROUP_RANK, carried by its heartbeats
-        self.verdict_path = verdict_path
+        self.verdict_address = verdict_address
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
@@ -216,9 +215,11 @@ class PeerWatchdog:
         self._stop.set()  # the heartbeat thread too: this worker is ending
         # This node's own rank never: its store going silent may be this node cut off.
         named = {node for node in silent_nodes if node is not None and node != self.node_rank}
-        if self.verdict_path is not None and named:
+        if self.verdict_address is not None and named:
             try:
-                write_verdict(self.verdict_path, named)
+                written = send_verdict(self.verdict_address, named)
+                logger.info("peer watchdog: %s", f"node(s) {sorted(named)} named to this node's agent" if written
+                            else "this node's agent reads no verdicts (no keyed rendezvous): none sent")
             except OSError as exc:  # the agent then waits for the silent node's lease, as without a verdict
-                logger.warning("peer watchdog: could not write the verdict for this node's agent: %s", exc)
+                logger.warning("peer watchdog: could not send the verdict to this node's agent: %s", exc)
         self.on_silent(reason)

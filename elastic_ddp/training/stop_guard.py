@@ -39,7 +39,7 @@ from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
 from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.verdicts import worker_verdict_path
+from elastic_ddp.verdicts import worker_verdict_address
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class StopGuard:
         watchdog = PeerWatchdog(self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
                                 on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
                                 node_rank=int(node_rank) if node_rank.isdigit() else None,
-                                verdict_path=worker_verdict_path()).start()
+                                verdict_address=worker_verdict_address()).start()
         try:
             yield
         except DrainRequested:

@@ -23,7 +23,7 @@ from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import Beacon
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.verdicts import MAX_VERDICT_BYTES, take_verdict, verdict_path, write_verdict
+from elastic_ddp.verdicts import MAX_VERDICT_BYTES, VerdictInbox, send_verdict, verdict_address
 from tests.support.rendezvous import ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,8 +79,8 @@ def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezv
 
 def workers_name(survivor: KeyedRendezvousHandler, node) -> None:
     """What the survivor's workers' watchdog writes when it fires: `node`'s rank in the round."""
-    path, record = survivor._silence._expected
-    write_verdict(path, {record.rank_of(node)})
+    inbox, record = survivor._silence._expected
+    assert send_verdict(inbox.address, {record.rank_of(node)})
 
 
 def test_a_beacon_answers_and_a_frozen_or_closed_port_or_an_old_beacon_does_not() -> None:
@@ -97,24 +97,27 @@ def test_a_beacon_answers_and_a_frozen_or_closed_port_or_an_old_beacon_does_not(
     live.close()
 
 
-def test_a_verdict_is_read_once_and_anything_but_ours_is_no_verdict(tmp_path) -> None:
-    path = verdict_path("run", "10.0.0.1", 29511, 2, tmp_path)
-    assert path != verdict_path("run", "10.0.0.1", 29512, 2, tmp_path)  # another round
-    assert path.parent == tmp_path and "/" not in verdict_path("../x", "a", 1, 0, tmp_path).name
-    write_verdict(path, {1, 3})
-    assert take_verdict(path) == {1, 3} and take_verdict(path) == set()
-    for planted in (b'{"silent_node_ranks": [1, "2"]}', b"[1]", b"\xff", b'{"silent_node_ranks": [true]}',
-                    b'{"silent_node_ranks": [' + b"1, " * MAX_VERDICT_BYTES + b"1]}"):
-        path.write_bytes(planted)
-        assert take_verdict(path) == set()
-    tmp_path.chmod(0o777)  # a directory others may write in is not used
-    write_verdict_failed = False
-    try:
-        write_verdict(path, {1})
-    except PermissionError:
-        write_verdict_failed = True
-    assert write_verdict_failed
-    tmp_path.chmod(0o700)
+def test_a_verdict_reaches_only_an_agent_that_reads_them_and_anything_but_ours_is_no_verdict() -> None:
+    address = verdict_address("run", "10.0.0.1", 29511, 2)
+    assert address != verdict_address("run", "10.0.0.1", 29512, 2)  # another round
+    assert address.startswith(b"\0") and b"/" not in verdict_address("../x", "a", 1, 0)  # abstract: no file
+    assert not send_verdict(address, {1, 3})  # no agent reads verdicts there (torch's c10d): nothing sent
+    inbox = VerdictInbox(address)
+    assert not inbox.waiting() and inbox.take() == set()
+    assert send_verdict(address, {1, 3}) and inbox.waiting()
+    assert send_verdict(address, {4})  # another worker of the node
+    assert inbox.take() == {1, 3, 4}
+    planted = [b'{"silent_node_ranks": [1, "2"]}', b"[5]", b"\xff", b'{"silent_node_ranks": [true]}',
+               b'{"silent_node_ranks": [' + b"6, " * MAX_VERDICT_BYTES + b"6]}"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as forger:
+        for datagram in planted:
+            try:
+                forger.sendto(datagram, address)
+            except OSError:
+                pass  # larger than the socket takes
+    assert inbox.take() == {1, 3, 4}  # none of them added anything
+    inbox.close()
+    assert not send_verdict(address, {1})  # the agent's end is gone with it: nothing left behind
 
 
 def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_and_rejoins(server) -> None:
@@ -150,13 +153,11 @@ def test_a_verdict_found_while_the_workers_end_is_asked_at_once_and_kept_for_the
     frozen_beacon.close()
 
 
-def test_an_agent_that_shuts_down_leaves_no_verdict_behind(server) -> None:
+def test_an_agent_that_shuts_down_reads_no_more_verdicts(server) -> None:
     survivor, _ = formed_pair(server, Beacon())
-    workers_name(survivor, OTHER)
-    path = survivor._silence._expected[0]
-    assert path.exists()
+    inbox, record = survivor._silence._expected
     survivor.shutdown()
-    assert not path.exists()
+    assert not send_verdict(inbox.address, {record.rank_of(OTHER)})
 
 
 def test_a_member_named_by_the_workers_whose_beacon_answers_is_kept(server) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.runtime.watchdog import PeerWatchdog
-from elastic_ddp.verdicts import take_verdict
+from elastic_ddp.verdicts import VerdictInbox, verdict_address
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,21 +63,25 @@ def test_live_peers_are_never_silent_and_a_stopped_one_is(store):
     assert dogs[0].longest_gap_s < BOUND_S
 
 
-def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_agent(store, tmp_path):
+def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_agent(store):
     """Ranks 0 and 1 on node 0, rank 2 on node 1 (GROUP_RANK): rank 2 stops; rank 0's verdict
-    names node 1, never its own node; the agent's read (`take_verdict`) removes the file."""
+    names node 1, never its own node. Rank 1's agent reads no verdicts (torch's own c10d): nothing is
+    bound at its address, and its watchdog sends nothing and still fires."""
     fired = [threading.Event() for _ in range(3)]
-    paths = [tmp_path / f"verdict-{rank}.json" for rank in range(3)]
+    addresses = [verdict_address("watchdog-test", "127.0.0.1", store.port, rank) for rank in range(3)]
+    inboxes = {rank: VerdictInbox(addresses[rank]) for rank in (0, 2)}  # their agents read verdicts
     dogs = [PeerWatchdog(rank, 3, 1, BOUND_S, lambda reason, rank=rank: fired[rank].set(), INTERVAL_S,
-                         store=client(store), node_rank=rank // 2, verdict_path=paths[rank]).start()
+                         store=client(store), node_rank=rank // 2, verdict_address=addresses[rank]).start()
             for rank in range(3)]
     assert not any(event.wait(QUIET_WINDOW_S / 4) for event in fired)
     dogs[2].stop()
     assert fired[0].wait(10) and fired[1].wait(10)
-    assert take_verdict(paths[0]) == {1} == take_verdict(paths[1])
-    assert not paths[0].exists() and not paths[2].exists()
+    assert inboxes[0].take() == {1}
+    assert not inboxes[2].waiting()
     for dog in dogs[:2]:
         dog.stop()
+    for inbox in inboxes.values():
+        inbox.close()
 
 
 def test_a_rank_that_left_is_not_watched(store):

@@ -9,7 +9,7 @@ that has not arrived counts as not alive once both of these hold:
 
 1. **its workers' verdict**: this node's own workers' peer watchdog (elastic_ddp/runtime/watchdog.py)
    found that member's workers silent for the watchdog's bound (3 s shipped) and wrote so before
-   ending (`elastic_ddp.verdicts`: the file names node ranks of the round that started them); and
+   ending (`elastic_ddp.verdicts`: one datagram naming node ranks of the round that started them); and
 2. **its beacon's silence**: asked once by this agent, as this node enters the next round, the
    member's beacon did not answer within `ANSWER_S`. Its beacon must have accepted a connection
    from this agent before, at the address and port asked now (`keyed_probes.ExitWitness`): a node
@@ -44,13 +44,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness, Ports
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
-from elastic_ddp.verdicts import take_verdict, verdict_path
+from elastic_ddp.verdicts import VerdictInbox, verdict_address
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +91,10 @@ class SilenceJudge:
     docstring). `expect` when a round is joined; `start` when the next one is entered; `silent`
     while it is being closed. Thread-safe."""
 
-    def __init__(self, witness: ExitWitness, answer_s: float = ANSWER_S, directory: Path | None = None) -> None:
+    def __init__(self, witness: ExitWitness, answer_s: float = ANSWER_S) -> None:
         self._witness = witness
         self._answer_s = answer_s
-        self._directory = directory
-        self._expected: tuple[Path, RoundRecord] | None = None  # the verdict file of the round joined last
+        self._expected: tuple[VerdictInbox, RoundRecord] | None = None  # the verdicts of the round joined last
         self._judged: tuple[RoundRecord, set[NodeDesc]] | None = None
         self._asking: set[NodeDesc] = set()  # named nodes whose beacon has not answered or timed out yet
         self._probes: list[threading.Thread] = []
@@ -104,16 +102,21 @@ class SilenceJudge:
 
     def expect(self, run_id: str, master_addr: str, master_port: int, node_rank: int, record: RoundRecord) -> None:
         """This node joined `record` as `node_rank`; its workers' store is at `master_addr:master_port`."""
-        path = verdict_path(run_id, master_addr, master_port, node_rank, self._directory)
+        self.forget()
+        try:
+            inbox = VerdictInbox(verdict_address(run_id, master_addr, master_port, node_rank))
+        except OSError as exc:  # only an optimisation is lost: the lease decides, as without a verdict
+            logger.warning("no verdicts from this node's workers this round: %s", exc)
+            return
         with self._lock:
-            self._expected = (path, record)
+            self._expected = (inbox, record)
 
     def forget(self) -> None:
-        """This agent is ending: remove the verdict file its last round's workers may have left."""
+        """Stop reading the last round's verdicts (this agent is ending, or in a new round)."""
         with self._lock:
             expected, self._expected = self._expected, None
         if expected is not None:
-            expected[0].unlink(missing_ok=True)
+            expected[0].close()
 
     def start(self, read_ports: Callable[[], Ports], early: bool = False) -> None:
         """Read the verdict the last round's workers left, if any, and ask each node it names on a
@@ -123,11 +126,12 @@ class SilenceJudge:
         what was found."""
         with self._lock:
             expected = self._expected
-            if expected is None or (early and not expected[0].exists()):
+            if expected is None or (early and not expected[0].waiting()):
                 return
             self._expected, self._judged = None, None
-        path, record = expected
-        ranks = take_verdict(path)
+        inbox, record = expected
+        ranks = inbox.take()
+        inbox.close()
         named = [record.members[rank] for rank in sorted(ranks) if rank < len(record.members)]
         if not named:
             return
