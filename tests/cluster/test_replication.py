@@ -17,6 +17,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elastic_ddp import load_snapshot
+from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.testbed.local_cluster import LocalJob, LocalNode, free_port
 from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release
 
@@ -117,4 +118,35 @@ def test_three_nodes_without_shared_storage_survive_losing_rank_0s_node(local_jo
     # The new rank 0 replicated to the other survivor: both hold the final snapshot.
     for node in survivors:
         assert load_snapshot(job.node_checkpoint_dir(node.name))["global_step"] == STEPS, node.name
+    assert_exactly_once(job, DATASET, EPOCHS, BATCH)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sharded_job_without_shared_storage_survives_losing_rank_0s_node(local_jobs, external_store, tmp_path):
+    """--sharding fsdp on each node's own disk (docs/sharding.md, "Snapshots on each node's own
+    disk"): every rank's shard files reach another node, so losing rank 0's node leaves the newest
+    replicated step whole on the survivors; they restore it at world 2, the files a node lacks
+    fetched from the other, and finish with every sample exactly once."""
+    job = local_jobs([*FILES_ONLY, "--sharding", "fsdp"], rdzv_endpoint=external_store, per_node_checkpoint_dirs=True,
+                     **hold_settings(tmp_path / "hold"))
+    for name in ("a", "b", "c"):
+        job.add_node(name)
+    victim, replicated = kill_rank_0_node_after_a_replica(job, nodes=3)
+    survivors = [node for node in job.nodes if node is not victim]
+
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 120,
+                                 "the restore in a world of 2")
+    written = [e["global_step"] for e in job.events("snapshot") if e["incarnation"] == replicated["incarnation"]]
+    # Never an older step than the newest replicated one, never scratch (the kill may fall between a
+    # step's copies landing and rank 0 logging them: then the newest written one).
+    assert replicated["global_step"] <= restore["global_step"] <= max(written), (restore, replicated, written)
+    assert restore["source"] == "file" and restore["verified"], restore
+    assert "fetched" in restore["file"], restore  # rank 0's shards came from the survivors' copies
+    release(tmp_path / "hold")
+    assert [node.wait(timeout=180) for node in survivors] == [0, 0], node_logs(job)
+    for node in survivors:  # the new group's steps are replicated too: each survivor holds the last one whole
+        [(last, directory), *_] = steps.committed_steps(job.node_checkpoint_dir(node.name))  # newest first
+        assert last == STEPS, (node.name, last)
+        steps.verify(directory)
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
