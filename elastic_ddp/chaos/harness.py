@@ -17,7 +17,7 @@ included. With `store="node"` the first node hosts it, as with plain torchrun, a
 never pick that node: killing it ends the job (trap 5 in the docs). With `rdzv_backend="etcd-v3"`
 pass the etcd endpoints as `rdzv_endpoint`.
 A held job (`hold`, elastic_ddp/chaos/held_train.py) runs at full speed to the next fault's step and
-stops there until it fires (slowly paced before an event or time trigger); released once the plan is done.
+stops there until it fires (paced before an event or time trigger, and after a SIGTERM); released once done.
 
 Network faults (`partition_node`, `heal_node`, `blip_node`) put every node and the standalone store
 on a host of its own (a network namespace, root only: elastic_ddp/chaos/network.py).
@@ -218,20 +218,21 @@ class ChaosHarness:
                     later.not_fired_because = "the job had ended"
                 return
             self._fire(record, firing)
-            self._steer_hold(record.index + 1)
+            self._steer_hold(record.index + 1, draining=fault.action == "terminate_node")
             since = record.fired_at
             joiner = self.job.nodes[-1].pid if fault.action == "add_node" else None
             logger.info("fault %d fired: %s on %s at step %s", record.index, record.description, record.node,
                         record.step_when_fired)
 
-    def _steer_hold(self, next_fault: int) -> None:
-        """Stop a held job at the next fault's step (paced before an event or a time); then release it."""
+    def _steer_hold(self, next_fault: int, draining: bool = False) -> None:
+        """Stop a held job at the next fault's step (paced before an event or a time, and after a SIGTERM:
+        drain votes are up to 200 fast steps apart, runtime/drain.py, so it may not land before a stop)."""
         if self.hold is None:
             return
         for fault in self.plan.faults[next_fault:]:
             if fault.on_event is not None or fault.at_seconds is not None:
                 break
-            if fault.at_step is not None:
+            if fault.at_step is not None and not draining:
                 held_train.run_to(self.hold, fault.at_step)
                 return
         if next_fault < len(self.plan.faults):
