@@ -21,7 +21,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.metrics import open_node_metrics
@@ -36,6 +35,7 @@ from elastic_ddp.runlog.metrics_node import (
 )
 from elastic_ddp.testbed.local_cluster import LocalJob, LocalNode, wait_for
 from tests.support.cluster import hold_settings, node_logs, pause_at, release, world_reached
+from tests.support.metrics import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,19 +48,6 @@ TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", str(EPOCHS), "--d
                  "--global_batch_size", str(BATCH), "--micro_batch_size", "32", "--snapshot_every_steps", "20",
                  "--log_interval", "5", "--metrics_port", "0"]
 P = "elastic_ddp_"
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The samples at `url` by name (`name{label="value"}` for a labelled one); raises if it does not answer."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
 
 
 def status_of(url: str, method: str = "GET") -> int:

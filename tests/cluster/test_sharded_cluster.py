@@ -21,11 +21,9 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import compare_runs, run_reference
@@ -43,6 +41,7 @@ from tests.support.cluster import (
     release,
     world_reached,
 )
+from tests.support.metrics import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,17 +60,10 @@ DRAIN_MARGIN = 16
 P = "elastic_ddp_"
 
 
-def scrape(job: LocalJob, node: str) -> dict[str, float]:
+def node_metrics(job: LocalJob, node: str) -> dict[str, float]:
     """The samples of `node`'s metrics endpoint by name (`name{label="value"}` for a labelled one)."""
     endpoint = next(e for d in job.node_memory_dir(node).glob("elastic_ddp-metrics-*") if (e := read_endpoint(d)))
-    with urllib.request.urlopen(endpoint.url, timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
+    return scrape(endpoint.url)
 
 
 def test_a_sharded_job_reshards_through_kills_joins_and_a_freeze_at_world_sizes_1_to_4(local_jobs, tmp_path, capsys):
@@ -118,7 +110,7 @@ def test_a_sharded_job_reshards_through_kills_joins_and_a_freeze_at_world_sizes_
         metrics: dict[str, float] = {}
 
         def shows_every_group() -> bool:
-            metrics.update(scrape(job, "host"))
+            metrics.update(node_metrics(job, "host"))
             return metrics.get(f"{P}incarnations_total") == len(starts)
 
         wait_for(shows_every_group, 30, "the metrics of the group after the drain")
