@@ -33,6 +33,7 @@ from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from elastic_ddp.tools import cli
 from tests.support.cluster import (
+    EXTRA_TRAINING_ARGS,
     REPO,
     assert_exactly_once,
     hold_settings,
@@ -177,7 +178,9 @@ def test_a_users_model_trains_sharded_from_the_command_line(tmp_path):
     checkpoint_dir = tmp_path / "ck"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "elastic_ddp.train", "--config", str(DOCS / "examples" / "digits.toml"), "--sharding", "fsdp",
-               "--epochs", "3", "--checkpoint_dir", str(checkpoint_dir), "--progress", "log"]
+               "--epochs", "3", "--checkpoint_dir", str(checkpoint_dir), "--progress", "log",
+               # On a GPU machine (tests/run_cuda.sh) both ranks share the one GPU through gloo.
+               *EXTRA_TRAINING_ARGS]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1",
                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(DOCS / "examples"), str(REPO),
