@@ -12,11 +12,15 @@ rank runs `PeerWatchdog`, a heartbeat thread that, every `interval_s`:
 
 and a watching thread that never touches the store: a TCPStore request to a store that is cut off
 by a partition, or whose process is frozen, blocks for ever whatever its timeout (seen with torch
-2.13), so the heartbeat thread may block while the watching one goes on judging.
+2.13), so the heartbeat thread may block while the watching one goes on judging. The watching
+thread judges each read as it comes and wakes at the earliest deadline.
 
-A peer whose heartbeat has not changed for `bound_s` is *silent*; so are all of them when a request
-to the store has waited unanswered for `bound_s` (its host, rank 0's worker, is frozen, gone or cut
-off). Then the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
+A peer whose heartbeat has not changed for `bound_s` is *silent*: counted from the read that first
+showed its last change, and confirmed by a read asked for after that deadline (the watching thread
+asks the heartbeat thread for one at once), so a heartbeat thread starved of CPU, which read nothing
+meanwhile, delays the verdict and never makes it. All peers are silent when a request to the store
+has waited unanswered for `bound_s` (its host, rank 0's worker, is frozen, gone or cut off). Then
+the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
 in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
 With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
@@ -35,10 +39,13 @@ training on its own (finished, drained, failed) marks its heartbeat `left`, and 
 watching it. Heartbeats are keyed by incarnation, so a store shared across rounds cannot mix them.
 
 Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
-small values per `interval_s` on rank 0's store (40-50 µs each on loopback).
-Limits: a frozen peer costs `bound_s` plus up to one `interval_s`; a process whose whole machine
-is frozen is left behind by the others, and when it is thawed its own watchdog finds the others
-silent and ends it.
+small values per `interval_s` on rank 0's store (40-50 µs each on loopback), and one more of each
+per deadline reached (a peer's, once).
+Limits: the watchdog fires `bound_s` after the read that saw a frozen peer's last heartbeat (plus
+one read's round trip and scheduling), which comes up to one `interval_s` after that heartbeat: so
+between `bound_s` - `interval_s` and `bound_s` + `interval_s` after the freeze, and never before the
+peer's heartbeat has stopped for `bound_s`. A process whose whole machine is frozen is left behind
+by the others, and when it is thawed its own watchdog finds the others silent and ends it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -71,6 +79,60 @@ def node_rank_of(heartbeat: bytes | None) -> int | None:
     return int(text) if text.isdigit() and len(text) < 10 else None
 
 
+class _Answer(NamedTuple):
+    """One read of the peers' heartbeats: when it was asked for and answered (monotonic), what."""
+    asked_at: float
+    answered_at: float
+    values: dict[int, bytes | None]
+
+
+class _Judge:
+    """The watching thread's view of the peers: when each one's heartbeat last changed, by this
+    process's clock (the answer that first showed the new value), and which ones are silent."""
+
+    def __init__(self, peers: list[int], bound_s: float, started: float, on_gap: Callable[[float], None]):
+        self.bound_s = bound_s
+        self.last_value: dict[int, bytes | None] = {rank: None for rank in peers}
+        self.changed_at = {rank: started for rank in peers}  # watched peers only: `left` ones go
+        self.longest_gap_s = 0.0
+        self._on_gap = on_gap
+        self._asked_for: float | None = None
+
+    def read(self, answer: _Answer) -> list[int]:
+        """Take one answer in; the peers it finds silent: unchanged, and asked for at least
+        `bound_s` after their last change (so their heartbeat really stopped for the bound, whenever
+        this process got to read it)."""
+        silent = []
+        for rank, value in answer.values.items():
+            if rank not in self.changed_at:
+                continue
+            if value == LEFT:
+                del self.changed_at[rank]
+            elif value != self.last_value[rank]:
+                gap = answer.answered_at - self.changed_at[rank]
+                if self.last_value[rank] is not None and gap > self.longest_gap_s:
+                    self.longest_gap_s = gap
+                    self._on_gap(gap)
+                self.last_value[rank], self.changed_at[rank] = value, answer.answered_at
+            elif answer.asked_at >= self.changed_at[rank] + self.bound_s:
+                silent.append(rank)
+        return silent
+
+    def deadline(self) -> float | None:
+        """When the first watched peer becomes silent unless a read shows it changed; None if none is watched."""
+        return min(self.changed_at.values()) + self.bound_s if self.changed_at else None
+
+    def ask_for(self, deadline: float) -> bool:
+        """Whether to ask for a read at once for `deadline` (once per deadline: the cost stays one read)."""
+        if self._asked_for == deadline:
+            return False
+        self._asked_for = deadline
+        return True
+
+    def nodes_of(self, ranks: list[int]) -> set[int | None]:
+        return {node_rank_of(self.last_value[rank]) for rank in ranks}
+
+
 class PeerWatchdog:
     """Heartbeats of every rank of one incarnation through the worker group's store (module docstring)."""
 
@@ -88,10 +150,12 @@ class PeerWatchdog:
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
+        self._read_now = threading.Event()  # the watching thread asks for a read at once (or stop)
+        self._news = threading.Condition()  # guards the two below; notified at each answer and at stop
+        self._answer: _Answer | None = None  # the newest read of the peers' heartbeats
+        self._asked_at: float | None = None  # when the oldest request still unanswered was made
         self._thread: threading.Thread | None = None  # watches
         self._exchanger: threading.Thread | None = None  # beats and reads
-        self._answered: tuple[float, dict[int, bytes | None] | None] = (0.0, None)  # when the store last answered, what
-        self._asked_at: float | None = None  # when the oldest request still unanswered was made
         self._beats = 0
         self.longest_gap_s = 0.0  # the longest a live peer's heartbeat stayed unchanged, for the record
 
@@ -103,7 +167,6 @@ class PeerWatchdog:
                                         wait_for_workers=False)
         self._store = dist.PrefixStore(self._prefix, self._store)
         self._beat()
-        self._answered = (time.monotonic(), None)
         self._exchanger = threading.Thread(target=self._exchange, name="elastic-ddp-heartbeat", daemon=True)
         self._thread = threading.Thread(target=self._watch, name="elastic-ddp-watchdog", daemon=True)
         self._exchanger.start()
@@ -113,6 +176,7 @@ class PeerWatchdog:
     def stop(self) -> None:
         """Stop watching (and heartbeating): after the bound, peers find this rank silent."""
         self._stop.set()
+        self._wake()
         for thread in (self._thread, self._exchanger):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s * 4)
@@ -135,62 +199,81 @@ class PeerWatchdog:
         marking.start()
         marking.join(timeout=self.interval_s * 4)
 
+    def _wake(self) -> None:
+        self._read_now.set()
+        with self._news:
+            self._news.notify_all()
+
     def _beat(self) -> None:
         self._beats += 1
         node = "" if self.node_rank is None else f"{_NODE_SEPARATOR.decode()}{self.node_rank}"
         self._store.set(str(self.rank), f"{self._beats}{node}")
 
     def _exchange(self) -> None:
-        """The heartbeat thread: beat and read the peers' heartbeats every interval. A store request
-        can block for ever (a TCPStore cut off by a partition, or whose process is frozen, never
-        answers, whatever its timeout: seen with torch 2.13), so the watching happens elsewhere."""
+        """The heartbeat thread: beat and read the peers' heartbeats every interval, and at once when
+        the watching thread asks (`_read_now`). A store request can block for ever (a TCPStore cut
+        off by a partition, or whose process is frozen, never answers, whatever its timeout: seen
+        with torch 2.13), so the watching happens elsewhere."""
         peers = [rank for rank in range(self.world_size) if rank != self.rank]
-        while not self._stop.wait(self.interval_s):
-            if self._asked_at is None:
-                self._asked_at = time.monotonic()  # cleared once the store answered
+        while True:
+            self._read_now.wait(self.interval_s)
+            self._read_now.clear()  # a read asked for before this point is the one below
+            if self._stop.is_set():
+                return
+            asked_at = time.monotonic()
+            with self._news:
+                if self._asked_at is None:
+                    self._asked_at = asked_at  # cleared once the store answered
             try:
                 self._beat()
-                self._answered = (time.monotonic(), self._read(peers))
-                self._asked_at = None
+                values = self._read(peers)
             except Exception as exc:  # noqa: BLE001 - a store that does not answer is what is watched
                 logger.debug("peer watchdog: the store did not answer: %s", exc)
+                continue
+            with self._news:
+                self._answer = _Answer(asked_at, time.monotonic(), values)
+                self._asked_at = None
+                self._news.notify_all()
 
     def _watch(self) -> None:
-        """The watching thread: judges the newest heartbeats the other thread read, and the time
-        since the store last answered, without ever waiting on the store itself."""
-        peers = [rank for rank in range(self.world_size) if rank != self.rank]
-        started = time.monotonic()
-        last_value: dict[int, bytes | None] = {rank: None for rank in peers}
-        changed_at = {rank: started for rank in peers}
-        seen_at = None
-        while not self._stop.wait(self.interval_s):
+        """The watching thread: judges each new read of the other thread as it comes, and wakes at the
+        earliest deadline (a watched peer's last change + `bound_s`, the oldest unanswered request
+        + `bound_s`), without ever waiting on the store itself. A peer is found silent only by a read
+        asked after its deadline: at the deadline this thread asks for one at once, so a heartbeat
+        thread starved of CPU (it read nothing since) delays the verdict instead of making it."""
+        judge = _Judge([rank for rank in range(self.world_size) if rank != self.rank], self.bound_s,
+                       time.monotonic(), self._new_longest_gap)
+        judged: _Answer | None = None
+        wake_at = time.monotonic()
+        while True:
+            with self._news:
+                if self._answer is judged and not self._stop.is_set():
+                    self._news.wait(max(0.0, wake_at - time.monotonic()))
+                answer, asked_at = self._answer, self._asked_at
+            if self._stop.is_set():
+                return
             now = time.monotonic()
-            answered_at, values = self._answered
-            asked_at = self._asked_at
             # Counted from the first unanswered request, not from the last answer: a heartbeat
             # thread starved of CPU (it asked nothing) is not a silent store.
-            if asked_at is not None and now - asked_at > self.bound_s:
+            if asked_at is not None and now - asked_at >= self.bound_s:
                 self._fire(f"the worker group's store (rank 0's) has not answered for {now - asked_at:.1f} s "
                            "(cut off, frozen or gone)", silent_nodes={0})
                 return
-            if values is None or answered_at == seen_at:
-                continue
-            seen_at = answered_at
-            silent = []
-            for rank, value in values.items():
-                if value == LEFT:
-                    changed_at[rank] = answered_at
-                    continue
-                if value != last_value[rank]:
-                    if last_value[rank] is not None and answered_at - changed_at[rank] > self.longest_gap_s:
-                        self._new_longest_gap(answered_at - changed_at[rank])
-                    last_value[rank], changed_at[rank] = value, answered_at
-                elif answered_at - changed_at[rank] > self.bound_s:
-                    silent.append(rank)
-            if silent:
-                self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone without "
-                           "closing their connections)", silent_nodes={node_rank_of(last_value[rank]) for rank in silent})
-                return
+            if answer is not judged:
+                judged = answer
+                silent = judge.read(answer)
+                if silent:
+                    self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone "
+                               "without closing their connections)", silent_nodes=judge.nodes_of(silent))
+                    return
+            deadline = judge.deadline()
+            if deadline is not None and now >= deadline and judge.ask_for(deadline):
+                self._read_now.set()
+            # Past every deadline (a read asked for and not in yet, a request not yet made): look again
+            # after an interval, as often as the heartbeat thread reads.
+            store_deadline = asked_at + self.bound_s if asked_at is not None else None
+            wake_at = min((t for t in (deadline, store_deadline) if t is not None and t > now),
+                          default=now + self.interval_s)
 
     def _new_longest_gap(self, gap_s: float) -> None:
         self.longest_gap_s = gap_s
@@ -213,6 +296,7 @@ class PeerWatchdog:
     def _fire(self, reason: str, silent_nodes: set[int | None]) -> None:
         logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)
         self._stop.set()  # the heartbeat thread too: this worker is ending
+        self._read_now.set()
         # This node's own rank never: its store going silent may be this node cut off.
         named = {node for node in silent_nodes if node is not None and node != self.node_rank}
         if self.verdict_address is not None and named:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -51,11 +52,17 @@ def watchdogs(store, world_size: int, incarnation: int = 1):
     return dogs, fired, reasons
 
 
+def none_fire(fired: list[threading.Event], window_s: float) -> bool:
+    """Whether any of `fired` was set within `window_s` (an event once set stays set)."""
+    fired[0].wait(window_s)
+    return any(event.is_set() for event in fired)
+
+
 def test_live_peers_are_never_silent_and_a_stopped_one_is(store):
     dogs, fired, reasons = watchdogs(store, 3)
     for dog in dogs:
         dog.start()
-    assert not any(event.wait(QUIET_WINDOW_S / 3) for event in fired), reasons
+    assert not none_fire(fired, QUIET_WINDOW_S / 3), reasons
     dogs[2].stop()  # frozen: no more heartbeats, no goodbye
     assert fired[0].wait(10) and fired[1].wait(10)
     assert "rank(s) [2] sent no heartbeat for over 1 s" in reasons[0]
@@ -73,7 +80,7 @@ def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_a
     dogs = [PeerWatchdog(rank, 3, 1, BOUND_S, lambda reason, rank=rank: fired[rank].set(), INTERVAL_S,
                          store=client(store), node_rank=rank // 2, verdict_address=addresses[rank]).start()
             for rank in range(3)]
-    assert not any(event.wait(QUIET_WINDOW_S / 4) for event in fired)
+    assert not none_fire(fired, QUIET_WINDOW_S / 4)
     dogs[2].stop()
     assert fired[0].wait(10) and fired[1].wait(10)
     assert inboxes[0].take() == {1}
@@ -183,3 +190,134 @@ def test_each_new_longest_gap_is_reported_through_on_gap(store):
     dog.leave()
     assert gaps == sorted(gaps) and len(set(gaps)) == len(gaps), gaps  # only new longest gaps
     assert dog.longest_gap_s == gaps[-1] < BOUND_S
+
+
+class CountingStore(dist.Store):
+    """A store in this process that counts the heartbeat thread's reads (`check`, which every read
+    starts with) and lets a test hold every request (`held`): a store whose process stops answering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self.reads = 0
+        self.held = threading.Event()
+        self.released = threading.Event()
+
+    def _wait_if_held(self) -> None:
+        if self.held.is_set():
+            self.released.wait(30)
+
+    def set(self, key, value):
+        self._wait_if_held()
+        with self._lock:
+            self._values[key] = value
+
+    def get(self, key):
+        self._wait_if_held()
+        with self._lock:
+            return self._values[key]
+
+    def check(self, keys):
+        self._wait_if_held()
+        with self._lock:
+            self.reads += 1
+            return all(key in self._values for key in keys)
+
+    def multi_get(self, keys):
+        self._wait_if_held()
+        with self._lock:
+            return [self._values[key] for key in keys]
+
+
+class PausableEvent(threading.Event):
+    """The heartbeat thread's wake-up, whose `wait` a test can hold: a heartbeat thread starved of
+    CPU (it asks the store nothing meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = threading.Event()
+        self.running.set()
+
+    def wait(self, timeout=None):
+        woken = super().wait(timeout)
+        self.running.wait(30)
+        return woken
+
+
+def test_a_peer_is_found_silent_one_bound_after_its_last_change_was_seen_not_at_the_next_interval():
+    """With heartbeats read every 10 s, a peer that stopped is still found silent about one bound
+    after the read that saw its last change: the watching thread wakes at that deadline and asks for
+    one read at once (two reads in all here, one per deadline), instead of waiting for the next
+    interval (10-20 s before). Never earlier than the bound after that change was seen."""
+    store = CountingStore()
+    dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store).set("1", "7@1")  # rank 1's last heartbeat
+    fired = threading.Event()
+    fired_at: list[float] = []
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: (fired_at.append(time.monotonic()), fired.set()),
+                       interval_s=10.0, store=store)
+    started = time.monotonic()
+    dog.start()
+    # Deadline 1 (start + bound): a read sees "7@1", a change from nothing; deadline 2, one bound
+    # later: a read finds it unchanged. 3 s of margin for a loaded machine, far below the 10 s interval.
+    assert fired.wait(2 * BOUND_S + 3.0), "not found silent before the next interval's read"
+    assert fired_at[0] - started >= 2 * BOUND_S
+    assert store.reads == 2
+    dog.stop()
+
+
+def test_a_starved_heartbeat_thread_makes_no_peer_silent():
+    """The heartbeat thread held (starved of CPU: it reads nothing) for one and a half bounds while
+    the peer beats on: the deadline passes, the watching thread asks for a read, none comes, and it
+    waits; the first read after the hold sees the peer's new heartbeat, and nothing fires. Once the
+    peer really stops, the watchdog fires."""
+    store = CountingStore()
+    peer = dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store)
+    fired = threading.Event()
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: fired.set(), INTERVAL_S, store=store)
+    dog._read_now = starved = PausableEvent()
+    beats = 0
+
+    def beat_until(done: Callable[[], bool]) -> None:
+        nonlocal beats
+        deadline = time.monotonic() + 10
+        while not done() and not fired.is_set():
+            assert time.monotonic() < deadline
+            beats += 1
+            peer.set("1", f"{beats}@1")
+            fired.wait(INTERVAL_S)
+
+    dog.start()
+    beat_until(lambda: store.reads >= 3)  # the watchdog has seen the peer beat
+    starved.running.clear()
+    held_at, reads = time.monotonic(), store.reads
+    beat_until(lambda: time.monotonic() - held_at > 1.5 * BOUND_S)
+    assert store.reads <= reads + 1  # at most the read that was under way
+    starved.running.set()
+    reads = store.reads
+    beat_until(lambda: store.reads > reads + 1)  # a whole read after the hold
+    assert not fired.is_set(), "the watchdog judged the peer by reads it never made"
+    assert fired.wait(10), "a peer that stopped was not found silent"
+    dog.stop()
+
+
+def test_a_store_that_holds_every_request_stops_the_worker_about_one_bound_after_the_first_one():
+    """Requests to the store that never return (its process frozen, or cut off): the watchdog fires
+    about one bound after the first unanswered request was made, not after the next interval."""
+    store = CountingStore()
+    dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store).set("1", "1@1")
+    reasons: list[str] = []
+    fired = threading.Event()
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: (reasons.append(reason), fired.set()), interval_s=0.2,
+                       store=store)
+    dog.start()
+    store.held.set()
+    held_at = time.monotonic()
+    try:
+        assert fired.wait(10)
+        # the first request held was made within an interval of the hold; 2 s of margin
+        assert time.monotonic() - held_at < BOUND_S + 0.2 + 2.0
+        assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+    finally:
+        store.released.set()
+        dog.stop()
