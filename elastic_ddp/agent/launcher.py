@@ -49,6 +49,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from elastic_ddp.warm_client import OFF as WARM_WORKERS_OFF
+from elastic_ddp.warm_client import VARIABLE as WARM_WORKERS_VARIABLE
+
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "elastic_ddp.training.trainer")
 PRELOAD_VARIABLE = "ELASTIC_DDP_PRELOAD"
 # The logger of torchrun's worker processes, which logs their failures with tracebacks.
@@ -59,11 +62,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def run_module(module: str, *argv: str) -> None:
     """Worker entry point: run `module` as `python -m module *argv` would, in this process."""
     end_with_the_node()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
+    set_torch_threads_from_environment()
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -80,17 +79,34 @@ def end_with_the_node() -> None:
     - the kernel SIGKILLs it when the fork server ends (PR_SET_PDEATHSIG); if the fork server was
       already gone when this runs (the parent changed), the worker exits at once.
     """
-    parent_pid = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive "
-                                            "its fork server", ctypes.get_errno())
-    elif os.getppid() != parent_pid:
-        os._exit(1)
+    end_with_the_parent(os.getppid())
     agent = multiprocessing.parent_process()
     if agent is not None and agent.sentinel is not None:
         threading.Thread(target=_kill_self_when_ready, args=(agent.sentinel,), name="end-with-the-agent",
                          daemon=True).start()
+
+
+def end_with_the_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent `parent_pid` ends (PR_SET_PDEATHSIG), and
+    exit at once if it has already ended (the parent changed). The parent is the thread that started
+    this process: start it from a thread that lives as long as the parent does (the main thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive "
+                                            "its parent", ctypes.get_errno())
+    elif os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def set_torch_threads_from_environment() -> None:
+    """Apply the OMP_NUM_THREADS of this worker's environment to torch, which was imported before the
+    fork with the environment of the process that preloaded it (OpenMP reads it at that import).
+    Nothing to do when torch was not preloaded: its own import reads this environment."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def _kill_self_when_ready(sentinel: int) -> None:
@@ -118,11 +134,15 @@ def warm_arguments(argv: list[str]) -> list[str] | None:
     return [*options, "--run-path", args.training_script, *args.training_script_args]
 
 
+def preload_modules() -> list[str]:
+    """The modules a fork server imports before it forks: `ELASTIC_DDP_PRELOAD` (comma-separated) or PRELOAD."""
+    preload = os.environ.get(PRELOAD_VARIABLE)
+    return [m for m in preload.split(",") if m] if preload is not None else list(PRELOAD)
+
+
 def start_fork_server() -> None:
     """Start the fork server now, importing the preload modules while the rendezvous runs."""
-    preload = os.environ.get(PRELOAD_VARIABLE)
-    modules = [m for m in preload.split(",") if m] if preload is not None else list(PRELOAD)
-    multiprocessing.set_forkserver_preload(modules)
+    multiprocessing.set_forkserver_preload(preload_modules())
     multiprocessing.forkserver.ensure_running()
 
 
@@ -205,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         torchrun.run_script_path = run_module
         start_fork_server()
         logging.getLogger(FAILURE_LOGGER).addFilter(TracebackAsText())
+        # Its workers come from the fork server: the rendezvous plugin starts no warm-worker server.
+        os.environ[WARM_WORKERS_VARIABLE] = WARM_WORKERS_OFF
         argv = warm
     torchrun.main(argv)
 

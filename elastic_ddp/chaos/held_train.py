@@ -22,6 +22,12 @@ of its own for every worker group with torch's c10d; elastic_ddp/agent/rendezvou
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before any other import, as in elastic_ddp.train: run warm under torchrun with our rendezvous.
+    from elastic_ddp.warm_client import become_warm_worker
+
+    become_warm_worker("elastic_ddp.chaos.held_train")
+
 import os
 import time
 from collections.abc import Callable

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.runtime.procfs import command_line, read_stat
+from elastic_ddp.warm_client import SERVER_MODULE as WARM_SERVER_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,11 @@ class DistributedContext:
 def agent_pid() -> int:
     """The pid of the torchrun agent that started this worker (this process's parent, or its
     grandparent when the worker was forked from a multiprocessing fork server, as
-    `python -m elastic_ddp.agent.launcher` does). Without /proc (not Linux) the parent is the answer."""
+    `python -m elastic_ddp.agent.launcher` does, or from the agent's warm-worker server,
+    elastic_ddp/warm_client.py). Without /proc (not Linux) the parent is the answer."""
     parent = os.getppid()
-    if b"multiprocessing.forkserver" in command_line(parent):
+    parent_command = command_line(parent)
+    if b"multiprocessing.forkserver" in parent_command or WARM_SERVER_MODULE.encode() in parent_command:
         stat = read_stat(parent)
         if stat is not None:
             return stat.parent

@@ -18,7 +18,14 @@ import pytest
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from tests.support.cluster import (
+    assert_exactly_once,
+    assert_workers_started_warm,
+    hold_settings,
+    node_logs,
+    release,
+    world_reached,
+)
 
 if TYPE_CHECKING:
     from elastic_ddp.testbed.etcd_server import EtcdServer
@@ -74,6 +81,7 @@ def test_etcd_v3_leaves_a_frozen_node_behind(local_jobs, etcd_server: EtcdServer
     wait_for(lambda: job.events("start") or not survivor.is_running(), 60, "the first node's worker group")
     frozen = job.add_node("frozen")
     assert_frozen_node_left_behind(job, survivor, frozen, hold)
+    assert_workers_started_warm(job, survivor, starts=3)  # alone, with the frozen node, alone again
 
 
 def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):

@@ -15,11 +15,18 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
+from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from elastic_ddp.training.evaluation import evaluate
 from elastic_ddp.workload.losses import per_sample_cross_entropy
-from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, release, world_reached
+from tests.support.cluster import (
+    assert_exactly_once,
+    assert_workers_started_warm,
+    hold_settings,
+    node_logs,
+    release,
+    world_reached,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,6 +103,7 @@ def test_a_users_module_trains_from_a_toml_file_through_a_node_failure(local_job
     assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
     release(hold)
     assert host.wait(timeout=180) == 0, node_logs(job)
+    assert_workers_started_warm(job, host, starts=4)  # 2 workers, before and after the kill
 
     assert_exactly_once(job, TRAIN_SAMPLES, EPOCHS, BATCH)
     evals = job.events("eval")

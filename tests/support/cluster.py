@@ -49,6 +49,15 @@ def assert_exactly_once(job: LocalJob, dataset_size: int, epochs: int, global_ba
     assert not problems, problems
 
 
+def assert_workers_started_warm(job: LocalJob, node, starts: int) -> None:
+    """Every worker `node` started (at least `starts` of them, from the `start` events) was forked by its
+    agent's warm-worker server (elastic_ddp/agent/warm_workers.py), none started cold."""
+    pids = [rank["pid"] for event in job.events("start") for rank in event["ranks"] if rank["agent_pid"] == node.pid]
+    log = node.log_text()
+    assert len(pids) >= starts and all(f"(pid {pid}) forked warm" in log for pid in pids), (pids, log[-4000:])
+    assert "no warm-worker server answered" not in log
+
+
 def node_logs(job: LocalJob) -> str:
     """The end of every node's log, for assertion messages."""
     return "\n".join(f"===== {node.name}\n{node.log_text()[-4000:]}" for node in job.nodes)

@@ -41,18 +41,31 @@ from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 OUR_TRAINING_MODULES = ("elastic_ddp.",)
 
 
-def trains_with_elastic_ddp(argv: Sequence[str]) -> bool:
-    """Whether torchrun arguments `argv` run an elastic_ddp training module (`-m elastic_ddp.train`)."""
+def _our_torchrun_arguments(argv: Sequence[str]):
+    """torchrun's parsed arguments `argv` when they run an elastic_ddp training module (`-m` or
+    `--run-path`), else None."""
     if not any(argument.startswith(OUR_TRAINING_MODULES) for argument in argv):
-        return False  # cheap, and spares other programs that load torch's registry a parse of their argv
+        return None  # cheap, and spares other programs that load torch's registry a parse of their argv
     try:
         from torch.distributed.run import parse_args
 
         with contextlib.redirect_stderr(io.StringIO()):
             args = parse_args(list(argv))
     except BaseException:  # noqa: BLE001 - not torchrun's arguments (argparse exits): not our job to decide
-        return False
-    return bool(args.module or args.run_path) and args.training_script.startswith(OUR_TRAINING_MODULES)
+        return None
+    ours = bool(args.module or args.run_path) and args.training_script.startswith(OUR_TRAINING_MODULES)
+    return args if ours else None
+
+
+def trains_with_elastic_ddp(argv: Sequence[str]) -> bool:
+    """Whether torchrun arguments `argv` run an elastic_ddp training module (`-m elastic_ddp.train`)."""
+    return _our_torchrun_arguments(argv) is not None
+
+
+def training_module(argv: Sequence[str]) -> str | None:
+    """The module that torchrun arguments `argv` run with `-m`, when it is one of elastic_ddp's."""
+    args = _our_torchrun_arguments(argv)
+    return args.training_script if args is not None and args.module and not args.no_python else None
 
 
 def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
@@ -79,6 +92,35 @@ def take_algorithm(params) -> str:
     return chosen
 
 
+# `--rdzv_conf warm_workers=` of etcd-v3 and elastic-c10d: whether the agent starts a warm-worker server.
+WARM_WORKERS_KEY = "warm_workers"
+WARM_WORKERS_VALUES = {"1": True, "0": False}
+
+
+def take_warm_workers(params) -> bool:
+    """The `--rdzv_conf warm_workers=` of `params` (default 1), removed from its config like `algorithm`;
+    ValueError naming the key for a bad value."""
+    given = str(params.config.pop(WARM_WORKERS_KEY, "1"))
+    if given not in WARM_WORKERS_VALUES:
+        raise ValueError(f"--rdzv_conf {WARM_WORKERS_KEY}: got {given!r}; expected 1 (the default: workers of "
+                         "-m elastic_ddp.train are forked from a warm-worker server) or 0 (each starts cold)")
+    return WARM_WORKERS_VALUES[given]
+
+
+def start_warm_workers(params, argv: Sequence[str] | None = None) -> None:
+    """Start this agent's warm-worker server (elastic_ddp.agent.warm_workers) when its workers run a
+    module that asks for one and `warm_workers` is not 0; the launcher has turned it off in its own
+    environment (its fork server), as `ELASTIC_DDP_WARM_WORKERS=0` does."""
+    if not take_warm_workers(params):
+        return
+    from elastic_ddp.warm_client import WARM_MODULES
+
+    if training_module(sys.argv[1:] if argv is None else argv) in WARM_MODULES:
+        from elastic_ddp.agent.warm_workers import start_warm_worker_server
+
+        start_warm_worker_server()
+
+
 def etcd_v3_handler_factory() -> Callable:
     """Entry point `etcd-v3`: the factory torchrun calls with its `RendezvousParameters`."""
     give_our_workers_their_own_store()
@@ -86,7 +128,9 @@ def etcd_v3_handler_factory() -> Callable:
     def create_etcd_v3_handler(params):
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        if take_algorithm(params) == "dynamic":
+        algorithm = take_algorithm(params)
+        start_warm_workers(params)
+        if algorithm == "dynamic":
             from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
         else:
             from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler as create
@@ -103,7 +147,9 @@ def elastic_c10d_handler_factory() -> Callable:
     def create_elastic_c10d_handler(params):
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        if take_algorithm(params) == "dynamic":
+        algorithm = take_algorithm(params)
+        start_warm_workers(params)
+        if algorithm == "dynamic":
             from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler as create
         else:
             from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler as create

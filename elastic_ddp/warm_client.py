@@ -1,0 +1,199 @@
+"""A worker that plain torchrun starts as `python -m elastic_ddp.train`, run warm: forked, not imported.
+
+Plain torchrun starts every worker as a new `python -m MODULE` process, which imports torch, torch._dynamo
+and the trainer again after every failure (1.9-3.5 s here). When the agent's rendezvous is one of
+ours (`elastic-c10d`, `etcd-v3`), the agent runs a warm-worker server that has imported them once
+(elastic_ddp/agent/warm_workers.py) and puts its address in `ELASTIC_DDP_WARM_WORKERS`, which the
+workers inherit. The first lines of `elastic_ddp.train` (and `elastic_ddp.chaos.held_train`) then call
+`become_warm_worker` before any other import: this process, the one torchrun started and watches,
+becomes a thin client. It sends the server its argv, working directory, `sys.path`, environment and
+its stdin/stdout/stderr (SCM_RIGHTS); the server forks a child that runs the module as `__main__`
+in their place. The client forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the child's
+process group (torchrun signals the client's group, which the child is not in), and ends as the
+child ended: with its exit code, or killed by the same signal, so torchrun sees what it would have
+seen. When the client dies (SIGKILL included), its connection closes and the child kills its own
+process group: a worker killed by torchrun is gone, as a cold one would be.
+
+No server, a server that is gone or refuses, or one that does not answer within
+`ANSWER_TIMEOUT_S` (it has not finished its imports): the module runs cold in this process, after
+one line on stderr. `ELASTIC_DDP_WARM_WORKERS=0` (or unset) runs it cold without a word.
+
+Not guaranteed: the pid torchrun knows is the client's, not the training process's. Signals sent to
+the client by pid are not forwarded except those five: `kill -STOP <client>` stops the client only
+(freeze the child: its pid is in the event log's `start` ranks, or stop the node's whole process tree),
+`kill -KILL <client>` does end the child. Off Linux nothing changes (no server is started).
+
+Torch-free and bottom layer: it imports nothing of elastic_ddp, so that it costs the client no
+import; `python -X importtime -m elastic_ddp.train` shows it ahead of any torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+# The server's address in the workers' environment ("@name": the abstract namespace), or OFF.
+VARIABLE = "ELASTIC_DDP_WARM_WORKERS"
+OFF = "0"
+# The modules whose first lines call `become_warm_worker`: the agent starts a server for no other.
+WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train")
+# What the server runs as (`python -m SERVER_MODULE`): its children, the warm workers, show this in `ps`.
+SERVER_MODULE = "elastic_ddp.agent.warm_workers"
+# A request (argv, cwd, sys.path, the environment) larger than this is refused: no real one is near it.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# How long the client waits for the server to fork its child. The server imports torch while the
+# agent is in its first rendezvous; a client that comes sooner waits, which costs less than a cold
+# start even on a busy 2-core machine (the imports started earlier). A server that does not answer
+# in this time is taken as stuck, and the client runs cold.
+ANSWER_TIMEOUT_S = 60.0
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STANDARD_FDS = (0, 1, 2)
+# Messages on a connection: the request's length, then (server to client) fixed-size records.
+LENGTH = struct.Struct("=I")
+RECORD = struct.Struct("=cq")
+CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+STARTED, EXITED, KILLED = b"P", b"X", b"S"  # the child's pid; its exit code; the signal that killed it
+SERVER_GONE_EXIT_CODE = 1
+
+
+class WarmWorkerUnavailable(Exception):
+    """No server of ours answered in time: run cold."""
+
+
+def socket_address(value: str) -> bytes:
+    """The socket address for the variable's value: "@name" is the abstract name "\\0name"."""
+    if not value.startswith("@") or len(value) < 2:
+        raise WarmWorkerUnavailable(f"{VARIABLE}={value!r} is not an abstract socket address (@name)")
+    return b"\0" + value[1:].encode()
+
+
+def peer_credentials(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size)
+    pid, uid, _ = CREDENTIALS.unpack(credentials)
+    return pid, uid
+
+
+def become_warm_worker(module: str) -> None:
+    """Run `module` (this `python -m module` process's own) in a child of the warm-worker server and
+    end as it ends; return at once when there is no server to ask, after one line when it fails."""
+    value = os.environ.pop(VARIABLE, "")
+    if value in ("", OFF):
+        return
+    relay = _SignalRelay()
+    try:
+        connection = _connect(value)
+        pid = _request(connection, module)
+    except (OSError, ValueError, WarmWorkerUnavailable) as exc:
+        relay.restore()
+        sys.stderr.write(f"elastic_ddp.warm_client: no warm-worker server answered at {value} ({exc}); "
+                         f"starting {module} cold\n")
+        sys.stderr.flush()
+        return
+    relay.start_forwarding(pid)
+    _end_as_the_child(connection, pid)
+
+
+def _connect(value: str) -> socket.socket:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(socket_address(value))
+        if peer_credentials(connection)[1] != os.getuid():
+            raise WarmWorkerUnavailable("the server runs as another user: refused")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _request(connection: socket.socket, module: str) -> int:
+    """Send the request and our standard fds; the child's pid."""
+    fds = [fd for fd in STANDARD_FDS if _is_open(fd)]
+    request = json.dumps({"module": module, "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path,
+                          "env": dict(os.environ), "fds": fds}).encode()
+    if len(request) > MAX_REQUEST_BYTES:
+        raise WarmWorkerUnavailable(f"the request is {len(request)} bytes, over {MAX_REQUEST_BYTES}")
+    connection.settimeout(ANSWER_TIMEOUT_S)
+    socket.send_fds(connection, [LENGTH.pack(len(request))], fds)
+    connection.sendall(request)
+    kind, value = _read_record(connection)
+    if kind is None:
+        raise WarmWorkerUnavailable("the server closed the connection")
+    if kind != STARTED:
+        _end_with(kind, value)  # the child ended before it started the module: end the same way
+    connection.settimeout(None)
+    return value
+
+
+def _end_as_the_child(connection: socket.socket, pid: int) -> None:
+    """Wait for the server's word on how the child ended, and end the same way."""
+    while True:
+        kind, value = _read_record(connection)
+        if kind is None:
+            sys.stderr.write(f"elastic_ddp.warm_client: the warm-worker server ended before the worker (pid {pid}), "
+                             "which ended with it\n")
+            sys.stderr.flush()
+            os._exit(SERVER_GONE_EXIT_CODE)
+        if kind in (EXITED, KILLED):
+            _end_with(kind, value)
+
+
+def _end_with(kind: bytes, value: int) -> None:
+    if kind == KILLED:
+        signal.signal(value, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [value])
+        os.kill(os.getpid(), value)
+        os._exit(128 + value)  # a signal that does not end a process (SIGCHLD...)
+    os._exit(value & 0xFF)
+
+
+def _read_record(connection: socket.socket) -> tuple[bytes | None, int]:
+    data = b""
+    while len(data) < RECORD.size:
+        chunk = connection.recv(RECORD.size - len(data))
+        if not chunk:
+            return None, 0
+        data += chunk
+    return RECORD.unpack(data)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+class _SignalRelay:
+    """Forward FORWARDED_SIGNALS to the child's process group; those that come before its pid is
+    known wait for it."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.pending: list[int] = []
+        self.previous = {number: signal.signal(number, self._handle) for number in FORWARDED_SIGNALS}
+
+    def _handle(self, number: int, frame: object) -> None:
+        if self.pid is None:
+            self.pending.append(number)
+            return
+        try:
+            os.killpg(self.pid, number)
+        except (ProcessLookupError, PermissionError):
+            pass  # it has ended: the server says how
+
+    def start_forwarding(self, pid: int) -> None:
+        self.pid = pid
+        for number in self.pending:
+            self._handle(number, None)
+
+    def restore(self) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        for number in self.pending:  # what came meanwhile now reaches this (cold) process
+            os.kill(os.getpid(), number)

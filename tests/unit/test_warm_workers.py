@@ -1,0 +1,269 @@
+"""Warm workers (elastic_ddp/warm_client.py, elastic_ddp/agent/warm_workers.py) with real processes.
+
+A stand-in agent (a Python process that starts the server as the rendezvous plugin does) and clients
+run as torchrun runs a worker: `python -m tests.unit.test_warm_workers ACTION ...`, this very file,
+whose first lines hand the run to the server as `elastic_ddp.train`'s do. The server preloads what
+this file imports, not torch (ELASTIC_DDP_PRELOAD): what is tested is the hand-off.
+
+    .venv/bin/python -m pytest -q tests/unit/test_warm_workers.py
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":
+    from elastic_ddp.warm_client import become_warm_worker
+
+    become_warm_worker("tests.unit.test_warm_workers")
+
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_ddp.agent.rendezvous.plugin import start_warm_workers, take_warm_workers
+from elastic_ddp.runtime.procfs import command_line, process_is_alive, read_stat
+from elastic_ddp.warm_client import LENGTH, RECORD, SERVER_MODULE, VARIABLE, socket_address
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+THIS_MODULE = "tests.unit.test_warm_workers"
+DRAIN_EXIT_CODE = 69  # what the target exits with on SIGTERM, as a drained worker does
+# The stand-in agent: starts the server, says its address, and lives until its stdin closes.
+AGENT = ("import sys\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
+         "print(start_warm_worker_server(), flush=True)\nsys.stdin.read()\n")
+BOUND_S = 15.0
+
+
+def target(action: str, *args: str) -> None:
+    """What a client asks the server to run (as this module's `__main__`)."""
+    print(f"pid {os.getpid()} parent {os.getppid()} variable {os.environ.get(VARIABLE, 'unset')}", flush=True)
+    if action == "exit":
+        print("to stdout", flush=True)
+        sys.stderr.write("to stderr\n")
+        sys.exit(int(args[0]))
+    if action == "signal":
+        os.kill(os.getpid(), int(args[0]))
+    if action == "wait":
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(DRAIN_EXIT_CODE))
+        print("ready", flush=True)
+        while True:
+            time.sleep(1)
+
+
+def wait_until(condition, what: str, timeout: float = BOUND_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.02)
+
+
+class Agent:
+    """A stand-in torchrun agent with its warm-worker server."""
+
+    def __init__(self):
+        env = {**os.environ, "ELASTIC_DDP_PRELOAD": "pytest,elastic_ddp.runtime.procfs"}
+        env.pop(VARIABLE, None)
+        self.process = subprocess.Popen([sys.executable, "-c", AGENT], cwd=REPO, env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.address = self.process.stdout.readline().strip()
+        assert self.address.startswith("@elastic_ddp-warm-"), self.address
+
+    def server_pid(self) -> int:
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                    and (stat := read_stat(p)) is not None and stat.parent == self.process.pid]
+        [server] = [p for p in children if SERVER_MODULE.encode() in command_line(p)]
+        return server
+
+    def client(self, *args: str) -> subprocess.Popen:
+        return start_client(self.address, *args)
+
+    def stop(self) -> str:
+        """End the agent (its server ends with it); the server's and agent's stderr."""
+        if self.process.poll() is None:
+            self.process.stdin.close()
+        self.process.wait(timeout=BOUND_S)
+        return self.process.stderr.read()
+
+
+def start_client(address: str, *args: str) -> subprocess.Popen:
+    """What torchrun does for a worker: `python -m MODULE ARGS` with the agent's environment."""
+    env = {**os.environ, VARIABLE: address}
+    return subprocess.Popen([sys.executable, "-m", THIS_MODULE, *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def agent():
+    """One agent for the tests that leave its server as they found it."""
+    started = Agent()
+    yield started
+    started.process.kill()
+    started.stop()
+
+
+@pytest.fixture
+def own_agent():
+    """An agent of the test's own, for the tests that kill or inspect its server."""
+    started = Agent()
+    yield started
+    started.process.kill()
+    started.stop()
+
+
+def connect_as(uid: int, address: str) -> bytes:
+    """What a process of user `uid` reads after connecting to `address` (a forked child of this test:
+    the venv's interpreter may not be readable by that user)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(BOUND_S)
+                probe.connect(socket_address(address))
+                os.write(write_end, b"answer:" + probe.recv(64))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    assert answer.startswith(b"answer:"), "the probe as another user did not connect"
+    return answer.removeprefix(b"answer:")
+
+
+def first_line(client: subprocess.Popen) -> dict[str, str]:
+    words = client.stdout.readline().split()
+    return dict(zip(words[::2], words[1::2]))
+
+
+def test_the_exit_code_and_the_output_reach_torchruns_process(agent):
+    clients = {code: agent.client("exit", str(code)) for code in (0, 1, DRAIN_EXIT_CODE)}
+    for code, client in clients.items():
+        out, err = client.communicate(timeout=BOUND_S)
+        assert client.returncode == code
+        first, rest = out.split("\n", 1)
+        child = dict(zip(first.split()[::2], first.split()[1::2]))
+        assert int(child["pid"]) != client.pid and child["variable"] == "unset"  # forked, and never loops
+        assert rest == "to stdout\n"
+        assert "forked warm by the server" in err and f"torchrun's worker process {client.pid}" in err
+        assert err.endswith("to stderr\n")
+
+
+def test_the_workers_agent_is_found_through_the_server(agent):
+    """What runtime.distributed.agent_pid relies on: the parent runs SERVER_MODULE, its parent is the agent."""
+    client = agent.client("exit", "0")
+    child = first_line(client)
+    client.communicate(timeout=BOUND_S)
+    assert int(child["parent"]) == agent.server_pid()
+    assert read_stat(agent.server_pid()).parent == agent.process.pid
+
+
+def test_a_worker_killed_by_a_signal_ends_its_client_with_the_same_signal(agent):
+    client = agent.client("signal", str(int(signal.SIGABRT)))
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == -signal.SIGABRT
+
+
+def test_sigterm_to_the_client_reaches_the_worker(agent):
+    client = agent.client("wait")
+    first_line(client)
+    assert client.stdout.readline() == "ready\n"
+    client.send_signal(signal.SIGTERM)
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == DRAIN_EXIT_CODE
+
+
+def test_a_sigkilled_client_takes_its_worker_with_it(agent):
+    client = agent.client("wait")
+    child = int(first_line(client)["pid"])
+    client.kill()
+    client.communicate(timeout=BOUND_S)
+    wait_until(lambda: not process_is_alive(child), f"worker {child} ends after its client's SIGKILL")
+
+
+def test_the_workers_end_with_the_server_and_later_ones_start_cold(own_agent):
+    client = own_agent.client("wait")
+    child = int(first_line(client)["pid"])
+    os.kill(own_agent.server_pid(), signal.SIGKILL)
+    out, err = client.communicate(timeout=BOUND_S)
+    assert client.returncode == 1 and "ended before the worker" in err
+    wait_until(lambda: not process_is_alive(child), f"worker {child} ends with its server")
+    cold = own_agent.client("exit", "0")
+    out, err = cold.communicate(timeout=BOUND_S)
+    assert cold.returncode == 0 and f"pid {cold.pid} " in out  # ran in torchrun's own process
+    assert err.count("starting tests.unit.test_warm_workers cold") == 1
+
+
+def test_without_a_server_the_worker_starts_cold():
+    client = start_client("@elastic_ddp-warm-nobody-listens", "exit", "0")
+    out, err = client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0 and f"pid {client.pid} " in out and "variable unset" in out
+    assert "no warm-worker server answered" in err
+
+
+def test_the_agent_ending_ends_the_server(own_agent):
+    server = own_agent.server_pid()
+    own_agent.process.kill()
+    own_agent.process.wait(timeout=BOUND_S)
+    wait_until(lambda: not process_is_alive(server), "the server ends with its agent")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user (nobody)")
+def test_another_user_is_refused(own_agent):
+    nobody = pwd.getpwnam("nobody").pw_uid
+    assert connect_as(nobody, own_agent.address) == b""  # closed unread, nothing forked
+    client = own_agent.client("exit", "0")  # the server still serves
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0
+    assert f"refused a connection from uid {nobody}" in own_agent.stop()
+
+
+def test_garbage_closes_its_own_connection_only(own_agent):
+    for garbage in (b"", b"\xff\xff\xff\xff", LENGTH.pack(5) + b"nope!", LENGTH.pack(2) + b"[]"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sender:
+            sender.settimeout(BOUND_S)
+            sender.connect(socket_address(own_agent.address))
+            sender.sendall(garbage)
+            sender.shutdown(socket.SHUT_WR)
+            answer = sender.recv(64)
+        assert answer[:1] != b"P" and (answer == b"" or RECORD.unpack(answer)[0] == b"X"), garbage
+    client = own_agent.client("exit", "0")
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0
+    assert own_agent.stop().count("dropped a request") == 4
+
+
+def test_rdzv_conf_warm_workers_is_checked_and_taken_out():
+    assert take_warm_workers(SimpleNamespace(config={})) is True
+    params = SimpleNamespace(config={"warm_workers": "0", "algorithm": "keyed"})
+    assert take_warm_workers(params) is False and params.config == {"algorithm": "keyed"}
+    with pytest.raises(ValueError, match=r"^--rdzv_conf warm_workers: got 'yes'; expected 1 .* or 0 "):
+        take_warm_workers(SimpleNamespace(config={"warm_workers": "yes"}))
+
+
+@pytest.mark.parametrize(("argv", "variable"), [
+    (["--nnodes=2", "-m", "my_project.train"], None),  # not a module that asks for a warm worker
+    (["--nnodes=2", "--no-python", "elastic_ddp.train"], None),
+    (["--nnodes=2", "-m", "elastic_ddp.train"], "0"),  # turned off (or the launcher's own fork server)
+])
+def test_no_server_is_started_where_none_would_be_used(monkeypatch, argv, variable):
+    if variable is None:
+        monkeypatch.delenv(VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(VARIABLE, variable)
+    start_warm_workers(SimpleNamespace(config={}), argv)
+    assert os.environ.get(VARIABLE) == variable
+
+
+if __name__ == "__main__":
+    target(*sys.argv[1:])
