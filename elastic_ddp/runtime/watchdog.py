@@ -18,10 +18,12 @@ thread judges each read as it comes and wakes at the earliest deadline.
 A peer whose heartbeat has not changed for `bound_s` is *silent*: counted from the read that first
 showed its last change, and confirmed by a read asked for after that deadline (the watching thread
 asks the heartbeat thread for one at once), so a heartbeat thread starved of CPU, which read nothing
-meanwhile, delays the verdict and never makes it. All peers are silent when a request to the store
-has waited unanswered for `bound_s` (its host, rank 0's worker, is frozen, gone or cut off). Then
-the watchdog calls `on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step
-in node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
+meanwhile, delays the verdict and never makes it; a store that closed its connections (its host,
+rank 0's worker, ended: often its own watchdog fired on the same peer a moment earlier) can confirm
+nothing, and a deadline alone is enough then. All peers are silent when a request to the store has
+waited unanswered for `bound_s` (its host is frozen, gone or cut off). Then the watchdog calls
+`on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step in
+node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
 With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
@@ -122,6 +124,9 @@ class _Judge:
         """When the first watched peer becomes silent unless a read shows it changed; None if none is watched."""
         return min(self.changed_at.values()) + self.bound_s if self.changed_at else None
 
+    def past_deadline(self, now: float) -> list[int]:
+        return sorted(rank for rank, changed_at in self.changed_at.items() if now >= changed_at + self.bound_s)
+
     def ask_for(self, deadline: float) -> bool:
         """Whether to ask for a read at once for `deadline` (once per deadline: the cost stays one read)."""
         if self._asked_for == deadline:
@@ -154,6 +159,7 @@ class PeerWatchdog:
         self._news = threading.Condition()  # guards the two below; notified at each answer and at stop
         self._answer: _Answer | None = None  # the newest read of the peers' heartbeats
         self._asked_at: float | None = None  # when the oldest request still unanswered was made
+        self._closed = False  # the store closed this connection: no read can come any more
         self._thread: threading.Thread | None = None  # watches
         self._exchanger: threading.Thread | None = None  # beats and reads
         self._beats = 0
@@ -229,10 +235,14 @@ class PeerWatchdog:
                 values = self._read(peers)
             except Exception as exc:  # noqa: BLE001 - a store that does not answer is what is watched
                 logger.debug("peer watchdog: the store did not answer: %s", exc)
+                if isinstance(exc, dist.DistNetworkError):  # refused, reset, broken pipe: its process ended
+                    with self._news:
+                        self._closed = True
+                        self._news.notify_all()
                 continue
             with self._news:
                 self._answer = _Answer(asked_at, time.monotonic(), values)
-                self._asked_at = None
+                self._asked_at, self._closed = None, False
                 self._news.notify_all()
 
     def _watch(self) -> None:
@@ -249,7 +259,7 @@ class PeerWatchdog:
             with self._news:
                 if self._answer is judged and not self._stop.is_set():
                     self._news.wait(max(0.0, wake_at - time.monotonic()))
-                answer, asked_at = self._answer, self._asked_at
+                answer, asked_at, closed = self._answer, self._asked_at, self._closed
             if self._stop.is_set():
                 return
             now = time.monotonic()
@@ -267,6 +277,14 @@ class PeerWatchdog:
                                "without closing their connections)", silent_nodes=judge.nodes_of(silent))
                     return
             deadline = judge.deadline()
+            if deadline is not None and now >= deadline and closed:
+                # No read can show a change any more: rank 0's worker ended (its own watchdog may
+                # have fired a moment before this one would have, on the same silent peer).
+                silent = judge.past_deadline(now)
+                self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s that this rank could "
+                           "see, and none can come: the worker group's store (rank 0's) closed its connection",
+                           silent_nodes=judge.nodes_of(silent))
+                return
             if deadline is not None and now >= deadline and judge.ask_for(deadline):
                 self._read_now.set()
             # Past every deadline (a read asked for and not in yet, a request not yet made): look again
