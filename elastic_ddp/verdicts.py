@@ -19,6 +19,10 @@ round (`VerdictInbox`). A worker whose agent reads no verdicts (torch's own `c10
 namespace, which a node's agent and its workers share. Elsewhere than on Linux nothing is bound and
 the agent waits for the silent node's lease, as without a verdict.
 
+A worker may also name a peer as *suspect* (`send_suspicion`), `SUSPECT_LEAD_S` before its
+watchdog's deadline for that peer, so that the agent asks the peer's beacon while the watchdog is
+still confirming the silence; only a verdict makes the node leave the round.
+
 A verdict is untrusted input for the agent: a datagram from another user (the kernel's credentials)
 is dropped, one longer than `MAX_VERDICT_BYTES` or not our JSON with one list of node ranks is no
 verdict. A forged verdict cannot remove a live node on its own: the beacon probe must also go
@@ -26,8 +30,10 @@ unanswered.
 
     address = verdict_address("run", "10.0.0.1", 29511, group_rank=2)
     inbox = VerdictInbox(address)        # the agent, when the round forms
+    send_suspicion(address, {1})         # the worker: node 1 of this round may be silent soon -> True
     send_verdict(address, {1})           # the worker: node 1 of this round is silent -> True
     inbox.take()                         # the agent: {1}
+    inbox.suspects()                     # {1}, once
     inbox.close()
 
 The bottom layer of the package: it imports neither torch nor anything of elastic_ddp, so the agent
@@ -45,6 +51,10 @@ from collections.abc import Iterable, Mapping
 
 # A verdict names a few node ranks; 64 KiB holds over 8000 of them.
 MAX_VERDICT_BYTES = 64 * 1024
+# Seconds before its watchdog's deadline a worker names a peer as suspect: more than the agent's
+# monitor poll (0.1 s) plus a beacon's answer bound (agent/rendezvous/keyed_silence.py, 0.3 s).
+SUSPECT_LEAD_S = 0.5
+_VERDICT, _SUSPICION = "silent_node_ranks", "suspect_node_ranks"
 _PREFIX = b"\0elastic_ddp-verdict-"
 _CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 _SO_PASSCRED = getattr(socket, "SO_PASSCRED", None)
@@ -70,7 +80,17 @@ def worker_verdict_address(environment: Mapping[str, str] = os.environ) -> bytes
 def send_verdict(address: bytes, silent_node_ranks: Iterable[int]) -> bool:
     """Send the verdict to this worker's agent; False if no agent reads verdicts at `address`.
     Another OSError propagates to the caller."""
-    text = json.dumps({"silent_node_ranks": sorted({int(rank) for rank in silent_node_ranks})}).encode()
+    return _send(address, _VERDICT, silent_node_ranks)
+
+
+def send_suspicion(address: bytes, suspect_node_ranks: Iterable[int]) -> bool:
+    """Name nodes whose workers' heartbeats are near the watchdog's bound (module docstring); as
+    `send_verdict`."""
+    return _send(address, _SUSPICION, suspect_node_ranks)
+
+
+def _send(address: bytes, kind: str, node_ranks: Iterable[int]) -> bool:
+    text = json.dumps({kind: sorted({int(rank) for rank in node_ranks})}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
         try:
             sender.sendto(text, address)
@@ -96,6 +116,7 @@ class VerdictInbox:
             raise
         self._socket.setblocking(False)
         self._taken: set[int] = set()
+        self._suspected: set[int] = set()  # read by `take`, not yet returned by `suspects`
 
     def waiting(self) -> bool:
         """Whether a datagram has arrived (not read)."""
@@ -106,7 +127,8 @@ class VerdictInbox:
 
     def take(self) -> set[int]:
         """The node ranks named by every valid verdict received so far (each worker of the node may
-        send one); datagrams from another user, oversized or not our JSON are dropped."""
+        send one); datagrams from another user, oversized or not our JSON are dropped. Suspicions
+        read on the way are kept for `suspects`."""
         while True:
             try:
                 data, ancillary, flags, _ = self._socket.recvmsg(MAX_VERDICT_BYTES + 1,
@@ -115,7 +137,13 @@ class VerdictInbox:
                 return set(self._taken)
             if flags & socket.MSG_TRUNC or len(data) > MAX_VERDICT_BYTES or not _from_this_user(ancillary):
                 continue
-            self._taken |= _parse(data)
+            self._taken |= _parse(data, _VERDICT)
+            self._suspected |= _parse(data, _SUSPICION)
+
+    def suspects(self) -> set[int]:
+        """The node ranks named as suspect in what `take` read since the last call."""
+        suspected, self._suspected = self._suspected, set()
+        return suspected
 
     def close(self) -> None:
         self._socket.close()
@@ -128,9 +156,9 @@ def _from_this_user(ancillary: list) -> bool:
     return False
 
 
-def _parse(data: bytes) -> set[int]:
+def _parse(data: bytes, kind: str) -> set[int]:
     try:
-        ranks = json.loads(data).get("silent_node_ranks")
+        ranks = json.loads(data).get(kind)
     except (ValueError, UnicodeDecodeError, AttributeError):
         return set()
     if not isinstance(ranks, list) or not all(_is_rank(rank) for rank in ranks):

@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from elastic_ddp.verdicts import send_verdict
+from elastic_ddp.verdicts import SUSPECT_LEAD_S, send_suspicion, send_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class _Judge:
         self.longest_gap_s = 0.0
         self._on_gap = on_gap
         self._asked_for: float | None = None
+        self._suspected_for: float | None = None
 
     def read(self, answer: _Answer) -> list[int]:
         """Take one answer in; the peers it finds silent: unchanged, and asked for at least
@@ -134,6 +135,13 @@ class _Judge:
         self._asked_for = deadline
         return True
 
+    def suspect_for(self, deadline: float) -> bool:
+        """Whether to name the peers near `deadline` as suspects (once per deadline)."""
+        if self._suspected_for == deadline:
+            return False
+        self._suspected_for = deadline
+        return True
+
     def nodes_of(self, ranks: list[int]) -> set[int | None]:
         return {node_rank_of(self.last_value[rank]) for rank in ranks}
 
@@ -152,6 +160,7 @@ class PeerWatchdog:
         self.on_gap = on_gap
         self.node_rank = node_rank  # this rank's GROUP_RANK, carried by its heartbeats
         self.verdict_address = verdict_address
+        self._suspect_lead_s = min(SUSPECT_LEAD_S, bound_s / 2)
         self._store = store
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
@@ -287,10 +296,13 @@ class PeerWatchdog:
                 return
             if deadline is not None and now >= deadline and judge.ask_for(deadline):
                 self._read_now.set()
+            suspect_at = deadline - self._suspect_lead_s if deadline is not None and self.verdict_address else None
+            if suspect_at is not None and now >= suspect_at and judge.suspect_for(deadline):
+                self._suspect(judge.nodes_of(judge.past_deadline(now + self._suspect_lead_s)))
             # Past every deadline (a read asked for and not in yet, a request not yet made): look again
             # after an interval, as often as the heartbeat thread reads.
             store_deadline = asked_at + self.bound_s if asked_at is not None else None
-            wake_at = min((t for t in (deadline, store_deadline) if t is not None and t > now),
+            wake_at = min((t for t in (suspect_at, deadline, store_deadline) if t is not None and t > now),
                           default=now + self.interval_s)
 
     def _new_longest_gap(self, gap_s: float) -> None:
@@ -310,6 +322,16 @@ class PeerWatchdog:
         if self._store.check(keys):
             return dict(zip(peers, self._store.multi_get(keys)))
         return {rank: self._store.get(str(rank)) if self._store.check([str(rank)]) else None for rank in peers}
+
+    def _suspect(self, nodes: set[int | None]) -> None:
+        """Name `nodes` to this node's agent as suspects: it asks their beacons while this watchdog
+        confirms (`elastic_ddp.verdicts`); a hint, which alone leaves nobody out."""
+        named = {node for node in nodes if node is not None and node != self.node_rank}
+        if named:
+            try:
+                send_suspicion(self.verdict_address, named)
+            except OSError as exc:
+                logger.debug("peer watchdog: could not name suspects to this node's agent: %s", exc)
 
     def _fire(self, reason: str, silent_nodes: set[int | None]) -> None:
         logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)

@@ -23,7 +23,7 @@ from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import Beacon
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.verdicts import MAX_VERDICT_BYTES, VerdictInbox, send_verdict, verdict_address
+from elastic_ddp.verdicts import MAX_VERDICT_BYTES, VerdictInbox, send_suspicion, send_verdict, verdict_address
 from tests.support.rendezvous import ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,6 +151,25 @@ def test_a_verdict_found_while_the_workers_end_is_asked_at_once_and_kept_for_the
     assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == {OTHER}
     assert ranks_by_node([survivor]) == {HERE: (0, 1)}
     frozen_beacon.close()
+
+
+def test_a_suspect_is_asked_before_the_verdict_which_then_leaves_it_out_at_once(server) -> None:
+    """The workers name the frozen node as suspect before their watchdog's deadline: its beacon is
+    asked at the next monitor poll, and its silence alone leaves nobody out; the verdict that follows
+    does, without asking again (what saves the 0.3 s answer in the round after a freeze)."""
+    survivor, frozen = formed_pair(server, FrozenBeacon())
+    frozen._board._stop.set()
+    inbox, record = survivor._silence._expected
+    assert send_suspicion(inbox.address, {record.rank_of(OTHER)})
+    assert survivor.num_nodes_waiting() == 0  # torchrun's monitor poll: the suspect's beacon is asked
+    wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the suspect's beacon")
+    assert survivor._silence.silent(record) == set()  # a suspicion is no verdict
+    probes = len(survivor._silence._probes)
+    workers_name(survivor, OTHER)
+    assert survivor.num_nodes_waiting() == 0
+    assert survivor._silence.silent(record) == {OTHER}
+    assert len(survivor._silence._probes) == probes  # not asked again
+    assert ranks_by_node([survivor]) == {HERE: (0, 1)}
 
 
 def test_an_agent_that_shuts_down_reads_no_more_verdicts(server) -> None:

@@ -84,6 +84,7 @@ def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_a
     dogs[2].stop()
     assert fired[0].wait(10) and fired[1].wait(10)
     assert inboxes[0].take() == {1}
+    assert inboxes[0].suspects() == {1}  # named as suspect first, half a bound before (SUSPECT_LEAD_S)
     assert not inboxes[2].waiting()
     for dog in dogs[:2]:
         dog.stop()

@@ -49,7 +49,7 @@ from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness, Ports
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
-from elastic_ddp.verdicts import VerdictInbox, verdict_address
+from elastic_ddp.verdicts import SUSPECT_LEAD_S, VerdictInbox, verdict_address
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 # 1 s) makes a live node miss it: then it is left out only if its workers were silent for the
 # watchdog's bound as well, and it rejoins the round after (module docstring).
 ANSWER_S = 0.3
+# How long a beacon found silent on a suspicion (`elastic_ddp.verdicts.SUSPECT_LEAD_S` before the
+# workers' deadline) still counts when their verdict comes: the lead, the answer and a margin.
+FRESH_S = SUSPECT_LEAD_S + ANSWER_S + 0.5
 # Errors of a connect that say the peer's machine is out of reach: no answer, as a timeout.
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
 
@@ -88,15 +91,17 @@ def ask(address: tuple, answer_s: float = ANSWER_S) -> Reply:
 
 class SilenceJudge:
     """Which members of this node's last round are silent by both pieces of evidence (module
-    docstring). `expect` when a round is joined; `start` when the next one is entered; `silent`
-    while it is being closed. Thread-safe."""
+    docstring). `expect` when a round is joined; `start` when the next one is entered (and at
+    torchrun's monitor polls); `silent` while it is being closed. Thread-safe."""
 
     def __init__(self, witness: ExitWitness, answer_s: float = ANSWER_S) -> None:
         self._witness = witness
         self._answer_s = answer_s
         self._expected: tuple[VerdictInbox, RoundRecord] | None = None  # the verdicts of the round joined last
-        self._judged: tuple[RoundRecord, set[NodeDesc]] | None = None
-        self._asking: set[NodeDesc] = set()  # named nodes whose beacon has not answered or timed out yet
+        self._record: RoundRecord | None = None  # the round the three below are about
+        self._named: set[NodeDesc] = set()  # named silent by the workers' verdict
+        self._silent_at: dict[NodeDesc, float] = {}  # beacons that did not answer, and when that was known
+        self._asking: set[NodeDesc] = set()  # nodes whose beacon has not answered or timed out yet
         self._probes: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -119,40 +124,60 @@ class SilenceJudge:
             expected[0].close()
 
     def start(self, read_ports: Callable[[], Ports], early: bool = False) -> None:
-        """Read the verdict the last round's workers left, if any, and ask each node it names on a
-        thread of its own (the answers are read by `silent`). `early`: only if the verdict is there
-        already (torchrun's monitor loop, while the worker that wrote it is still ending: the
-        answers are in by the time this node arrives); the next round's own `start` then keeps
-        what was found."""
+        """Read what the last round's workers sent, if anything, and ask the beacons of the nodes it
+        names on threads of their own (the answers are read by `silent`). `early`: only if a datagram
+        is there already (torchrun's monitor loop, while the workers train or the one that wrote it
+        is still ending: the answers are in by the time this node arrives); a suspicion is asked
+        about and the verdict still awaited, a verdict ends the reading, and the next round's own
+        `start` keeps what was found."""
         with self._lock:
             expected = self._expected
             if expected is None or (early and not expected[0].waiting()):
                 return
-            self._expected, self._judged = None, None
         inbox, record = expected
         ranks = inbox.take()
-        inbox.close()
+        suspects = inbox.suspects() - ranks
+        final = bool(ranks) or not early
+        if final:
+            inbox.close()
         named = [record.members[rank] for rank in sorted(ranks) if rank < len(record.members)]
-        if not named:
-            return
-        logger.info("this node's workers found node(s) %s silent: asking their beacons", named)
+        suspected = [record.members[rank] for rank in sorted(suspects) if rank < len(record.members)]
+        now = time.monotonic()
         with self._lock:
-            self._judged, self._asking = (record, set()), set(named)
-        self._probes = [threading.Thread(target=self._judge, args=(record, named, read_ports),
-                                         name="keyed-rdzv-silence", daemon=True)]
-        self._probes[0].start()
+            if final:
+                self._expected = None
+            if self._record != record:
+                self._record, self._named, self._silent_at, self._asking = record, set(), {}, set()
+            self._named.update(named)
+            for node in named:  # a beacon found silent just before (a suspicion) is evidence still
+                if now - self._silent_at.get(node, -FRESH_S) > FRESH_S:
+                    self._silent_at.pop(node, None)
+            to_ask = [node for node in suspected + named if node not in self._asking and node not in self._silent_at]
+            self._asking.update(to_ask)
+            found = [node for node in named if node in self._silent_at]
+        for node in found:
+            self._left_out(node)
+        if named:
+            logger.info("this node's workers found node(s) %s silent: asking the beacons of %s", named, to_ask)
+        elif suspected:
+            logger.info("this node's workers suspect node(s) %s: asking their beacons early", suspected)
+        if to_ask:
+            probe = threading.Thread(target=self._judge, args=(record, to_ask, read_ports), name="keyed-rdzv-silence",
+                                     daemon=True)
+            self._probes.append(probe)
+            probe.start()
 
-    def _judge(self, record: RoundRecord, named: list[NodeDesc], read_ports: Callable[[], Ports]) -> None:
+    def _judge(self, record: RoundRecord, nodes: list[NodeDesc], read_ports: Callable[[], Ports]) -> None:
         try:
             ports = read_ports()
         except Exception as exc:  # noqa: BLE001 - only an optimisation is lost: the lease still decides
             logger.debug("could not read the beacon ports: %s", exc)
             with self._lock:
-                self._asking.clear()
+                self._asking.difference_update(nodes)
             return
-        targets = [(node, self._witness.reached(node, ports.get(node))) for node in named]
+        targets = [(node, self._witness.reached(node, ports.get(node))) for node in nodes]
         with self._lock:
-            self._asking.intersection_update(node for node, address in targets if address is not None)
+            self._asking.difference_update(node for node, address in targets if address is None)
         askers = [threading.Thread(target=self._ask, args=(record, node, address), daemon=True)
                   for node, address in targets if address is not None]
         for asker in askers:
@@ -164,35 +189,42 @@ class SilenceJudge:
         reply = ask(address, self._answer_s)
         with self._lock:
             self._asking.discard(node)
+            if self._record != record:
+                return
+            if reply is Reply.SILENT:
+                self._silent_at[node] = time.monotonic()
+            named = node in self._named
         if reply is not Reply.SILENT:
-            logger.info("node %s, named silent by this node's workers, answers its beacon (%s): kept", node,
-                        reply.value)
-            return
+            logger.info("node %s, named by this node's workers, answers its beacon (%s): kept", node, reply.value)
+        elif named:
+            self._left_out(node)
+        else:
+            logger.info("node %s, suspected by this node's workers, did not answer its beacon within %g s",
+                        node, self._answer_s)
+
+    def _left_out(self, node: NodeDesc) -> None:
         logger.warning("node %s is silent (this node's workers found it silent, and its beacon did not answer "
                        "within %g s): left out of the next round of the keyed rendezvous", node, self._answer_s)
-        with self._lock:
-            if self._judged is not None and self._judged[0] == record:
-                self._judged[1].add(node)
 
     def silent(self, last: RoundRecord | None) -> set[NodeDesc]:
         """The members of `last` (the last closed round, as read now) found silent so far; none
         unless `last` is the round the verdict was about."""
         with self._lock:
-            if self._judged is None or last is None or self._judged[0] != last:
+            if self._record is None or last is None or self._record != last:
                 return set()
-            return set(self._judged[1])
+            return {node for node in self._named if node in self._silent_at}
 
     def asked(self, last: RoundRecord | None) -> set[NodeDesc]:
         """The members of `last` being asked now or found silent: the dead-node probes
         (`ExitWitness.exited`) need not ask them too (a beacon that is cut off would cost each of
         them a connect timeout per poll while the round waits; a refusal is silence here too)."""
         with self._lock:
-            if self._judged is None or last is None or self._judged[0] != last:
+            if self._record is None or last is None or self._record != last:
                 return set()
-            return self._asking | self._judged[1]
+            return self._asking | {node for node in self._named if node in self._silent_at}
 
     def wait(self, timeout: float) -> bool:
         """Wait until every beacon asked has answered or timed out; False if still asking."""
-        for probe in self._probes:
+        for probe in list(self._probes):
             probe.join(timeout)
         return not any(probe.is_alive() for probe in self._probes)
