@@ -14,6 +14,11 @@ torchrun then forks every worker from it (`--start-method forkserver`) and the w
 `MODULE` with `runpy`, as `python -m MODULE` would. (Entering the rendezvous only once the fork
 server is ready was tried: a join then kept the running nodes waiting 0.2 s less, and took 0.8 s
 longer in all, median of 3.) docs/failure-semantics.md ("Recovery speed") has the measured difference.
+Plain torchrun gets warm workers too where it can: with `--rdzv_backend=elastic-c10d` or `etcd-v3`
+and `-m elastic_ddp.train`, our rendezvous plugin starts a warm-worker server in the agent
+(elastic_ddp/agent/warm_workers.py) that the worker process hands its run to. This launcher turns
+that server off (`ELASTIC_DDP_WARM_WORKERS=0` in its environment): its fork server does the same job,
+for any `-m MODULE` and any backend.
 
 The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.agent.rendezvous.liveness):
 a killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
