@@ -10,8 +10,10 @@ that has not arrived counts as not alive once both of these hold:
 1. **its workers' verdict**: this node's own workers' peer watchdog (elastic_ddp/runtime/watchdog.py)
    found that member's workers silent for the watchdog's bound (3 s shipped) and wrote so before
    ending (`elastic_ddp.verdicts`: one datagram naming node ranks of the round that started them); and
-2. **its beacon's silence**: asked once by this agent, as this node enters the next round, the
-   member's beacon did not answer within `ANSWER_S`. Its beacon must have accepted a connection
+2. **its beacon's silence**: asked by this agent, the member's beacon did not answer within
+   `ANSWER_S`; asked when the verdict comes, or up to `FRESH_S` before it, when the workers named
+   the member as *suspect* (`SUSPECT_LEAD_S`, 0.5 s, before their watchdog's deadline: the answer
+   is then in by the time the verdict comes). Its beacon must have accepted a connection
    from this agent before, at the address and port asked now (`keyed_probes.ExitWitness`): a node
    this agent never reached (a firewall, `probe_dead_nodes=0`) is never judged by a silence.
 
@@ -27,11 +29,12 @@ see it waiting (`num_nodes_waiting`) and restart, and the round after takes it i
 node. The cost is one more restart, never a second world: the rule that no live member may be
 missing (`keyed_rounds.may_close`) is only given these two pieces of evidence in place of the lease.
 
-The verdict is looked for while the workers train too, at each of torchrun's monitor polls (one
-`stat`), so that the beacons are asked while the worker that wrote it is still ending.
+The verdict and the suspicions are looked for while the workers train too, at each of torchrun's
+monitor polls (one `recv` that peeks), so that the beacons are asked before the worker that wrote
+the verdict has ended. A suspicion alone leaves nobody out.
 
-Cost: nothing while training but that `stat`; per round this node's workers' watchdog fired in, one liveness read
-and one connection per named node, on threads of their own while this node arrives. Turned off
+Cost: nothing while training but that peek; per round this node's workers' watchdog fired in (or
+named a suspect in), one liveness read and one connection per named node, on threads of their own. Turned off
 with the dead-node probes (`probe_dead_nodes=0`: no beacons, nothing is reached).
 """
 
