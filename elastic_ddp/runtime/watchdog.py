@@ -165,7 +165,7 @@ class PeerWatchdog:
         self._prefix = f"elastic_ddp/runtime/watchdog/{incarnation}/"
         self._stop = threading.Event()
         self._read_now = threading.Event()  # the watching thread asks for a read at once (or stop)
-        self._news = threading.Condition()  # guards the two below; notified at each answer and at stop
+        self._news = threading.Condition()  # guards the three below; notified at each answer and at stop
         self._answer: _Answer | None = None  # the newest read of the peers' heartbeats
         self._asked_at: float | None = None  # when the oldest request still unanswered was made
         self._closed = False  # the store closed this connection: no read can come any more
