@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastic_ddp import load_snapshot
+from elastic_ddp.chaos.held_train import pace
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from tests.support.cluster import (
     assert_exactly_once,
     assert_workers_started_warm,
     hold_settings,
     node_logs,
+    pause_at,
     release,
     world_reached,
 )
@@ -39,11 +41,27 @@ TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", str(EPOCHS), "--d
                  "--log_interval", "5", "--collective_timeout_s", str(COLLECTIVE_TIMEOUT_S)]
 # Well below the collective timeout, well above watchdog + heartbeat expiry + rendezvous + start.
 LEFT_BEHIND_WITHIN_S = 60
+# The group stops after this step until both nodes are in it: however fast it trains, and however
+# slowly the second agent starts, the job cannot end before the scenario (a 16-core GPU machine ran
+# all 64 steps alone before the second node of the etcd-v3 test had joined).
+WAIT_FOR_BOTH_AT_STEP = 5
+
+
+def held_until_both_joined(hold) -> dict:
+    """hold_settings that stop the job after WAIT_FOR_BOTH_AT_STEP until `paced_with_both`."""
+    settings = hold_settings(hold)
+    pause_at(hold, WAIT_FOR_BOTH_AT_STEP)
+    return settings
+
+
+def paced_with_both(job: LocalJob, hold) -> None:
+    world_reached(job, 2)
+    pace(hold)
 
 
 def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold) -> float:
     """Freeze `frozen` while the job trains; return the seconds until the survivor trains again."""
-    world_reached(job, 2)
+    paced_with_both(job, hold)
     job.wait_for_step(job.last_step() + 5, timeout=90)
     frozen_at = time.time()
     frozen.freeze()
@@ -66,7 +84,7 @@ def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold) -> flo
 
 def test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind(local_jobs, tmp_path):
     hold = tmp_path / "hold"
-    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **hold_settings(hold))
+    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **held_until_both_joined(hold))
     survivor = job.add_node("host")  # hosts the c10d store: the one that must not freeze
     frozen = job.add_node("frozen")
     assert_frozen_node_left_behind(job, survivor, frozen, hold)
@@ -76,7 +94,7 @@ def test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind(local_jobs,
 def test_etcd_v3_leaves_a_frozen_node_behind(local_jobs, etcd_server: EtcdServer, tmp_path):
     hold = tmp_path / "hold"
     job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", rdzv_backend="etcd-v3",
-                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=None, run_id="frozen", **hold_settings(hold))
+                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=None, run_id="frozen", **held_until_both_joined(hold))
     survivor = job.add_node("first")
     wait_for(lambda: job.events("start") or not survivor.is_running(), 60, "the first node's worker group")
     frozen = job.add_node("frozen")
@@ -88,10 +106,10 @@ def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):
     """SIGSTOP for half the watchdog's bound, then the CPU taken by busy loops (two per core): the
     group never restarts."""
     hold = tmp_path / "hold"
-    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **hold_settings(hold))
+    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **held_until_both_joined(hold))
     job.add_node("host")
     slow = job.add_node("slow")
-    world_reached(job, 2)
+    paced_with_both(job, hold)
     job.wait_for_step(job.last_step() + 5, timeout=90)
     slow.freeze()
     stopped_at = time.monotonic()
