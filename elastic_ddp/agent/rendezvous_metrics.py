@@ -17,7 +17,8 @@ contract, and tests/unit/test_rendezvous_metrics.py checks that both sides name 
 The directory is the user's alone (0700, checked); the file holds counts and times, nothing of the
 job's settings. It is removed when the agent exits normally, by the metrics server when the agent
 has ended (a SIGKILLed one), and else by the next agent of the user on the machine (the files of
-pids that no longer run). Writing it never stops the agent: a failure is logged once.
+pids that no longer run); the directory goes with the last file. Writing it never stops the agent:
+a failure is logged once.
 
 Not guaranteed: with torch's own `--rdzv_backend=c10d` under plain torchrun our code does not run
 in the agent, so there is no file and no series. The counts are the agent's own: a node restarted
@@ -87,20 +88,26 @@ class RendezvousRounds:
         if self._broken:
             return
         try:
-            _make_private_directory(self.path.parent)
-            temporary = self.path.with_name(f".{self.path.name}.tmp")
-            temporary.write_text(json.dumps(self.figures()))
-            os.replace(temporary, self.path)
+            try:
+                self._write_once()
+            except FileNotFoundError:  # another agent's exit removed the directory, empty, just now
+                self._write_once()
         except OSError as exc:
             self._broken = True
             logger.warning("rendezvous metrics: cannot write %s (%s); the node's metrics endpoint will not show "
                            "this agent's rendezvous rounds", self.path, exc)
 
+    def _write_once(self) -> None:
+        _make_private_directory(self.path.parent)
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text(json.dumps(self.figures()))
+        os.replace(temporary, self.path)
+
     def remove(self) -> None:
-        """The agent exits: remove the file (only the process that wrote it)."""
+        """The agent exits: remove the file (only the process that wrote it), and the directory if
+        no other agent's file is in it."""
         if os.getpid() == self.pid:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            remove_file_and_empty_directory(self.path)
 
     def _round_began(self) -> None:
         with self._lock:
@@ -120,6 +127,14 @@ class RendezvousRounds:
             self.last_round_seconds = seconds
             self.round_started = None
             self.write()
+
+
+def remove_file_and_empty_directory(path: Path) -> None:
+    """Delete an agent's file, then its directory if that is empty now (rmdir refuses otherwise)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()
 
 
 def count_rounds(handler: Handler) -> Handler:

@@ -105,8 +105,11 @@ class AgentRendezvousCollector:
 
 def remove_agent_file(pid: int) -> None:
     """The agent of `pid` has ended (perhaps SIGKILLed, so it could not remove its file itself)."""
+    path = rendezvous_file(pid)
     with contextlib.suppress(OSError):
-        rendezvous_file(pid).unlink()
+        path.unlink()
+    with contextlib.suppress(OSError):  # the directory too, once no agent's file is in it
+        path.parent.rmdir()
 
 
 def exposed_names() -> set[str]:

@@ -117,6 +117,31 @@ def test_the_files_of_agents_that_no_longer_run_are_removed_by_the_next_agent():
     assert not dead.exists() and alive.exists() and agent_side.rendezvous_file(os.getpid()).exists()
 
 
+def test_the_directory_goes_with_the_last_agents_file_and_a_write_racing_that_is_not_lost(monkeypatch):
+    mine, other = agent_side.rendezvous_file(os.getpid()), agent_side.rendezvous_file(os.getppid())
+    rounds = agent_side.RendezvousRounds(mine)
+    rounds.write()
+    other.write_text("{}")
+    rounds.remove()
+    assert not mine.exists() and other.exists(), "another agent's file keeps the directory"
+    server_side.remove_agent_file(os.getppid())
+    assert not mine.parent.exists(), "the metrics server removed the last file, and the directory"
+    rounds = agent_side.RendezvousRounds(mine)
+    made, removed = agent_side._make_private_directory, []
+
+    def made_then_removed(directory):  # another agent exits between this one's mkdir and its write, once
+        made(directory)
+        if not removed:
+            removed.append(directory)
+            directory.rmdir()
+    monkeypatch.setattr(agent_side, "_make_private_directory", made_then_removed)
+    rounds.write()
+    assert removed, "the race was played"
+    assert json.loads(mine.read_text())["pid"] == os.getpid()
+    rounds.remove()
+    assert not mine.parent.exists()
+
+
 def test_the_seconds_served_never_go_down_when_a_round_ends_between_a_scrape_and_its_write():
     """A scrape just after a round ended, before the agent wrote its end, adds the round's time up to
     the scrape: slightly more than the agent then records (seen in a CI run: 1.7063 s, then 1.7048 s)."""
