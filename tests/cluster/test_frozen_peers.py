@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.chaos.held_train import pace
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for
 from tests.support.cluster import (
     assert_exactly_once,
     assert_workers_started_warm,
     hold_settings,
     node_logs,
+    pace,
     pause_at,
     release,
     world_reached,

@@ -6,9 +6,10 @@ import os
 import shlex
 from pathlib import Path
 
-from elastic_ddp.testbed.local_cluster import LocalJob
-from elastic_ddp.chaos.held_train import HOLD_VARIABLE
+# The hold file's writers are the held module's own (the tests used to carry copies of two of them).
+from elastic_ddp.chaos.held_train import HOLD_VARIABLE, pace, pause_at, release  # noqa: F401 - re-exported
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
+from elastic_ddp.testbed.local_cluster import LocalJob
 
 REPO = Path(__file__).resolve().parents[2]
 HELD_MODULE = "elastic_ddp.chaos.held_train"
@@ -29,19 +30,6 @@ def hold_settings(hold_file: Path) -> dict:
     # only be on PYTHONPATH: replacing it left the nodes without blake3, seen on an H200).
     pythonpath = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     return {"module": HELD_MODULE, "env": {HOLD_VARIABLE: str(hold_file), "PYTHONPATH": pythonpath}}
-
-
-def pause_at(hold_file: Path, step: int) -> None:
-    """Make a held job stop after `step` until released (or SIGTERMed by torchrun)."""
-    temporary = hold_file.with_name(hold_file.name + ".tmp")
-    temporary.write_text(f"pause_at={step}")
-    os.replace(temporary, hold_file)
-
-
-def release(hold_file: Path) -> None:
-    """Let a held job run to its end at full speed."""
-    if os.path.exists(hold_file):
-        os.unlink(hold_file)
 
 
 def assert_exactly_once(job: LocalJob, dataset_size: int, epochs: int, global_batch_size: int) -> None:
