@@ -96,7 +96,8 @@ def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(loca
                        for e in job.events())
 
         wait_for(n2_back, 60, "a group with n2 after the heal",
-                 still_possible=lambda: None if n2.is_running() else f"n2's agent exited {n2.process.returncode}")
+                 still_possible=lambda: None if n2.is_running() else
+                 f"n2's agent exited {n2.process.returncode}:\n{node_logs(job)}\n")
         rejoined_s = time.time() - healed_at
     finally:
         release(hold)

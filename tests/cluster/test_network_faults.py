@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.testbed.netns import NetworkBed, NetworkFault, bed_namespaces, why_unavailable
 
 UNAVAILABLE = why_unavailable()
@@ -87,3 +88,67 @@ def test_nodes_reach_each_other_over_the_bridge_until_partitioned_and_leave_noth
         server.wait(timeout=10)  # closing the bed killed every process in its namespaces
     assert not [name for name in bed_namespaces() if name.startswith(bed.name)]
     assert _host_links() == links_before
+
+
+# In a node's namespace: starts one connect to the endpoint when told (as the store client's
+# retransmissions do during a partition: an address resolution begins), then, told again, probes
+# the endpoint as the store watch does after a heal, and prints both outcomes.
+_PROBE_AFTER_HEAL = """
+import socket, sys, threading
+from elastic_ddp.agent.rendezvous import c10d_store
+host, port = sys.argv[1], int(sys.argv[2])
+def connect():
+    try:
+        socket.create_connection((host, port), timeout=10).close()
+        print("first: answered", flush=True)
+    except ConnectionRefusedError:
+        print("first: answered", flush=True)
+    except OSError as exc:
+        print(f"first: {exc.strerror or type(exc).__name__}", flush=True)
+print("ready", flush=True)
+sys.stdin.readline()
+first = threading.Thread(target=connect)
+first.start()
+sys.stdin.readline()
+print(f"probe: {c10d_store.unanswered(host, port)}", flush=True)
+first.join()
+"""
+
+
+def _neighbour_state(bed: NetworkBed, node: str, address: str) -> str:
+    shown = subprocess.run(["ip", "-n", bed.namespace(node), "neigh", "show", address], check=True,
+                           capture_output=True, text=True, timeout=10).stdout.split()
+    return shown[-1] if shown else "NONE"
+
+
+@pytest.mark.timeout(60)
+def test_the_endpoint_probe_answers_just_after_a_heal_although_the_kernel_fails_a_resolution_begun_before(
+        network_bed):
+    """Why a node whose partition had just healed once read its store's node as cut off and
+    stopped (CI, test_network_partition): the kernel fails every packet queued on an address
+    resolution (ARP) whose requests went out during the partition, after the link is back, with
+    EHOSTUNREACH. The store watch's probe (c10d_store.unanswered) connects again then. n1's
+    resolution is made one request, failing 1.5 s later, so that the heal falls inside it
+    whatever the machine's speed (the kernel's default: three requests a second apart)."""
+    bed = network_bed(["n0", "n1"])
+    n0, namespace = bed.address("n0"), bed.namespace("n1")
+    subprocess.run(["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.neigh.eth0.mcast_solicit=1",
+                    "net.ipv4.neigh.eth0.retrans_time_ms=1500"], check=True, timeout=10)
+    probe = subprocess.Popen([*bed.prefix("n1"), sys.executable, "-c", _PROBE_AFTER_HEAL, n0, "5555"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout.readline().strip() == "ready"  # (torch imported before the scenario)
+        bed.apply(NetworkFault.parse("partition n1"))
+        subprocess.run(["ip", "-n", namespace, "neigh", "flush", "dev", "eth0"], check=True, timeout=10)
+        probe.stdin.write("connect\n")
+        probe.stdin.flush()
+        wait_for(lambda: _neighbour_state(bed, "n1", n0) == "INCOMPLETE", 5, "n1's resolution of n0's address")
+        bed.apply(NetworkFault.parse("heal n1"))
+        probe.stdin.write("probe\n")
+        probe.stdin.flush()
+        outcomes = dict(line.strip().split(": ", 1) for line in probe.stdout)
+    finally:
+        probe.kill()
+        probe.wait(timeout=10)
+    assert outcomes["first"] == "No route to host", outcomes  # the kernel's failure after the heal
+    assert outcomes["probe"] == "None", outcomes  # the probe, begun after the heal, found n0

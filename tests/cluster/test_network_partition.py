@@ -112,7 +112,8 @@ def test_a_partitioned_replica_target_is_left_behind_never_trains_alone_and_rejo
                        for e in job.events())
 
         wait_for(back, 90, f"a group with {target.name} after the heal",
-                 still_possible=lambda: None if target.is_running() else f"its agent exited {target.process.returncode}")
+                 still_possible=lambda: None if target.is_running() else
+                 f"its agent exited {target.process.returncode}:\n{node_logs(job)}\n")
         rejoined_s = time.time() - healed_at
     finally:
         release(replication_hold)

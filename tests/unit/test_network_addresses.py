@@ -6,6 +6,7 @@ tests/cluster/test_network_addresses.py runs them across network namespaces.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
@@ -167,6 +168,46 @@ def test_an_endpoint_that_answers_later_ends_the_wait(monkeypatch, caplog):
 
 def test_a_name_that_does_not_resolve_is_no_answer():
     assert "does not resolve" in c10d_store.unanswered("name.that-does-not-resolve.invalid", 29400)
+
+
+def _connects(monkeypatch, outcomes: list) -> list:
+    """socket.create_connection replaced by one that raises `outcomes` in turn (None: connected);
+    returns the list of (host, port) it was called with."""
+    calls, pending = [], iter(outcomes)
+
+    class Connected:
+        def close(self) -> None:
+            pass
+
+    def create_connection(address, timeout=None):
+        calls.append(address)
+        outcome = next(pending, outcomes[-1])
+        if outcome is not None:
+            raise outcome
+        return Connected()
+
+    monkeypatch.setattr(c10d_store.socket, "create_connection", create_connection)
+    return calls
+
+
+def test_no_route_just_after_a_heal_is_tried_again_and_the_answer_counts(monkeypatch):
+    """The kernel fails a connect queued on an address resolution begun before the link came back
+    (EHOSTUNREACH up to a second after the heal; reproduced with a partitioned namespace here): the
+    probe connects again within its deadline instead of reading the endpoint as cut off."""
+    no_route = OSError(errno.EHOSTUNREACH, "No route to host")
+    monkeypatch.setattr(c10d_store, "NO_ROUTE_RETRY_S", 0.01)
+    calls = _connects(monkeypatch, [no_route, no_route, ConnectionRefusedError()])
+    assert c10d_store.unanswered("10.0.0.1", 29400) is None
+    assert calls == [("10.0.0.1", 29400)] * 3
+
+
+def test_no_route_for_the_whole_probe_is_no_answer_named_by_its_reason(monkeypatch):
+    monkeypatch.setattr(c10d_store, "NO_ROUTE_RETRY_S", 0.01)
+    monkeypatch.setattr(c10d_store, "PROBE_TIMEOUT_S", 0.2)
+    calls = _connects(monkeypatch, [OSError(errno.ENETUNREACH, "Network is unreachable")])
+    started = time.monotonic()
+    assert c10d_store.unanswered("10.0.0.1", 29400) == "Network is unreachable"
+    assert len(calls) > 2 and time.monotonic() - started < 2
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -43,6 +43,8 @@ DEFAULT_READ_TIMEOUT_S = 60
 # Seconds one attempt to reach the endpoint waits for the TCP handshake, and between attempts.
 PROBE_TIMEOUT_S = 2.0
 PROBE_INTERVAL_S = 1.0
+# Seconds between connects within one probe after one failed with no route (`unanswered`).
+NO_ROUTE_RETRY_S = 0.1
 
 
 def endpoint_of(params: RendezvousParameters) -> tuple[str, int]:
@@ -130,18 +132,31 @@ def wait_until_reachable(host: str, port: int, timeout_s: float) -> None:
 
 
 def unanswered(host: str, port: int) -> str | None:
-    """Why `host:port` gave no answer to one TCP connect, or None if it accepted or refused."""
-    try:
-        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
-    except ConnectionRefusedError:
-        return None
-    except socket.gaierror as exc:
-        return f"{host!r} does not resolve: {exc.strerror}"
-    except TimeoutError:
-        return f"no answer within {PROBE_TIMEOUT_S:g} s"
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
+    """Why `host:port` gave no answer to a TCP connect for `PROBE_TIMEOUT_S`, or None as soon as one
+    is accepted or refused.
+
+    A connect that fails early with no route (EHOSTUNREACH, ENETUNREACH, ...) is made again, every
+    `NO_ROUTE_RETRY_S`, until that deadline: the kernel fails every packet it queued on an address
+    resolution (ARP, NDP) whose last request went out before a link came back, up to a second after
+    the link is back, and a new connect resolves afresh. Taken at once, that failure makes a node
+    whose partition has just healed read the endpoint as cut off while its peers answer, and stop
+    (`store_watch`; tests/cluster/test_network_faults.py replays it).
+    """
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)).close()
+            return None
+        except ConnectionRefusedError:
+            return None
+        except socket.gaierror as exc:
+            return f"{host!r} does not resolve: {exc.strerror}"
+        except TimeoutError:
+            return f"no answer within {PROBE_TIMEOUT_S:g} s"
+        except OSError as exc:
+            if deadline - time.monotonic() <= NO_ROUTE_RETRY_S:
+                return exc.strerror or type(exc).__name__
+        time.sleep(NO_ROUTE_RETRY_S)
 
 
 def _first_line(exc: BaseException) -> str:
