@@ -11,6 +11,7 @@ way are refused, reported, and training goes on.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -166,6 +167,63 @@ def test_a_full_disk_and_a_damaged_copy_are_refused_and_training_goes_on(tmp_pat
         "__1_0.distcp", "checksums.json"]
     assert sorted(p.name for p in (tmp_path / "ck0" / "sharded-000000008").iterdir()) == [
         ".metadata", "__0_0.distcp", "checksums.json", "trainer.snap"]
+
+
+def _agree_node(rank: int, run: str, directories: list[str]) -> None:
+    """Rank `rank` of len(`directories`), each a node with its own directory: `agree` alone, each
+    file checksum this rank computes recorded; writes {choice, last_replicated, refused, read} to
+    `run/agreed-RANK.json`."""
+    from types import SimpleNamespace
+
+    from elastic_ddp.snapshot.sharded import node_local_restore
+
+    world_size = len(directories)
+    read: list[str] = []
+    checksum = steps.file_checksum
+    steps.file_checksum = lambda path: read.append(f"{path.parent.name}/{path.name}") or checksum(path)
+    dist.init_process_group("gloo", init_method=f"file://{run}/agree-store", rank=rank, world_size=world_size)
+    try:
+        local = SimpleNamespace(context=SimpleNamespace(rank=rank, world_size=world_size), root=Path(directories[rank]),
+                                layout=SimpleNamespace(directory_of=list(range(world_size))), group=None,
+                                last_replicated_step=None)
+        choice, refused = node_local_restore.agree(local, {})
+        result = {"choice": choice and choice.step, "last_replicated": local.last_replicated_step,
+                  "refused": refused, "read": sorted(read)}
+        (Path(run) / f"agreed-{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _agree(run: Path, directories: list[Path]) -> list[dict]:
+    mp.start_processes(_agree_node, args=(str(run), [str(d) for d in directories]), nprocs=len(directories),
+                       start_method="forkserver", join=True)
+    return [json.loads((run / f"agreed-{rank}.json").read_text()) for rank in range(len(directories))]
+
+
+def test_a_restore_reads_the_files_of_the_step_it_takes_not_every_kept_step(trained, tmp_path):
+    """Kept on both nodes: steps 4, 6 and 8, each whole. The agreement checks sizes first, then each
+    node checksums its copies of the newest step alone; with step 8 damaged on both nodes (same size,
+    one byte flipped), step 8 is refused with the reason and step 6 read and taken; step 4 never."""
+    run = _copy_of(trained, tmp_path)
+    directories = [run / "ck0", run / "ck1"]
+    assert [step for step, _ in steps.committed_steps(directories[0])] == [8, 6, 4]
+    agreed = _agree(run, directories)
+    for rank, result in enumerate(agreed):
+        assert (result["choice"], result["last_replicated"], result["refused"]) == (8, 8, []), result
+        assert {name.split("/")[0] for name in result["read"]} == {"sharded-000000008"}, result["read"]
+        assert len(result["read"]) == len(json.loads((directories[rank] / "sharded-000000008" / steps.MANIFEST)
+                                                     .read_bytes())["files"]), result["read"]
+    for directory in directories:
+        damaged = directory / "sharded-000000008" / "__1_0.distcp"
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    for result in _agree(run, directories):
+        assert (result["choice"], result["last_replicated"]) == (6, 6), result
+        [refusal] = result["refused"]
+        assert refusal["global_step"] == 8 and "__1_0.distcp" in refusal["reason"] \
+            and "its checksum does not match" in refusal["reason"], refusal
+        assert {name.split("/")[0] for name in result["read"]} == {"sharded-000000008", "sharded-000000006"}
 
 
 def test_a_step_of_an_abandoned_trajectory_is_replaced_and_the_same_one_kept(tmp_path):

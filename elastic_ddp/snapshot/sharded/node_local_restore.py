@@ -1,14 +1,16 @@
 """Restore of a sharded run whose steps are on the nodes' own disks (node_local.py).
 
 1. The lowest rank of each directory lists what its directory holds of each committed step: the
-   manifest, and the files it lists that are there and match it (size, checksum); `trainer.snap`
-   only if it loads and fits this run, `.metadata` only if its index passes the safe reader. A file
-   that does not is named with its reason.
-2. All ranks all-gather these lists over the side group and compute the same choice: the newest
-   step (then the manifest most directories hold) whose every file some directory of this group
-   holds. Each newer step is refused with its reason (`refused` of the `restore` event: the files
-   on no node of the group, and what was wrong with the copies found). The newest step whose every
-   file is on two directories is never pruned afterwards.
+   manifest, and the files it lists that are there with the manifest's size. No file is read yet.
+2. All ranks all-gather these lists over the side group and go through the same candidates, newest
+   step first (then the manifest most directories hold). A candidate with a file on no directory is
+   refused at once. For one whose every file some directory holds, the holders check their copies
+   of that step alone (checksum; `trainer.snap` must load and fit this run, `.metadata` pass the
+   safe reader) and all-gather what failed; a copy that failed is no longer held. The first
+   candidate still held whole is the choice. Each newer step is refused with its reason (`refused`
+   of the `restore` event: the files on no node of the group, and what was wrong with the copies
+   found). The newest step whose every file is on two directories is never pruned afterwards (the
+   candidates after the choice are checked until one is).
 3. If the durable step is taken (the memory copies did not win), every directory that lacks files
    of it receives them from the lowest rank that holds each, over the same group (file_frames.py:
    checked against the manifest, written atomically); a directory without the step at all gets the
@@ -19,8 +21,12 @@ A directory that holds another manifest of the chosen step (a step of an abandon
 a node that missed its retraining) gets the chosen step whole, which then replaces it.
 
 Not guaranteed: a restore when a directory that lacks files has no room for them (it fails in one
-line, naming the file and the directories). Every file of every kept step is checksummed at each
-restore.
+line, naming the file and the directories). The chosen step is checksummed even when the memory
+copies win the restore (the durable step must be known before they are compared).
+
+Cost: a restore reads the files of the steps it checks: the chosen one, the newer ones whose files
+were all there by size (damaged copies), and until a step on two directories. Before, it read every
+file of every kept step (`--keep_last`, 3 by default).
 """
 
 from __future__ import annotations
@@ -73,8 +79,9 @@ class LocalChoice:
         return f"sharded-{self.step:09d}"
 
 
-def scan(root: Path, fingerprint: dict[str, Any]) -> list[Held]:
-    """What this directory holds of each committed step, newest first."""
+def scan(root: Path) -> list[Held]:
+    """What this directory holds of each committed step by size, newest first (no file is read but
+    the manifests: `check_copies` reads those of one step)."""
     found = []
     for step, directory in steps.committed_steps(root):
         try:
@@ -86,13 +93,27 @@ def scan(root: Path, fingerprint: dict[str, Any]) -> list[Held]:
         for name, entry in files.items():
             if not (directory / name).exists():
                 continue
-            problem = steps.file_problem(directory / name, entry) or _content_problem(directory, name, fingerprint)
+            problem = steps.size_problem(directory / name, entry)
             if problem:
                 problems.append(problem)
             else:
                 held.append(name)
         found.append(Held(step, raw, tuple(sorted(held)), tuple(problems)))
     return found
+
+
+def check_copies(root: Path, step: int, names: list[str], files: dict[str, dict],
+                 fingerprint: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, why) for each of `names`, copies of `step` in this directory, that is not the file
+    `files` lists: its checksum, and for `trainer.snap` and `.metadata` their contents."""
+    directory = steps.committed_directory(root, step)
+    failed = []
+    for name in names:
+        problem = (steps.file_problem(directory / name, files[name])
+                   or _content_problem(directory, name, fingerprint))
+        if problem:
+            failed.append((name, problem))
+    return failed
 
 
 def _content_problem(directory: Path, name: str, fingerprint: dict[str, Any]) -> str:
@@ -109,10 +130,10 @@ def _content_problem(directory: Path, name: str, fingerprint: dict[str, Any]) ->
 
 def agree(local: NodeLocalSteps, fingerprint: dict[str, Any]) -> tuple[LocalChoice | None, list[dict[str, Any]]]:
     """The newest step whose files the group holds, and the newer ones refused with their reasons
-    (a collective over the side group; the same answer on every rank)."""
+    (collectives over the side group; the same answer on every rank)."""
     context = local.context
     leader = local.layout.directory_of[context.rank] == context.rank
-    mine = (socket.gethostname(), scan(local.root, fingerprint) if leader else [])
+    mine = (socket.gethostname(), scan(local.root) if leader else [])
     gathered: list[Any] = [None] * context.world_size
     dist.all_gather_object(gathered, mine, group=local.group)
     hosts = [host for host, _ in gathered]
@@ -130,6 +151,8 @@ def agree(local: NodeLocalSteps, fingerprint: dict[str, Any]) -> tuple[LocalChoi
         files = parse_object(raw)["files"]
         by_file = holders[step, raw]
         if all(by_file.get(name) for name in files):
+            _drop_damaged_copies(local, step, files, by_file, problems[step], fingerprint)
+        if all(by_file.get(name) for name in files):
             if choice is None:
                 choice = LocalChoice(step, checksum_of(raw), raw, files, dict(by_file), hosts)
             if all(len(by_file[name]) >= 2 for name in files):
@@ -142,6 +165,21 @@ def agree(local: NodeLocalSteps, fingerprint: dict[str, Any]) -> tuple[LocalChoi
                       f"are on no node of this group (lost with their node, or damaged{': ' + seen if seen else ''})")
             refused.append({"source": "file", "global_step": step, "host": "", "reason": reason[:REASON_CHARS]})
     return choice, [item for item in refused if choice is None or item["global_step"] > choice.step]
+
+
+def _drop_damaged_copies(local: NodeLocalSteps, step: int, files: dict[str, dict], by_file: dict[str, list[int]],
+                         problems: list[str], fingerprint: dict[str, Any]) -> None:
+    """Every holder checks its copies of `step` (`check_copies`) and all ranks all-gather what
+    failed (a collective); each failed copy is removed from `by_file`, its reason added to `problems`."""
+    rank = local.context.rank
+    mine = [name for name, ranks in sorted(by_file.items()) if rank in ranks]
+    failed = check_copies(local.root, step, mine, files, fingerprint) if mine else []
+    gathered: list[Any] = [None] * local.context.world_size
+    dist.all_gather_object(gathered, failed, group=local.group)
+    for holder, found in enumerate(gathered):
+        for name, problem in found:
+            by_file[name].remove(holder)
+            problems.append(problem)
 
 
 def fetch(local: NodeLocalSteps, choice: LocalChoice) -> tuple[str, int, str]:

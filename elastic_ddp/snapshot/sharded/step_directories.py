@@ -156,14 +156,23 @@ def read_manifest(directory: Path) -> tuple[bytes, dict[str, dict]]:
     return raw, files
 
 
-def file_problem(path: Path, entry: dict) -> str:
-    """Why the file at `path` is not the one its manifest `entry` lists ("" when it is)."""
+def size_problem(path: Path, entry: dict) -> str:
+    """Why the file at `path` does not have the size its manifest `entry` lists ("" when it does)."""
     try:
         size = path.stat().st_size
     except OSError as exc:
         return f"{path}: listed but unreadable ({exc})"
     if size != entry.get("size"):
         return f"{path}: {size} bytes; the manifest says {entry.get('size')}"
+    return ""
+
+
+def file_problem(path: Path, entry: dict) -> str:
+    """Why the file at `path` is not the one its manifest `entry` lists ("" when it is): its size,
+    then its checksum (the whole file is read)."""
+    problem = size_problem(path, entry)
+    if problem:
+        return problem
     if file_checksum(path) != entry.get("checksum"):
         return f"{path}: its checksum does not match the manifest's (torn or changed)"
     return ""
