@@ -34,7 +34,6 @@ environment; `python -m elastic_ddp.agent.launcher` turns it off itself (its own
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import os
@@ -156,7 +155,10 @@ class WarmWorkerServer:
 
 
 def run_child(connection: socket.socket, server_pid: int) -> None:
-    """A forked child: become the client's worker and run its module; never returns."""
+    """A forked child: become the client's worker and run its module; never returns. It ends
+    through the interpreter's own exit, as `python -m module` does: SystemExit with the module's
+    exit code, raised out of the server's frames (which catch nothing), so the interpreter waits
+    for the threads that are not daemons, runs the atexit handlers and flushes the streams."""
     os.setsid()
     end_with_the_parent(server_pid)
     try:
@@ -175,7 +177,7 @@ def run_child(connection: socket.socket, server_pid: int) -> None:
     client_pid = peer_credentials(connection)[0]
     sys.stderr.write(f"{_LOG}rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) forked warm by the server "
                      f"{server_pid} for torchrun's worker process {client_pid}\n")
-    os._exit(_run_as_main(module))
+    raise SystemExit(_run_as_main(module))
 
 
 def _take_request(connection: socket.socket) -> str:
@@ -249,7 +251,8 @@ def _end_when_the_client_is_gone(connection: socket.socket) -> None:
 
 
 def _run_as_main(module: str) -> int:
-    """Run `module` as `python -m module` would and end as that interpreter would; the exit code."""
+    """Run `module` as `python -m module` would; the exit code that interpreter would end with (an
+    uncaught exception printed as it prints one; a KeyboardInterrupt ends this process by SIGINT)."""
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
@@ -264,14 +267,6 @@ def _run_as_main(module: str) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    threading._shutdown()  # the interpreter's exit: wait for the threads that are not daemons
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
     return code
 
 

@@ -15,12 +15,14 @@ if __name__ == "__main__":
 
     become_warm_worker("tests.unit.test_warm_workers")
 
+import atexit
 import os
 import pwd
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +53,10 @@ def target(action: str, *args: str) -> None:
         sys.exit(int(args[0]))
     if action == "signal":
         os.kill(os.getpid(), int(args[0]))
+    if action == "end":  # returns with a thread still working, an atexit handler and unflushed output
+        atexit.register(lambda: sys.stderr.write("atexit ran\n"))
+        threading.Thread(target=lambda: (time.sleep(0.3), sys.stderr.write("thread done\n"))).start()
+        sys.stdout.write("unflushed\n")  # (a pipe: block-buffered)
     if action == "wait":
         signal.signal(signal.SIGTERM, lambda *_: os._exit(DRAIN_EXIT_CODE))
         print("ready", flush=True)
@@ -157,6 +163,16 @@ def test_the_exit_code_and_the_output_reach_torchruns_process(agent):
         assert rest == "to stdout\n"
         assert "forked warm by the server" in err and f"torchrun's worker process {client.pid}" in err
         assert err.endswith("to stderr\n")
+
+
+def test_a_worker_ends_as_its_interpreter_would(agent):
+    """The module returned with a thread that is no daemon still working: the worker waits for it,
+    then runs the atexit handlers and flushes what was written, in that order, as `python -m` does."""
+    client = agent.client("end")
+    out, err = client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0, err
+    assert out.splitlines()[1:] == ["unflushed"], out
+    assert err.endswith("thread done\natexit ran\n"), err
 
 
 def test_the_workers_agent_is_found_through_the_server(agent):
