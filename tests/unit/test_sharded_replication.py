@@ -58,6 +58,15 @@ def _node(rank: int, world_size: int, run: str, directories: list[str], faults: 
     if faults == "node 1 full, sends damaged" and rank == 1:
         file_frames.free_bytes = lambda directory: 0
         file_frames.send_file = _damaging_send
+    if faults == "count checksums":  # each file this rank checksums, in run/read-RANK.txt
+        checksum = steps.file_checksum
+
+        def counted(path: Path) -> str:
+            with open(Path(run) / f"read-{rank}.txt", "a") as read:
+                read.write(f"{path.parent.name}/{path.name}\n")
+            return checksum(path)
+
+        steps.file_checksum = counted
     store = Path(run) / f"store-{world_size}-{Path(directories[0]).name}"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
@@ -186,7 +195,7 @@ def _agree_node(rank: int, run: str, directories: list[str]) -> None:
         local = SimpleNamespace(context=SimpleNamespace(rank=rank, world_size=world_size), root=Path(directories[rank]),
                                 layout=SimpleNamespace(directory_of=list(range(world_size))), group=None,
                                 last_replicated_step=None)
-        choice, refused = node_local_restore.agree(local, {})
+        choice, refused = node_local_restore.agree(local, {}, node_local_restore.survey(local))
         result = {"choice": choice and choice.step, "last_replicated": local.last_replicated_step,
                   "refused": refused, "read": sorted(read)}
         (Path(run) / f"agreed-{rank}.json").write_text(json.dumps(result))
@@ -224,6 +233,24 @@ def test_a_restore_reads_the_files_of_the_step_it_takes_not_every_kept_step(trai
         assert refusal["global_step"] == 8 and "__1_0.distcp" in refusal["reason"] \
             and "its checksum does not match" in refusal["reason"], refusal
         assert {name.split("/")[0] for name in result["read"]} == {"sharded-000000008", "sharded-000000006"}
+
+
+def test_a_restore_that_the_memory_state_wins_reads_no_durable_file(tmp_path):
+    """Two nodes crash after step 7 (steps 3, 4 and 6 durable on both, 7 in their memory): the
+    restart restores step 7 from memory without checksumming a file of the durable steps; they were
+    weighed by name and size alone."""
+    directories = [tmp_path / "ck0", tmp_path / "ck1"]
+    _run(tmp_path, directories, crash=7)
+    assert [step for step, _ in steps.committed_steps(directories[0])] == [6, 4, 3]
+    (tmp_path / "store-2-ck0").unlink(missing_ok=True)  # the first run's rendezvous file (_node)
+    _run(tmp_path, directories, faults="count checksums")
+    restore = _events(directories[0], "restore")[-1]
+    assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (7, "memory", 0), restore
+    read = [line for rank in (0, 1) for line in (tmp_path / f"read-{rank}.txt").read_text().splitlines()]
+    assert read, "no checksum was counted: the counting did not take"
+    assert not [name for name in read if name.startswith(("sharded-000000003/", "sharded-000000004/",
+                                                         "sharded-000000006/"))], read
+    assert torch.load(tmp_path / "model-0.pt", weights_only=True)["step"] == 8
 
 
 def test_a_step_of_an_abandoned_trajectory_is_replaced_and_the_same_one_kept(tmp_path):

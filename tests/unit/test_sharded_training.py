@@ -57,7 +57,7 @@ def test_sharding_without_a_process_group_is_refused_in_one_line(tmp_path):
         make_trainer(_sharded(tmp_path))
 
 
-def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_gloo_group, tmp_path):
+def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_gloo_group, tmp_path, monkeypatch):
     plain = small_config(tmp_path / "plain")
     make_trainer(plain).fit()
     expected = load_snapshot(plain.checkpoint_dir)["model"]
@@ -69,12 +69,18 @@ def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_glo
     for name, value in expected.items():
         torch.testing.assert_close(uninterrupted[name], value, rtol=0, atol=1e-6)
 
+    read: list[str] = []  # the directory of each file checksummed
+    checksum = steps.file_checksum
+    monkeypatch.setattr(steps, "file_checksum", lambda path: read.append(path.parent.name) or checksum(path))
     for memory_copies, restored_step, source in ((False, 4, "file"), (True, 5, "memory")):
         interrupted = _sharded(tmp_path / f"interrupted-{source}", memory_copies=memory_copies)
         with pytest.raises(Crash):
             make_trainer(interrupted, after_step=crash_at(5)).fit()
         assert [step for step, _ in steps.committed_steps(tmp_path_of(interrupted))] == [4]
+        read.clear()
         make_trainer(interrupted).fit()
+        # A memory state at least as new as the newest step wins before a file of a step is read.
+        assert ("sharded-000000004" in read) == (source == "file"), (source, read)
         restore = next(e for e in read_events(tmp_path_of(interrupted) / EVENT_LOG_NAME) if e["event"] == "restore")
         assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (
             restored_step, source, 5 - restored_step)

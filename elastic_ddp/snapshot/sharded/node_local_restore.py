@@ -1,8 +1,11 @@
 """Restore of a sharded run whose steps are on the nodes' own disks (node_local.py).
 
-1. The lowest rank of each directory lists what its directory holds of each committed step: the
-   manifest, and the files it lists that are there with the manifest's size. No file is read yet.
-2. All ranks all-gather these lists over the side group and go through the same candidates, newest
+1. `survey`: the lowest rank of each directory lists what its directory holds of each committed
+   step: the manifest, and the files it lists that are there with the manifest's size. No file is
+   read yet. All ranks all-gather these lists over the side group; the newest step held whole by
+   size is what the memory state is weighed against (session.py): a memory state at least as new
+   wins, and nothing more is read.
+2. `agree`, when the memory state did not win: all ranks go through the same candidates, newest
    step first (then the manifest most directories hold). A candidate with a file on no directory is
    refused at once. For one whose every file some directory holds, the holders check their copies
    of that step alone (checksum; `trainer.snap` must load and fit this run, `.metadata` pass the
@@ -21,12 +24,13 @@ A directory that holds another manifest of the chosen step (a step of an abandon
 a node that missed its retraining) gets the chosen step whole, which then replaces it.
 
 Not guaranteed: a restore when a directory that lacks files has no room for them (it fails in one
-line, naming the file and the directories). The chosen step is checksummed even when the memory
-copies win the restore (the durable step must be known before they are compared).
+line, naming the file and the directories). After a restore from memory, the step kept from
+pruning is the newest on two directories by size (its copies were not read).
 
-Cost: a restore reads the files of the steps it checks: the chosen one, the newer ones whose files
-were all there by size (damaged copies), and until a step on two directories. Before, it read every
-file of every kept step (`--keep_last`, 3 by default).
+Cost: a restore that the memory state wins reads no file of a step. Otherwise it reads the files
+of the steps `agree` checks: the chosen one, the newer ones whose files were all there by size
+(damaged copies), and those after it until one is on two directories. Before, every restore read
+every file of every kept step (`--keep_last`, 3 by default).
 """
 
 from __future__ import annotations
@@ -128,15 +132,36 @@ def _content_problem(directory: Path, name: str, fingerprint: dict[str, Any]) ->
     return ""
 
 
-def agree(local: NodeLocalSteps, fingerprint: dict[str, Any]) -> tuple[LocalChoice | None, list[dict[str, Any]]]:
-    """The newest step whose files the group holds, and the newer ones refused with their reasons
-    (collectives over the side group; the same answer on every rank)."""
+@dataclass
+class Survey:
+    """What every directory of the group holds of each committed step, by size (the same on every rank)."""
+
+    holders: dict[tuple[int, bytes], dict[str, list[int]]]  # (step, manifest) -> file -> leaders' ranks
+    problems: dict[int, list[str]]  # step -> what was wrong with the copies found
+    hosts: list[str]
+
+    @property
+    def candidates(self) -> list[tuple[int, bytes]]:
+        """Newest step first, then the manifest most directories hold."""
+        return sorted(self.holders, key=lambda key: (-key[0], -len(self.holders[key]), checksum_of(key[1])))
+
+    def newest_held(self, copies: int = 1) -> int | None:
+        """The newest step whose every file is on `copies` directories by size: no durable step is newer."""
+        for step, raw in self.candidates:
+            by_file = self.holders[step, raw]
+            if all(len(by_file.get(name, ())) >= copies for name in parse_object(raw)["files"]):
+                return step
+        return None
+
+
+def survey(local: NodeLocalSteps) -> Survey:
+    """What the group's directories hold, by size (a collective over the side group; no file is read
+    but the manifests). The step kept from pruning is set by size here; `agree` sets it by checked copies."""
     context = local.context
     leader = local.layout.directory_of[context.rank] == context.rank
     mine = (socket.gethostname(), scan(local.root) if leader else [])
     gathered: list[Any] = [None] * context.world_size
     dist.all_gather_object(gathered, mine, group=local.group)
-    hosts = [host for host, _ in gathered]
     holders: dict[tuple[int, bytes], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     problems: dict[int, list[str]] = defaultdict(list)
     for rank, (_, found) in enumerate(gathered):
@@ -145,16 +170,26 @@ def agree(local: NodeLocalSteps, fingerprint: dict[str, Any]) -> tuple[LocalChoi
             for name in held.files:
                 by_file[name].append(rank)
             problems[held.step] += held.problems
-    candidates = sorted(holders, key=lambda key: (-key[0], -len(holders[key]), checksum_of(key[1])))
+    surveyed = Survey(holders, problems, [host for host, _ in gathered])
+    local.last_replicated_step = surveyed.newest_held(copies=2)
+    return surveyed
+
+
+def agree(local: NodeLocalSteps, fingerprint: dict[str, Any],
+          surveyed: Survey) -> tuple[LocalChoice | None, list[dict[str, Any]]]:
+    """The newest step of `surveyed` whose files the group holds, its copies checked, and the newer
+    ones refused with their reasons (collectives over the side group; the same answer on every rank)."""
+    holders, problems = surveyed.holders, surveyed.problems
     choice, refused = None, []
-    for step, raw in candidates:
+    local.last_replicated_step = None
+    for step, raw in surveyed.candidates:
         files = parse_object(raw)["files"]
         by_file = holders[step, raw]
         if all(by_file.get(name) for name in files):
             _drop_damaged_copies(local, step, files, by_file, problems[step], fingerprint)
         if all(by_file.get(name) for name in files):
             if choice is None:
-                choice = LocalChoice(step, checksum_of(raw), raw, files, dict(by_file), hosts)
+                choice = LocalChoice(step, checksum_of(raw), raw, files, dict(by_file), surveyed.hosts)
             if all(len(by_file[name]) >= 2 for name in files):
                 local.last_replicated_step = step
                 break

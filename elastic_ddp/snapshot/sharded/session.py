@@ -9,9 +9,12 @@ finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2
   schedule, sampler position, step, grad scaler, optimizer hyper-parameters, every rank's RNG, the
   run's fingerprint) and commits the step (step_directories.py). Training waits for the whole write:
   the budget spaces snapshots by that cost.
-- restore (a collective): rank 0 picks the newest committed step that verifies and fits this run,
-  every rank learns it, and DCP reads the shards this rank now owns, whatever the world size that
-  wrote them (resharding); the rest loads from `trainer.snap` as a format-2 snapshot.
+- restore (a collective): the memory state (below) is weighed first against the newest committed
+  step, by name (and size on node-local disks), so that a memory state at least as new wins without
+  a durable file read. Otherwise rank 0 picks the newest committed step that verifies and fits this
+  run (shared_choice.py), every rank learns it, and DCP reads the shards this rank now owns,
+  whatever the world size that wrote them (resharding); the rest loads from `trainer.snap` as a
+  format-2 snapshot.
 
 - memory copies (`--memory_copies`, on by default): at each committed step and after a restore,
   every rank keeps its part of the state in memory and a copy goes to a rank on another node
@@ -62,7 +65,7 @@ from elastic_ddp.snapshot.serialization import (
     snapshot_from_file,
     snapshot_to_bytes,
 )
-from elastic_ddp.snapshot.sharded import node_local_restore
+from elastic_ddp.snapshot.sharded import node_local_restore, shared_choice
 from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.snapshot.sharded.divergence import any_rank_diverged
 from elastic_ddp.snapshot.sharded.memory_restore import MemoryState
@@ -111,18 +114,26 @@ class ShardedSnapshotSession:
     # ------------------------------------------------------------------------------- restore
 
     def restore(self, state: TrainingState) -> RestoredSnapshot | None:
-        """Load the newest committed step that verifies into `state` (collective); None: from scratch."""
-        local_choice, file_refused = (node_local_restore.agree(self.local, self.fingerprint)
-                                      if self.local is not None else (None, []))
-        choice = [local_choice and (local_choice.name, local_choice.checksum, local_choice.step)]
-        if self.local is None:
-            choice = [self._choose() if self.context.is_main else None]
-            if self.context.in_process_group:
-                dist.broadcast_object_list(choice, src=0)
-        durable = choice[0]
-        restored, refused = (self.memory.restore(state, durable and durable[2], self._check_fits,
-                                                 self._restore_from_memory)
-                             if self.memory is not None else (None, []))
+        """Load into `state` the memory state or the newest committed step that verifies, whichever
+        is newer (collective); None: from scratch. The memory state is weighed first against the
+        newest step there is, by name and size: one at least as new wins and no durable file is read.
+        Otherwise the durable step is checked, and if the newest was refused the memory state is
+        weighed again against the one taken."""
+        surveyed = node_local_restore.survey(self.local) if self.local is not None else None
+        newest = (surveyed.newest_held() if surveyed is not None
+                  else shared_choice.on_every_rank(self.context, lambda: shared_choice.newest_step(self.root)))
+        restored, refused = self._from_memory(state, newest)
+        durable, local_choice, file_refused = None, None, []
+        if restored is None:
+            if surveyed is not None:
+                local_choice, file_refused = node_local_restore.agree(self.local, self.fingerprint, surveyed)
+                durable = local_choice and (local_choice.name, local_choice.checksum, local_choice.step)
+            else:
+                durable = shared_choice.on_every_rank(
+                    self.context, lambda: shared_choice.newest_that_verifies(self.root, self.fingerprint))
+            if (durable and durable[2]) != newest:  # the newest step was refused: the memory state may win now
+                restored, again = self._from_memory(state, durable and durable[2])
+                refused += [item for item in again if item not in refused]
         refused = sorted(refused + file_refused, key=lambda item: -item["global_step"])  # newest first
         if restored is None and durable is not None:
             refused = [item for item in refused if item["global_step"] >= durable[2]]
@@ -142,6 +153,12 @@ class ShardedSnapshotSession:
         if self.memory is not None:
             self.memory.remove_all_but((state.global_step, self._committed_in))
         return restored
+
+    def _from_memory(self, state: TrainingState, durable_step: int | None) -> tuple[RestoredSnapshot | None, list]:
+        """The memory state loaded if it is at least as new as `durable_step` (memory_session.py)."""
+        if self.memory is None:
+            return None, []
+        return self.memory.restore(state, durable_step, self._check_fits, self._restore_from_memory)
 
     def _restore_from_file(self, state: TrainingState, name: str, checksum: str, refused: list[dict[str, Any]],
                            fetched: tuple[str, int, str] | None = None) -> RestoredSnapshot:
@@ -188,20 +205,6 @@ class ShardedSnapshotSession:
             restore_rng_state(rng)
         else:
             seed_rng_for_step(self.config.seed, plain.global_step, self.context.rank)
-
-    def _choose(self) -> tuple[str, str, int] | None:
-        """Rank 0: (directory name, manifest checksum, step) of the newest step that verifies and fits."""
-        for step, directory in steps.committed_steps(self.root):
-            try:
-                checksum = steps.verify(directory)
-                SafeFileSystemReader(directory).read_metadata()  # refuses an index that would run code
-                plain, _ = snapshot_from_file(directory / steps.TRAINER_FILE, str(directory / steps.TRAINER_FILE))
-                check_compatible(plain, self.fingerprint, str(directory))
-            except Exception as exc:  # noqa: BLE001 - any reason to refuse it is a reason to try the next
-                logger.warning("sharded snapshot of step %d refused: %s", step, exc)
-                continue
-            return directory.name, checksum, step
-        return None
 
     def _load_shards(self, state: TrainingState, directory: Path, optimizer_plain: dict[str, Any]) -> None:
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
