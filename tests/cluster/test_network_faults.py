@@ -124,8 +124,8 @@ def _neighbour_state(bed: NetworkBed, node: str, address: str) -> str:
 @pytest.mark.timeout(60)
 def test_the_endpoint_probe_answers_just_after_a_heal_although_the_kernel_fails_a_resolution_begun_before(
         network_bed):
-    """Why a node whose partition had just healed once read its store's node as cut off and
-    stopped (CI, test_network_partition): the kernel fails every packet queued on an address
+    """The likely reason why a node whose partition had just healed stopped once in CI
+    (test_network_partition; its log was not kept): the kernel fails every packet queued on an address
     resolution (ARP) whose requests went out during the partition, after the link is back, with
     EHOSTUNREACH. The store watch's probe (c10d_store.unanswered) connects again then. n1's
     resolution is made one request, failing 1.5 s later, so that the heal falls inside it
