@@ -24,14 +24,22 @@ watchdog's deadline for that peer, so that the agent asks the peer's beacon whil
 still confirming the silence; only a verdict makes the node leave the round.
 
 A verdict is untrusted input for the agent: a datagram from another user (the kernel's credentials)
-is dropped, one longer than `MAX_VERDICT_BYTES` or not our JSON with one list of node ranks is no
-verdict. A forged verdict cannot remove a live node on its own: the beacon probe must also go
-unanswered.
+is dropped, one longer than `MAX_VERDICT_BYTES`, empty, nested too deep or not our JSON with one
+list of node ranks is no verdict; reading never raises. Every poll (`waiting`, at torchrun's monitor
+polls) drains what is queued, so datagrams of others do not stay in the queue. A forged verdict
+cannot remove a live node on its own: the beacon probe must also go unanswered.
+
+Not guaranteed: any local process can send datagrams here (the abstract namespace has no
+permissions) and fill the queue between two polls. A worker's send therefore waits at most
+`VERDICT_SEND_S` (`SUSPICION_SEND_S` for a suspicion) for room, then gives up: its watchdog still
+stops it at once, and the agent leaves the silent node out when its lease ends instead of on the
+verdict (seconds more, not the collective timeout).
 
     address = verdict_address("run", "10.0.0.1", 29511, group_rank=2)
     inbox = VerdictInbox(address)        # the agent, when the round forms
     send_suspicion(address, {1})         # the worker: node 1 of this round may be silent soon -> True
     send_verdict(address, {1})           # the worker: node 1 of this round is silent -> True
+    inbox.waiting()                      # the agent's poll: True
     inbox.take()                         # the agent: {1}
     inbox.suspects()                     # {1}, once
     inbox.close()
@@ -54,6 +62,13 @@ MAX_VERDICT_BYTES = 64 * 1024
 # Seconds before its watchdog's deadline a worker names a peer as suspect: more than the agent's
 # monitor poll (0.1 s) plus a beacon's answer bound (agent/rendezvous/keyed_silence.py, 0.3 s).
 SUSPECT_LEAD_S = 0.5
+# How long a send waits for room in a full queue: a verdict, three of the agent's polls (each drains
+# the queue); a suspicion, which its watchdog's thread sends on its way, a fraction of its lead.
+VERDICT_SEND_S = 0.3
+SUSPICION_SEND_S = 0.1
+# Datagrams one poll reads at most (the kernel queues 512 by default): a flood cannot hold the
+# agent's monitor loop.
+MAX_DATAGRAMS_PER_POLL = 4096
 _VERDICT, _SUSPICION = "silent_node_ranks", "suspect_node_ranks"
 _PREFIX = b"\0elastic_ddp-verdict-"
 _CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
@@ -79,23 +94,27 @@ def worker_verdict_address(environment: Mapping[str, str] = os.environ) -> bytes
 
 def send_verdict(address: bytes, silent_node_ranks: Iterable[int]) -> bool:
     """Send the verdict to this worker's agent; False if no agent reads verdicts at `address`.
-    Another OSError propagates to the caller."""
-    return _send(address, _VERDICT, silent_node_ranks)
+    TimeoutError when the queue stays full for VERDICT_SEND_S (module docstring); another OSError
+    propagates to the caller too."""
+    return _send(address, _VERDICT, silent_node_ranks, VERDICT_SEND_S)
 
 
 def send_suspicion(address: bytes, suspect_node_ranks: Iterable[int]) -> bool:
     """Name nodes whose workers' heartbeats are near the watchdog's bound (module docstring); as
-    `send_verdict`."""
-    return _send(address, _SUSPICION, suspect_node_ranks)
+    `send_verdict`, within SUSPICION_SEND_S."""
+    return _send(address, _SUSPICION, suspect_node_ranks, SUSPICION_SEND_S)
 
 
-def _send(address: bytes, kind: str, node_ranks: Iterable[int]) -> bool:
+def _send(address: bytes, kind: str, node_ranks: Iterable[int], wait_s: float) -> bool:
     text = json.dumps({kind: sorted({int(rank) for rank in node_ranks})}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        # Connected, a datagram socket waits (poll) for room in the receiver's queue, up to the timeout.
+        sender.settimeout(wait_s)
         try:
-            sender.sendto(text, address)
+            sender.connect(address)
         except (ConnectionRefusedError, FileNotFoundError):
             return False
+        sender.send(text)
     return True
 
 
@@ -117,28 +136,36 @@ class VerdictInbox:
         self._socket.setblocking(False)
         self._taken: set[int] = set()
         self._suspected: set[int] = set()  # read by `take`, not yet returned by `suspects`
+        self._unreported = False  # a valid datagram was read since `take` last returned
 
     def waiting(self) -> bool:
-        """Whether a datagram has arrived (not read)."""
-        try:
-            return bool(self._socket.recv(1, socket.MSG_PEEK))
-        except (BlockingIOError, OSError):
-            return False
+        """Read what is queued (`MAX_DATAGRAMS_PER_POLL` at most; what is not a valid verdict or
+        suspicion of this user is dropped); whether a verdict or suspicion came that `take` has not
+        returned yet."""
+        self._drain()
+        return self._unreported
 
     def take(self) -> set[int]:
         """The node ranks named by every valid verdict received so far (each worker of the node may
-        send one); datagrams from another user, oversized or not our JSON are dropped. Suspicions
-        read on the way are kept for `suspects`."""
-        while True:
+        send one), after reading what is queued as `waiting` does. Suspicions read on the way are
+        kept for `suspects`."""
+        self._drain()
+        self._unreported = False
+        return set(self._taken)
+
+    def _drain(self) -> None:
+        for _ in range(MAX_DATAGRAMS_PER_POLL):
             try:
                 data, ancillary, flags, _ = self._socket.recvmsg(MAX_VERDICT_BYTES + 1,
                                                                  socket.CMSG_SPACE(_CREDENTIALS.size))
-            except (BlockingIOError, OSError):
-                return set(self._taken)
+            except OSError:  # BlockingIOError: nothing more queued
+                return
             if flags & socket.MSG_TRUNC or len(data) > MAX_VERDICT_BYTES or not _from_this_user(ancillary):
                 continue
-            self._taken |= _parse(data, _VERDICT)
-            self._suspected |= _parse(data, _SUSPICION)
+            verdict, suspicion = _parse(data, _VERDICT), _parse(data, _SUSPICION)
+            self._unreported |= bool(verdict or suspicion)
+            self._taken |= verdict
+            self._suspected |= suspicion
 
     def suspects(self) -> set[int]:
         """The node ranks named as suspect in what `take` read since the last call."""
@@ -159,7 +186,7 @@ def _from_this_user(ancillary: list) -> bool:
 def _parse(data: bytes, kind: str) -> set[int]:
     try:
         ranks = json.loads(data).get(kind)
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):  # nested too deep: findings.md 20
         return set()
     if not isinstance(ranks, list) or not all(_is_rank(rank) for rank in ranks):
         return set()

@@ -14,9 +14,19 @@ child ended: with its exit code, or killed by the same signal, so torchrun sees 
 seen. When the client dies (SIGKILL included), its connection closes and the child kills its own
 process group: a worker killed by torchrun is gone, as a cold one would be.
 
-No server, a server that is gone or refuses, or one that does not answer within
-`ANSWER_TIMEOUT_S` (it has not finished its imports): the module runs cold in this process, after
-one line on stderr. `ELASTIC_DDP_WARM_WORKERS=0` (or unset) runs it cold without a word.
+Only the agent's own workers and its own server can speak (docs/operations.md, "Security"). The
+agent puts a 256-bit key beside the address (`@name#KEY`, torchrun passes the variable to its
+workers) and nowhere else; the abstract socket's name is visible to every process of the network
+namespace, containers with `hostNetwork` included, the key is not. The server proves it holds the
+key first, on a nonce of the client's (HMAC-SHA256), so a process that took the name of a dead
+server gets no request, no environment and no fd from a worker; then the client proves it, on a
+nonce of the server's, before the server forks anything for it. The key itself never crosses the
+socket, and is never logged nor handed to the training process's environment.
+
+No server, a server that is gone, refuses (it could not fork, or runs as many children as it
+takes) or does not prove the key, or one that does not answer within `ANSWER_TIMEOUT_S` (it has
+not finished its imports): the module runs cold in this process, after one line on stderr that
+names the address, never the key. `ELASTIC_DDP_WARM_WORKERS=0` (or unset) runs it cold without a word.
 
 Not guaranteed: the pid torchrun knows is the client's, not the training process's. Signals sent to
 the client by pid are not forwarded except those five: `kill -STOP <client>` stops the client only
@@ -29,6 +39,8 @@ import; `python -X importtime -m elastic_ddp.train` shows it ahead of any torch 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -36,7 +48,8 @@ import socket
 import struct
 import sys
 
-# The server's address in the workers' environment ("@name": the abstract namespace), or OFF.
+# The server's address and the key that proves who speaks ("@name#KEY": the abstract namespace, 64
+# hex digits) in the workers' environment, or OFF.
 VARIABLE = "ELASTIC_DDP_WARM_WORKERS"
 OFF = "0"
 # The modules whose first lines call `become_warm_worker`: the agent starts a server for no other.
@@ -56,7 +69,15 @@ STANDARD_FDS = (0, 1, 2)
 LENGTH = struct.Struct("=I")
 RECORD = struct.Struct("=cq")
 CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
-STARTED, EXITED, KILLED = b"P", b"X", b"S"  # the child's pid; its exit code; the signal that killed it
+# The child's pid; its exit code; the signal that killed it; the server's refusal (an errno) before any fork.
+STARTED, EXITED, KILLED, REFUSED = b"P", b"X", b"S", b"R"
+# The handshake: each side sends a fresh nonce; the server answers the client's with its proof, the
+# client the server's with its own (HMAC-SHA256 under the key, a label per side so that neither
+# proof can be replayed as the other).
+NONCE_BYTES = 32
+PROOF_BYTES = hashlib.sha256().digest_size
+KEY_BYTES = 32
+SERVER_LABEL, CLIENT_LABEL = b"elastic_ddp-warm server", b"elastic_ddp-warm client"
 SERVER_GONE_EXIT_CODE = 1
 
 
@@ -64,11 +85,26 @@ class WarmWorkerUnavailable(Exception):
     """No server of ours answered in time: run cold."""
 
 
-def socket_address(value: str) -> bytes:
-    """The socket address for the variable's value: "@name" is the abstract name "\\0name"."""
-    if not value.startswith("@") or len(value) < 2:
-        raise WarmWorkerUnavailable(f"{VARIABLE}={value!r} is not an abstract socket address (@name)")
-    return b"\0" + value[1:].encode()
+def variable_value(name: str, key: bytes) -> str:
+    """What the agent puts in VARIABLE for its server at the abstract `name` with `key`."""
+    return f"@{name}#{key.hex()}"
+
+
+def parse_variable(value: str) -> tuple[bytes, bytes]:
+    """(socket address, key) from VARIABLE's value "@name#KEY"; "@name" is the abstract name "\\0name"."""
+    name, _, key = value.partition("#")
+    if not name.startswith("@") or len(name) < 2 or len(key) != 2 * KEY_BYTES:
+        raise WarmWorkerUnavailable(f"{VARIABLE} is not '@name#KEY' (an abstract socket name and a {KEY_BYTES}-byte "
+                                    "hex key)")
+    try:
+        return b"\0" + name[1:].encode(), bytes.fromhex(key)
+    except ValueError:
+        raise WarmWorkerUnavailable(f"{VARIABLE}'s key is not hex") from None
+
+
+def proof(key: bytes, label: bytes, asked: bytes, answered: bytes) -> bytes:
+    """The handshake's proof that its sender holds `key`, on the nonce `asked` of the other side."""
+    return hmac.new(key, label + asked + answered, hashlib.sha256).digest()
 
 
 def peer_credentials(connection: socket.socket) -> tuple[int, int]:
@@ -84,13 +120,14 @@ def become_warm_worker(module: str) -> None:
     value = os.environ.pop(VARIABLE, "")
     if value in ("", OFF):
         return
+    address = value.partition("#")[0]  # the key is never written anywhere
     relay = _SignalRelay()
     try:
-        connection = _connect(value)
+        connection = _connect(*parse_variable(value))
         pid = _request(connection, module)
     except (OSError, ValueError, WarmWorkerUnavailable) as exc:
         relay.restore()
-        sys.stderr.write(f"elastic_ddp.warm_client: no warm-worker server answered at {value} ({exc}); "
+        sys.stderr.write(f"elastic_ddp.warm_client: no warm-worker server answered at {address} ({exc}); "
                          f"starting {module} cold\n")
         sys.stderr.flush()
         return
@@ -98,12 +135,24 @@ def become_warm_worker(module: str) -> None:
     _end_as_the_child(connection, pid)
 
 
-def _connect(value: str) -> socket.socket:
+def _connect(address: bytes, key: bytes) -> socket.socket:
+    """A connection to the server at `address` that has proved it holds `key`, and to which this
+    client has proved it (module docstring); nothing else is sent before the server's proof."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(socket_address(value))
+        connection.settimeout(ANSWER_TIMEOUT_S)  # a full backlog blocks connect() too
+        connection.connect(address)
         if peer_credentials(connection)[1] != os.getuid():
             raise WarmWorkerUnavailable("the server runs as another user: refused")
+        asked = os.urandom(NONCE_BYTES)
+        connection.sendall(asked)
+        answer = _receive_exactly(connection, NONCE_BYTES + PROOF_BYTES)
+        if answer is None:
+            raise WarmWorkerUnavailable("the server closed the connection")
+        answered, server_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+        if not hmac.compare_digest(server_proof, proof(key, SERVER_LABEL, asked, answered)):
+            raise WarmWorkerUnavailable("the server did not prove the agent's key: refused")
+        connection.sendall(proof(key, CLIENT_LABEL, answered, asked))
     except BaseException:
         connection.close()
         raise
@@ -117,12 +166,19 @@ def _request(connection: socket.socket, module: str) -> int:
                           "env": dict(os.environ), "fds": fds}).encode()
     if len(request) > MAX_REQUEST_BYTES:
         raise WarmWorkerUnavailable(f"the request is {len(request)} bytes, over {MAX_REQUEST_BYTES}")
-    connection.settimeout(ANSWER_TIMEOUT_S)
-    socket.send_fds(connection, [LENGTH.pack(len(request))], fds)
-    connection.sendall(request)
-    kind, value = _read_record(connection)
+    try:
+        socket.send_fds(connection, [LENGTH.pack(len(request))], fds)
+        connection.sendall(request)
+    except OSError:
+        kind, value = _read_record(connection)  # a refusal closes the connection while the request goes
+        if kind != REFUSED:
+            raise
+    else:
+        kind, value = _read_record(connection)
     if kind is None:
         raise WarmWorkerUnavailable("the server closed the connection")
+    if kind == REFUSED:
+        raise WarmWorkerUnavailable(f"the server refused: {os.strerror(value)}")
     if kind != STARTED:
         _end_with(kind, value)  # the child ended before it started the module: end the same way
     connection.settimeout(None)
@@ -152,13 +208,22 @@ def _end_with(kind: bytes, value: int) -> None:
 
 
 def _read_record(connection: socket.socket) -> tuple[bytes | None, int]:
+    data = _receive_exactly(connection, RECORD.size)
+    return (None, 0) if data is None else RECORD.unpack(data)
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
+    """`size` bytes, or None when the other side closes first (a reset too: it closed with data unread)."""
     data = b""
-    while len(data) < RECORD.size:
-        chunk = connection.recv(RECORD.size - len(data))
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except ConnectionResetError:
+            return None
         if not chunk:
-            return None, 0
+            return None
         data += chunk
-    return RECORD.unpack(data)
+    return data
 
 
 def _is_open(fd: int) -> bool:

@@ -3,13 +3,16 @@
 When torchrun creates an `elastic-c10d` or `etcd-v3` rendezvous handler for a job whose training
 module is one of `warm_client.WARM_MODULES` (`-m elastic_ddp.train`), the plugin calls
 `start_warm_worker_server()` in the agent: it binds a listening socket in Linux's abstract namespace
-(`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with the processes that hold it), starts
-`python -m elastic_ddp.agent.warm_workers FD` (no shell) with that socket, and puts the address in
-the agent's `ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun starts inherits. The server
-imports the launcher's preload modules (`ELASTIC_DDP_PRELOAD`, default torch, torch._dynamo,
-torch.optim and the trainer) while the agent is in its first rendezvous; a worker that connects
-before that is done waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py)
-send their request; the server accepts, checks the caller's uid, forks at once, and relays each
+(`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with the processes that hold it), draws a
+256-bit key, starts `python -m elastic_ddp.agent.warm_workers FD` (no shell) with that socket, and
+puts the address and the key in the agent's `ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun
+starts inherits (and the server, which takes it out of its own environment). The server imports the
+launcher's preload modules (`ELASTIC_DDP_PRELOAD`, default torch, torch._dynamo, torch.optim and
+the trainer) while the agent is in its first rendezvous; a worker that connects before that is done
+waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the
+server accepts, closes a connection of another uid unread, proves it holds the key and has the
+client prove it (a nonce each way, HMAC-SHA256; warm_client's docstring), all within
+`HANDSHAKE_TIMEOUT_S` and without blocking on any client, and only then forks. It relays each
 child's exit status to its client when the child ends (pidfds in one selector: one thread, as a
 process that forks must be).
 
@@ -22,11 +25,17 @@ closes: torchrun killing the client ends the worker. The server ends with the ag
 (PR_SET_PDEATHSIG, and a check of its parent every `PARENT_CHECK_S`); it runs in a session of its
 own, so a Ctrl-C meant for the agent's terminal does not end it first.
 
-Security: the abstract namespace is open to every local user of the network namespace. A connection
-from another uid (SO_PEERCRED) is closed unread; a request larger than `MAX_REQUEST_BYTES`, slower
-than `REQUEST_TIMEOUT_S` or not our JSON ends that child only. The server runs whatever module a
-client of its own uid names (that user could run it anyway); it is started only for the modules that
-ask for it. Nothing of a request is logged (the environment may hold secrets).
+Security (docs/operations.md, "Security"): the abstract namespace is open to every process of the
+network namespace, other containers of the host with `hostNetwork` among them, often with the same
+uid. The uid is not trusted; the key is: it exists in this agent's, its server's and its workers'
+environments only, which another container cannot read (a PID namespace of its own). A process
+without it gets no fork and no code run, whatever its uid; a worker gives a server that cannot prove
+it nothing. A request larger than `MAX_REQUEST_BYTES`, slower than `REQUEST_TIMEOUT_S` or not our
+JSON ends that child only. The server outlives its own faults: a failed `pipe`, `fork` or
+`pidfd_open` (EAGAIN at `pids.max`, EMFILE, ENOMEM) or more than `MAX_CHILDREN` workers refuse that
+one request (the client starts cold and says why); at most `MAX_HANDSHAKES` connections wait for
+their proof (a new one pushes out the oldest). Each kind of refusal is logged at most once per
+`LOG_INTERVAL_S`; nothing of a request is logged (the environment holds secrets).
 
 Turn it off with `--rdzv_conf ...,warm_workers=0` or `ELASTIC_DDP_WARM_WORKERS=0` in the agent's
 environment; `python -m elastic_ddp.agent.launcher` turns it off itself (its own fork server).
@@ -35,6 +44,8 @@ environment; `python -m elastic_ddp.agent.launcher` turns it off itself (its own
 from __future__ import annotations
 
 import atexit
+import errno
+import hmac
 import importlib
 import json
 import os
@@ -52,16 +63,25 @@ import traceback
 
 from elastic_ddp.agent.launcher import end_with_the_parent, preload_modules, set_torch_threads_from_environment
 from elastic_ddp.warm_client import (
+    CLIENT_LABEL,
     EXITED,
+    KEY_BYTES,
     KILLED,
     LENGTH,
     MAX_REQUEST_BYTES,
+    NONCE_BYTES,
+    PROOF_BYTES,
     RECORD,
+    REFUSED,
+    SERVER_LABEL,
     SERVER_MODULE,
     STANDARD_FDS,
     STARTED,
     VARIABLE,
+    parse_variable,
     peer_credentials,
+    proof,
+    variable_value,
 )
 
 ADDRESS_PREFIX = "elastic_ddp-warm-"
@@ -69,66 +89,218 @@ MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 REQUEST_TIMEOUT_S = 10  # from the fork to the whole request read (an alarm: SIGALRM ends the child)
 PARENT_CHECK_S = 1.0
 BACKLOG = 64  # connections waiting while the server imports: every worker of a node at once
+HANDSHAKE_TIMEOUT_S = 5.0  # from the accept to the client's proof; a real client sends it at once
+MAX_HANDSHAKES = BACKLOG  # connections waiting for their proof; one more pushes out the oldest
+MAX_CHILDREN = 256  # running workers; a node runs nproc_per_node of them
+LOG_INTERVAL_S = 10.0  # at most one line per kind of refusal in this time
+ACCEPT_PAUSE_S = 0.1  # after a failed accept (EMFILE): the connection waits in the backlog, the server does not spin
 BAD_REQUEST_EXIT_CODE = 2
+_GO = b"g"  # the server watches the child (its pidfd is open): it may start
 _LOG = "elastic_ddp.agent.warm_workers: "
 
 
 def start_warm_worker_server() -> str | None:
-    """Start the server for this agent's workers and name it in `ELASTIC_DDP_WARM_WORKERS`; its
-    address, or None when that variable is already set (`0`: turned off; or a server runs)."""
+    """Start the server for this agent's workers and name it, with its key, in
+    `ELASTIC_DDP_WARM_WORKERS`; its address, or None when that variable is already set (`0`: turned
+    off; or a server runs)."""
     if os.environ.get(VARIABLE) or not sys.platform.startswith("linux"):
         return None
     name = f"{ADDRESS_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    value = variable_value(name, secrets.token_bytes(KEY_BYTES))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(b"\0" + name.encode())
         listener.listen(BACKLOG)
         # The agent keeps no copy of the socket: when the server is gone, connecting is refused at once.
         subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(listener.fileno()), str(os.getpid())],
-                         pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
-    os.environ[VARIABLE] = "@" + name
-    return os.environ[VARIABLE]
+                         pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+                         env={**os.environ, VARIABLE: value})
+    os.environ[VARIABLE] = value
+    return "@" + name
+
+
+class _Handshake:
+    """A connection of this uid on its way to proving the key (module docstring)."""
+
+    def __init__(self, connection: socket.socket, deadline: float):
+        self.connection = connection
+        self.deadline = deadline
+        self.received = b""
+        self.client_nonce: bytes | None = None
+        self.server_nonce = os.urandom(NONCE_BYTES)
+
+    def wanted(self) -> int:
+        return (NONCE_BYTES if self.client_nonce is None else PROOF_BYTES) - len(self.received)
+
+
+class _RateLimitedLog:
+    """At most one line of each kind per `interval_s` on stderr; the next one counts those held back."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S):
+        self.interval_s = interval_s
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def write(self, kind: str, line: str) -> None:
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        sys.stderr.write(f"{_LOG}{line}{f' ({held} more held back)' if held else ''}\n")
+        sys.stderr.flush()
+        self._next[kind] = now + self.interval_s
 
 
 class WarmWorkerServer:
-    """Accept, fork, relay exit statuses (module docstring); `serve` returns when the agent is gone."""
+    """Accept, authenticate, fork, relay exit statuses (module docstring); `serve` returns when the
+    agent is gone."""
 
-    def __init__(self, listener: socket.socket, agent_pid: int):
+    def __init__(self, listener: socket.socket, agent_pid: int, key: bytes):
         self.listener = listener
         self.agent_pid = agent_pid
+        self.key = key
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
+        self.handshakes: dict[int, _Handshake] = {}  # connection fd -> its handshake, oldest first
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (child pid, its connection)
+        self.log = _RateLimitedLog()
+        self.accept_again_at: float | None = None  # the listener is out of the selector until then
 
     def serve(self) -> None:
         while os.getppid() == self.agent_pid:
-            for key, _ in self.selector.select(PARENT_CHECK_S):
+            for key, _ in self.selector.select(self._select_timeout()):
                 if key.data is None:
                     self._accept()
+                elif isinstance(key.data, _Handshake):
+                    self._advance(key.data)
                 else:
                     self._relay(key.fd)
+            self._expire_handshakes()
+            if self.accept_again_at is not None and time.monotonic() >= self.accept_again_at:
+                self.selector.register(self.listener, selectors.EVENT_READ, None)
+                self.accept_again_at = None
+
+    def _select_timeout(self) -> float:
+        deadlines = [handshake.deadline for handshake in self.handshakes.values()]
+        if self.accept_again_at is not None:
+            deadlines.append(self.accept_again_at)
+        return max(0.0, min([PARENT_CHECK_S, *(deadline - time.monotonic() for deadline in deadlines)]))
 
     def _accept(self) -> None:
         try:
             connection, _ = self.listener.accept()
-        except OSError:
+        except OSError as exc:  # EMFILE, ENOBUFS: the connection waits in the backlog
+            self.log.write("accept", f"could not accept a connection: {exc}")
+            self.selector.unregister(self.listener)
+            self.accept_again_at = time.monotonic() + ACCEPT_PAUSE_S
             return
         try:
             uid = peer_credentials(connection)[1]
         except OSError:
             uid = -1
         if uid != os.getuid():
-            sys.stderr.write(f"{_LOG}refused a connection from uid {uid}\n")
+            self.log.write("uid", f"refused a connection from uid {uid}")
             connection.close()
+            return
+        if len(self.handshakes) >= MAX_HANDSHAKES:
+            self._drop(next(iter(self.handshakes.values())), "handshakes", "too many connections without a proof")
+        connection.setblocking(False)
+        handshake = _Handshake(connection, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        self.handshakes[connection.fileno()] = handshake
+        self.selector.register(connection, selectors.EVENT_READ, handshake)
+
+    def _advance(self, handshake: _Handshake) -> None:
+        """Read what came of the client's nonce or proof; answer the nonce, judge the proof."""
+        try:
+            chunk = handshake.connection.recv(handshake.wanted())
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(handshake, "handshakes", "a connection closed before its proof")
+            return
+        handshake.received += chunk
+        if handshake.wanted():
+            return
+        if handshake.client_nonce is None:
+            handshake.client_nonce, handshake.received = handshake.received, b""
+            answer = proof(self.key, SERVER_LABEL, handshake.client_nonce, handshake.server_nonce)
+            try:  # 64 bytes into a new connection's empty buffer: never blocks
+                handshake.connection.sendall(handshake.server_nonce + answer)
+            except OSError:
+                self._drop(handshake, "handshakes", "a connection closed before its proof")
+            return
+        expected = proof(self.key, CLIENT_LABEL, handshake.server_nonce, handshake.client_nonce)
+        if not hmac.compare_digest(handshake.received, expected):
+            self._drop(handshake, "proof", "refused a connection that did not prove the agent's key")
+            return
+        self._forget(handshake)
+        handshake.connection.setblocking(True)
+        self._start_child(handshake.connection)
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        for handshake in [h for h in self.handshakes.values() if h.deadline <= now]:
+            self._drop(handshake, "handshakes", f"no proof within {HANDSHAKE_TIMEOUT_S:g} s")
+
+    def _forget(self, handshake: _Handshake) -> None:
+        self.selector.unregister(handshake.connection)
+        del self.handshakes[handshake.connection.fileno()]
+
+    def _drop(self, handshake: _Handshake, kind: str, why: str) -> None:
+        self._forget(handshake)
+        handshake.connection.close()
+        self.log.write(kind, f"dropped a connection: {why}")
+
+    def _start_child(self, connection: socket.socket) -> None:
+        """Fork the worker for an authenticated connection; a fault refuses this request only. The
+        child waits for the server's word that its pidfd is open, so that a child the server could
+        not watch never runs."""
+        if len(self.children) >= MAX_CHILDREN:
+            self._refuse(connection, errno.EAGAIN, f"{MAX_CHILDREN} workers run already")
+            return
+        try:
+            go_read, go_write = os.pipe()
+        except OSError as exc:
+            self._refuse(connection, exc.errno, f"pipe failed: {exc}")
             return
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(go_read)
+            os.close(go_write)
+            self._refuse(connection, exc.errno, f"fork failed: {exc}")
+            return
         if pid == 0:
+            os.close(go_write)
             self._close_all_but(connection)
+            if os.read(go_read, 1) != _GO:
+                os._exit(BAD_REQUEST_EXIT_CODE)  # the server refused this client: it said so
+            os.close(go_read)
             run_child(connection, server_pid=os.getppid())
-        pidfd = os.pidfd_open(pid)
+        os.close(go_read)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            os.close(go_write)  # the child reads the end of the pipe and exits
+            os.waitpid(pid, 0)
+            self._refuse(connection, exc.errno, f"pidfd_open failed: {exc}")
+            return
+        os.write(go_write, _GO)
+        os.close(go_write)
         self.children[pidfd] = (pid, connection)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
+
+    def _refuse(self, connection: socket.socket, code: int | None, why: str) -> None:
+        try:
+            connection.sendall(RECORD.pack(REFUSED, code or errno.EAGAIN))
+        except OSError:
+            pass  # the client is gone: nobody waits for the answer
+        connection.close()
+        self.log.write("refused", f"refused a worker ({why}); it starts cold")
 
     def _relay(self, pidfd: int) -> None:
         pid, connection = self.children.pop(pidfd)
@@ -146,13 +318,15 @@ class WarmWorkerServer:
         connection.close()
 
     def _close_all_but(self, connection: socket.socket) -> None:
-        """In a child: close the server's listener, selector and the other children's descriptors."""
+        """In a child: close the server's listener, selector and every other connection and pidfd."""
         self.listener.close()
         self.selector.close()
+        for handshake in self.handshakes.values():
+            handshake.connection.close()
         for pidfd, (_, other) in self.children.items():
             os.close(pidfd)
             other.close()
-        self.children = {}
+        self.handshakes, self.children = {}, {}
 
 
 def run_child(connection: socket.socket, server_pid: int) -> None:
@@ -219,7 +393,7 @@ def _checked(request: object, fd_count: int) -> tuple:
     if (not isinstance(module, str) or not MODULE_NAME.fullmatch(module) or not _strings(argv)
             or not _strings(path) or not isinstance(cwd, str) or not isinstance(env, dict)
             or not _strings([*env, *env.values()]) or not isinstance(targets, list) or len(targets) != fd_count
-            or not set(targets) <= set(STANDARD_FDS)):
+            or not all(type(target) is int and target in STANDARD_FDS for target in targets)):
         raise ValueError("not a request")
     return module, argv, path, env, cwd, targets
 
@@ -284,6 +458,7 @@ def _run_as_main(module: str) -> int:
 def main(argv: list[str]) -> None:
     agent_pid = int(argv[1])  # not getppid(): the agent may have ended already (a bad flag)
     end_with_the_parent(agent_pid)
+    _, key = parse_variable(os.environ.pop(VARIABLE, ""))  # the children's environment is their client's
     listener = socket.socket(fileno=int(argv[0]))
     started = time.monotonic()
     for module in preload_modules():
@@ -292,7 +467,7 @@ def main(argv: list[str]) -> None:
         except ImportError as exc:
             sys.stderr.write(f"{_LOG}could not preload {module} ({exc}); workers will import it themselves\n")
     sys.stderr.write(f"{_LOG}ready in {time.monotonic() - started:.1f} s (agent {agent_pid})\n")
-    WarmWorkerServer(listener, agent_pid).serve()
+    WarmWorkerServer(listener, agent_pid, key).serve()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ Started detached by the first worker of a node (runlog/metrics_node.py), not by 
 It serves `GET /metrics`: what the node's workers wrote to DIR through prometheus_client's
 multi-process mode (runlog/metrics.py), summed over every process that wrote there, ended ones
 included, so that counters go on across worker groups and a scrape while the group re-forms gets
-the last values; and the watched agent's rendezvous rounds (runlog/metrics_agent.py). Nothing else: another path is a 404, another method a 501; at most
-MAX_CONNECTIONS at once, each given CONNECTION_TIMEOUT_S; no request is logged. It reads nothing
+the last values; and the watched agent's rendezvous rounds (runlog/metrics_agent.py). Nothing else:
+another path is a 404, another method a 501; at most MAX_CONNECTIONS at once, each dropped
+CONNECTION_TIMEOUT_S after its accept however it trickles its bytes (a deadline for the whole
+connection, not for each read); no request is logged. It reads nothing
 but DIR and has nothing secret to show: its environment is PATH, PYTHONPATH and the locale. It
 imports neither torch nor the trainer, and listens a fraction of a second after its start.
 
@@ -53,7 +55,7 @@ from elastic_ddp.runlog.metrics_node import (
 
 METRICS_PATH = "/metrics"
 MAX_CONNECTIONS = 8  # more at once are closed unanswered: a scraper needs one
-CONNECTION_TIMEOUT_S = 10.0  # a client that sends its request slower than this is dropped
+CONNECTION_TIMEOUT_S = 10.0  # a connection not done this long after its accept (request and answer) is dropped
 COLLECT_ATTEMPTS = 3
 
 
@@ -82,6 +84,23 @@ class MetricsHandler(BaseHTTPRequestHandler):
     server_version = "elastic_ddp-metrics"
     sys_version = ""
 
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(self.server.connection_timeout_s, self._drop)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
+
+    def _drop(self) -> None:
+        """The connection outlived its deadline: end it; the handler's blocked read or write returns."""
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+
     def do_GET(self) -> None:
         if urlsplit(self.path).path != METRICS_PATH:
             self.send_error(404, f"only {METRICS_PATH} is served")
@@ -98,13 +117,16 @@ class MetricsHandler(BaseHTTPRequestHandler):
 
 
 class MetricsHTTPServer(ThreadingHTTPServer):
-    """Serves `registry` at `address` (IPv4 or IPv6), MAX_CONNECTIONS requests at a time."""
+    """Serves `registry` at `address` (IPv4 or IPv6), MAX_CONNECTIONS requests at a time, each
+    connection dropped `connection_timeout_s` after its accept."""
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry):
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry,
+                 connection_timeout_s: float = CONNECTION_TIMEOUT_S):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.registry = registry
+        self.connection_timeout_s = connection_timeout_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(address, MetricsHandler)
 
@@ -125,6 +147,11 @@ class MetricsHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away, or was dropped at its deadline, is not worth a traceback in the log."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 def node_registry(directory: Path, agent_pid: int | None = None) -> CollectorRegistry:

@@ -7,8 +7,16 @@ import json
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ddp.agent.rendezvous.heartbeats import decode_beat
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, decode_arrival, decode_record, encode_arrival
+from elastic_ddp.agent.rendezvous.keyed_state import (
+    RoundRecord,
+    decode_alive,
+    decode_arrival,
+    decode_heartbeat,
+    decode_record,
+    encode_arrival,
+)
 from elastic_ddp.agent.rendezvous.plugin import take_algorithm
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
@@ -80,3 +88,10 @@ def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:
     with pytest.raises(ValueError, match=r"--rdzv_conf algorithm: got 'x'; expected one of keyed \(the default\), "
                                          r"dynamic \(torch's DynamicRendezvousHandler, kept for one release\)"):
         take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="x"))
+
+
+@pytest.mark.parametrize("decode", [decode_arrival, decode_alive, decode_heartbeat, decode_record, decode_beat])
+def test_a_value_nested_too_deep_is_refused_not_raised(decode) -> None:
+    """findings.md 20: json.loads raises RecursionError on deep nesting, which is not a ValueError."""
+    assert decode(b"[" * 1024) is None
+    assert decode(b'{"addr": ' + b"[" * 1000 + b"]" * 1000 + b"}") is None

@@ -5,6 +5,8 @@ still completes the handshake)."""
 
 from __future__ import annotations
 
+import os
+import pwd
 import socket
 import threading
 import time
@@ -23,7 +25,14 @@ from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import Beacon
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.verdicts import MAX_VERDICT_BYTES, VerdictInbox, send_suspicion, send_verdict, verdict_address
+from elastic_ddp.verdicts import (
+    MAX_VERDICT_BYTES,
+    VERDICT_SEND_S,
+    VerdictInbox,
+    send_suspicion,
+    send_verdict,
+    verdict_address,
+)
 from tests.support.rendezvous import ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,6 +127,78 @@ def test_a_verdict_reaches_only_an_agent_that_reads_them_and_anything_but_ours_i
     assert inbox.take() == {1, 3, 4}  # none of them added anything
     inbox.close()
     assert not send_verdict(address, {1})  # the agent's end is gone with it: nothing left behind
+
+
+def fill_as(uid: int, address: bytes) -> int:
+    """How many empty datagrams a process of user `uid` (a forked child of this test) put in the
+    queue at `address` before it was full."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setuid(uid)
+            sent = 0
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as flooder:
+                flooder.setblocking(False)
+                try:
+                    while True:
+                        flooder.sendto(b"", address)
+                        sent += 1
+                except BlockingIOError:
+                    pass
+            os.write(write_end, str(sent).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        sent = int(pipe.read() or b"0")
+    os.waitpid(pid, 0)
+    return sent
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send as another user (nobody)")
+def test_a_queue_filled_by_another_user_neither_blocks_a_worker_nor_outlives_the_next_poll() -> None:
+    address = verdict_address("run", "10.0.0.1", 29511, 2)
+    inbox = VerdictInbox(address)
+    assert fill_as(pwd.getpwnam("nobody").pw_uid, address) > 0
+    sending = threading.Thread(target=lambda: outcome.append(try_send(address, {1})), daemon=True)
+    outcome: list[object] = []
+    sending.start()
+    sending.join(timeout=10 * VERDICT_SEND_S)
+    assert not sending.is_alive(), "the worker's send blocked on a full queue"  # its watchdog goes on
+    assert isinstance(outcome[0], TimeoutError), outcome
+    assert not inbox.waiting()  # the poll sees the empty datagrams, drops them all, finds no verdict
+    assert send_verdict(address, {1}) and inbox.waiting() and inbox.take() == {1}
+    inbox.close()
+
+
+def try_send(address: bytes, ranks: set[int]) -> object:
+    try:
+        return send_verdict(address, ranks)
+    except OSError as exc:
+        return exc
+
+
+def test_a_deeply_nested_datagram_is_no_verdict_and_ends_no_agent(server) -> None:
+    survivor, _ = formed_pair(server, Beacon())
+    inbox, record = survivor._silence._expected
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.sendto(b"[" * 60_000, inbox.address)
+        sender.sendto(b'{"silent_node_ranks": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", inbox.address)
+    assert survivor.num_nodes_waiting() == 0  # before: RecursionError, and torch ends the agent
+    assert not inbox.waiting() and inbox.take() == set()
+    workers_name(survivor, OTHER)  # the real verdict still gets through
+    assert inbox.take() == {record.rank_of(OTHER)}
+
+
+def test_no_fault_in_reading_verdicts_leaves_num_nodes_waiting(server, monkeypatch, caplog) -> None:
+    survivor, _ = formed_pair(server, Beacon())
+    def fails(*args, **kwargs) -> None:
+        raise RuntimeError("can't start new thread")  # what pids.max does to the beacon probes' thread
+
+    monkeypatch.setattr(survivor._silence, "start", fails)
+    assert survivor.num_nodes_waiting() == 0 and survivor.num_nodes_waiting() == 0
+    assert caplog.text.count("could not read this node's workers' verdicts") == 1
 
 
 def test_a_frozen_member_named_by_the_workers_is_left_out_before_its_lease_ends_and_rejoins(server) -> None:

@@ -11,6 +11,10 @@ import json
 import logging
 import os
 import re
+import socket
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.metrics import COUNTERS, GAUGES, PREFIX, RunMetrics, open_node_metrics
 from elastic_ddp.runlog.metrics_agent import exposed_names as agent_series
 from elastic_ddp.runlog.metrics_node import forget_stale_gauges, metrics_directory, remove_files_of_ended_processes
+from elastic_ddp.runlog.metrics_server import MAX_CONNECTIONS, MetricsHTTPServer
 from elastic_ddp.runlog.reader import PreviousIncarnation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -311,3 +316,37 @@ def test_operations_md_lists_every_metric():
     text = (REPO / "docs" / "operations.md").read_text()
     missing = sorted(name for name in all_exposed_names() if f"`{name}`" not in text)
     assert not missing, f"docs/operations.md, 'Live metrics', lacks {missing}"
+
+
+def test_clients_that_trickle_their_requests_are_dropped_at_the_deadline_and_scrapes_go_on():
+    """A slowloris: every slot taken by a client that sends a byte every 0.25 s and never ends its
+    headers. Each is dropped at its connection's deadline (not reset by every byte as a timeout per
+    read was), and a scrape is answered after."""
+    server = MetricsHTTPServer(("127.0.0.1", 0), CollectorRegistry(), connection_timeout_s=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port, stop, dropped = server.server_address[1], threading.Event(), []
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            try:
+                for byte in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"x" * 10_000:
+                    client.sendall(bytes([byte]))
+                    if stop.wait(0.25):
+                        return
+            except OSError:
+                dropped.append(True)
+
+    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_CONNECTIONS)]
+    for thread in slow:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(dropped) < MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, f"{MAX_CONNECTIONS - len(dropped)} trickling clients still held"
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            assert answer.status == 200
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()

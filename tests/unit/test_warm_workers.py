@@ -16,8 +16,10 @@ if __name__ == "__main__":
     become_warm_worker("tests.unit.test_warm_workers")
 
 import atexit
+import json
 import os
 import pwd
+import resource
 import signal
 import socket
 import subprocess
@@ -31,7 +33,18 @@ import pytest
 
 from elastic_ddp.agent.rendezvous.plugin import start_warm_workers, take_warm_workers
 from elastic_ddp.runtime.procfs import command_line, process_is_alive, read_stat
-from elastic_ddp.warm_client import LENGTH, RECORD, SERVER_MODULE, VARIABLE, socket_address
+from elastic_ddp.warm_client import (
+    CLIENT_LABEL,
+    LENGTH,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    RECORD,
+    SERVER_LABEL,
+    SERVER_MODULE,
+    VARIABLE,
+    parse_variable,
+    proof,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,8 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 THIS_MODULE = "tests.unit.test_warm_workers"
 DRAIN_EXIT_CODE = 69  # what the target exits with on SIGTERM, as a drained worker does
 # The stand-in agent: starts the server, says its address, and lives until its stdin closes.
-AGENT = ("import sys\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
-         "print(start_warm_worker_server(), flush=True)\nsys.stdin.read()\n")
+AGENT = ("import os, sys\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
+         f"start_warm_worker_server()\nprint(os.environ['{VARIABLE}'], flush=True)\nsys.stdin.read()\n")
 BOUND_S = 15.0
 
 
@@ -73,15 +86,17 @@ def wait_until(condition, what: str, timeout: float = BOUND_S) -> None:
 
 
 class Agent:
-    """A stand-in torchrun agent with its warm-worker server."""
+    """A stand-in torchrun agent with its warm-worker server; `variable`: what its workers inherit
+    (the server's address and key)."""
 
     def __init__(self):
         env = {**os.environ, "ELASTIC_DDP_PRELOAD": "pytest,elastic_ddp.runtime.procfs"}
         env.pop(VARIABLE, None)
         self.process = subprocess.Popen([sys.executable, "-c", AGENT], cwd=REPO, env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.address = self.process.stdout.readline().strip()
-        assert self.address.startswith("@elastic_ddp-warm-"), self.address
+        self.variable = self.process.stdout.readline().strip()
+        assert self.variable.startswith("@elastic_ddp-warm-"), self.variable
+        self.address = parse_variable(self.variable)[0]
 
     def server_pid(self) -> int:
         children = [int(p) for p in os.listdir("/proc") if p.isdigit()
@@ -90,7 +105,7 @@ class Agent:
         return server
 
     def client(self, *args: str) -> subprocess.Popen:
-        return start_client(self.address, *args)
+        return start_client(self.variable, *args)
 
     def stop(self) -> str:
         """End the agent (its server ends with it); the server's and agent's stderr."""
@@ -100,9 +115,9 @@ class Agent:
         return self.process.stderr.read()
 
 
-def start_client(address: str, *args: str) -> subprocess.Popen:
+def start_client(variable: str, *args: str) -> subprocess.Popen:
     """What torchrun does for a worker: `python -m MODULE ARGS` with the agent's environment."""
-    env = {**os.environ, VARIABLE: address}
+    env = {**os.environ, VARIABLE: variable}
     return subprocess.Popen([sys.executable, "-m", THIS_MODULE, *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -125,7 +140,7 @@ def own_agent():
     started.stop()
 
 
-def connect_as(uid: int, address: str) -> bytes:
+def connect_as(uid: int, address: bytes) -> bytes:
     """What a process of user `uid` reads after connecting to `address` (a forked child of this test:
     the venv's interpreter may not be readable by that user)."""
     read_end, write_end = os.pipe()
@@ -135,7 +150,7 @@ def connect_as(uid: int, address: str) -> bytes:
             os.setuid(uid)
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.settimeout(BOUND_S)
-                probe.connect(socket_address(address))
+                probe.connect(address)
                 os.write(write_end, b"answer:" + probe.recv(64))
         finally:
             os._exit(0)
@@ -221,7 +236,7 @@ def test_the_workers_end_with_the_server_and_later_ones_start_cold(own_agent):
 
 
 def test_without_a_server_the_worker_starts_cold():
-    client = start_client("@elastic_ddp-warm-nobody-listens", "exit", "0")
+    client = start_client("@elastic_ddp-warm-nobody-listens#" + "00" * 32, "exit", "0")
     out, err = client.communicate(timeout=BOUND_S)
     assert client.returncode == 0 and f"pid {client.pid} " in out and "variable unset" in out
     assert "no warm-worker server answered" in err
@@ -244,19 +259,191 @@ def test_another_user_is_refused(own_agent):
     assert f"refused a connection from uid {nobody}" in own_agent.stop()
 
 
+def handshake(variable: str) -> socket.socket:
+    """A connection to the server at `variable` that has passed the handshake as a worker does."""
+    address, key = parse_variable(variable)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(BOUND_S)
+    connection.connect(address)
+    asked = os.urandom(NONCE_BYTES)
+    connection.sendall(asked)
+    answer = receive_all(connection, NONCE_BYTES + PROOF_BYTES)
+    assert answer[NONCE_BYTES:] == proof(key, SERVER_LABEL, asked, answer[:NONCE_BYTES]), "the server's proof"
+    connection.sendall(proof(key, CLIENT_LABEL, answer[:NONCE_BYTES], asked))
+    return connection
+
+
+def receive_all(connection: socket.socket, size: int) -> bytes:
+    """Up to `size` bytes, until the other side closes (or resets: it closed with data unread)."""
+    data = b""
+    try:
+        while len(data) < size and (chunk := connection.recv(size - len(data))):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def old_protocol_request(module: str, argv: list[str]) -> bytes:
+    """A request as a client sent it before the handshake existed: the length, then the JSON."""
+    request = json.dumps({"module": module, "argv": argv, "cwd": "/", "path": sys.path, "env": {}, "fds": []})
+    return LENGTH.pack(len(request)) + request.encode()
+
+
 def test_garbage_closes_its_own_connection_only(own_agent):
-    for garbage in (b"", b"\xff\xff\xff\xff", LENGTH.pack(5) + b"nope!", LENGTH.pack(2) + b"[]"):
+    """Before the handshake: nothing is forked. After it, a bad request ends its own child (exit 2),
+    an fd target that is not an int (1.0) included."""
+    for garbage in (b"", b"\xff\xff\xff\xff", LENGTH.pack(5) + b"nope!", b"x" * (2 * NONCE_BYTES + 10)):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sender:
             sender.settimeout(BOUND_S)
-            sender.connect(socket_address(own_agent.address))
+            sender.connect(own_agent.address)
             sender.sendall(garbage)
             sender.shutdown(socket.SHUT_WR)
-            answer = sender.recv(64)
-        assert answer[:1] != b"P" and (answer == b"" or RECORD.unpack(answer)[0] == b"X"), garbage
+            answer = receive_all(sender, 1024)
+        assert len(answer) in (0, NONCE_BYTES + PROOF_BYTES), garbage  # the server's proof at most, no record
+    bad_requests = [LENGTH.pack(5) + b"nope!", LENGTH.pack(2) + b"[]",
+                    old_protocol_request(THIS_MODULE, ["x"]).replace(b'"fds": []', b'"fds": [1.0]')]
+    bad_requests[2] = LENGTH.pack(len(bad_requests[2]) - LENGTH.size) + bad_requests[2][LENGTH.size:]
+    for request in bad_requests:
+        with handshake(own_agent.variable) as sender:
+            if b"1.0" in request:
+                socket.send_fds(sender, [request[:LENGTH.size]], [1])
+                sender.sendall(request[LENGTH.size:])
+            else:
+                sender.sendall(request)
+            sender.shutdown(socket.SHUT_WR)
+            assert RECORD.unpack(receive_all(sender, RECORD.size)) == (b"X", 2), request
     client = own_agent.client("exit", "0")
     client.communicate(timeout=BOUND_S)
     assert client.returncode == 0
-    assert own_agent.stop().count("dropped a request") == 4
+    log = own_agent.stop()
+    assert log.count("dropped a request") == 3 and "dropped a connection" in log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for mount and PID namespaces (unshare)")
+def test_a_process_of_another_container_with_the_same_uid_runs_nothing(own_agent, tmp_path):
+    """Another container on the same network namespace (hostNetwork): a mount and PID namespace of
+    its own, the same uid. It sees the server's name in /proc/net/unix but not the agent's
+    processes, and asks, as the old protocol allowed, for `python -m timeit` with code in argv."""
+    marker = tmp_path / "ran"
+    attack = (f"import os, socket, sys, struct\n"
+              f"names = [line.split()[-1] for line in open('/proc/net/unix') if '@elastic_ddp-warm-' in line]\n"
+              f"print('sees', sys.argv[2] in names, 'agent', os.path.exists('/proc/{own_agent.process.pid}'), flush=True)\n"
+              f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout({BOUND_S})\n"
+              f"s.connect(b'\\0' + sys.argv[2][1:].encode())\n"
+              f"s.sendall(bytes.fromhex(sys.argv[1])); s.shutdown(socket.SHUT_WR)\n"
+              f"data = b''\n"
+              f"try:\n"
+              f"    while chunk := s.recv(4096): data += chunk\n"
+              f"except ConnectionResetError: pass\n"
+              f"print('read', len(data), flush=True)\n")
+    request = old_protocol_request("timeit", ["timeit", "-n", "1", "-r", "1", f"open({str(marker)!r}, 'w').close()"])
+    attacker = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", sys.executable, "-c", attack,
+                               request.hex(), own_agent.variable.partition("#")[0]],
+                              capture_output=True, text=True, timeout=BOUND_S, check=False)
+    assert attacker.returncode == 0, attacker.stderr
+    assert attacker.stdout.startswith("sees True agent False\n"), attacker.stdout  # the name, not the processes
+    assert attacker.stdout.endswith(f"read {NONCE_BYTES + PROOF_BYTES}\n"), attacker.stdout  # no record: no fork
+    assert not marker.exists(), "the other container's code ran in the agent's"
+    client = own_agent.client("exit", "0")  # the server serves its own on
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0
+    assert "refused a connection that did not prove the agent's key" in own_agent.stop()
+
+
+def test_a_squatter_on_a_dead_servers_name_gets_nothing_from_a_worker(own_agent):
+    """The server died; another process took its name. The worker sends its nonce and nothing
+    more: no environment (a planted secret), no fd, and its key appears nowhere; it starts cold."""
+    os.kill(own_agent.server_pid(), signal.SIGKILL)
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    wait_until(lambda: try_bind(squatter, own_agent.address), "the dead server's name is free")
+    squatter.listen(1)
+    squatter.settimeout(BOUND_S)
+    received: dict[str, object] = {}
+
+    def serve_once() -> None:
+        connection, _ = squatter.accept()
+        with connection:
+            connection.settimeout(BOUND_S)
+            data, fds = b"", []
+            first = connection.recv(NONCE_BYTES)
+            connection.sendall(os.urandom(NONCE_BYTES + PROOF_BYTES))  # no proof: it does not hold the key
+            data = first
+            while True:
+                chunk, more_fds, _, _ = socket.recv_fds(connection, 1 << 16, 8)
+                fds += more_fds
+                if not chunk:
+                    break
+                data += chunk
+            received.update(data=data, fds=fds)
+
+    thread = threading.Thread(target=serve_once, daemon=True)
+    thread.start()
+    env = {**os.environ, VARIABLE: own_agent.variable, "PLANTED_SECRET": "hunter2-planted"}
+    client = subprocess.Popen([sys.executable, "-m", THIS_MODULE, "exit", "0"], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = client.communicate(timeout=BOUND_S)
+    thread.join(BOUND_S)
+    squatter.close()
+    assert client.returncode == 0 and f"pid {client.pid} " in out, err  # cold, in torchrun's process
+    assert "did not prove the agent's key" in err and own_agent.variable.partition("#")[2] not in err
+    assert len(received["data"]) == NONCE_BYTES and received["fds"] == [], received
+    assert b"hunter2" not in received["data"]
+
+
+def try_bind(listener: socket.socket, address: bytes) -> bool:
+    try:
+        listener.bind(address)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_failed_fork_refuses_one_worker_and_the_server_serves_on(own_agent):
+    """The server runs out of file descriptors (RLIMIT_NOFILE lowered under it, the stand-in for
+    EMFILE, EAGAIN at pids.max or ENOMEM): that worker starts cold and says why; the running one
+    goes on; once there are fds again, workers start warm."""
+    running = own_agent.client("wait")
+    running_child = int(first_line(running)["pid"])
+    server = own_agent.server_pid()
+    limit = no_fd_after_one_more(server)
+    soft, hard = resource.prlimit(server, resource.RLIMIT_NOFILE)
+    resource.prlimit(server, resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        refused = own_agent.client("exit", "0")
+        out, err = refused.communicate(timeout=BOUND_S)
+    finally:
+        resource.prlimit(server, resource.RLIMIT_NOFILE, (soft, hard))
+    assert refused.returncode == 0 and f"pid {refused.pid} " in out, err  # cold
+    assert "the server refused: Too many open files" in err, err
+    assert process_is_alive(server) and process_is_alive(running_child)
+    warm = own_agent.client("exit", "0")
+    out, err = warm.communicate(timeout=BOUND_S)
+    assert warm.returncode == 0 and "forked warm by the server" in err
+    running.send_signal(signal.SIGTERM)
+    running.communicate(timeout=BOUND_S)
+    assert running.returncode == DRAIN_EXIT_CODE
+    assert "pipe failed" in own_agent.stop()
+
+
+def no_fd_after_one_more(pid: int) -> int:
+    """The RLIMIT_NOFILE under which process `pid` can open one more file (the accepted
+    connection) and then none."""
+    open_fds = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    gaps = max(open_fds) + 1 - len(open_fds)
+    assert gaps <= 1, f"process {pid}'s fds {sorted(open_fds)} have {gaps} gaps: no limit leaves exactly one free"
+    return max(open_fds) + 2 - gaps
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user (nobody)")
+def test_refusals_are_logged_a_few_times_not_once_each(own_agent):
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for _ in range(20):
+        assert connect_as(nobody, own_agent.address) == b""
+    client = own_agent.client("exit", "0")
+    client.communicate(timeout=BOUND_S)
+    assert client.returncode == 0
+    assert own_agent.stop().count(f"refused a connection from uid {nobody}") == 1
 
 
 def test_rdzv_conf_warm_workers_is_checked_and_taken_out():

@@ -57,13 +57,13 @@ def encode_beat(node: NodeDesc, beat: datetime) -> bytes:
 
 def decode_beat(value: bytes) -> tuple[NodeDesc, datetime] | None:
     """The (node, beat) that `value` publishes, or None if it is not a valid published heartbeat:
-    too long, not JSON, a field missing or of the wrong type, a time that is not finite or not
-    representable."""
+    too long, not JSON, nested too deep, a field missing or of the wrong type, a time that is not
+    finite or not representable."""
     if not isinstance(value, bytes | bytearray) or len(value) > MAX_BEAT_BYTES:
         return None
     try:
         fields = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: findings.md 20
         return None
     if not isinstance(fields, dict):
         return None

@@ -127,6 +127,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._settings = settings
         self._poll_s = poll_s
         self._round: RoundRecord | None = None  # the last round this node was a member of
+        self._verdict_fault_logged = False
 
     @property
     def node(self) -> NodeDesc:
@@ -230,7 +231,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
         only then, while spares wait. Also looks for this node's workers' verdict (`keyed_silence`)."""
         if self._round is None:
             return 0
-        self._silence.start(self._board.alive, early=True)
+        try:
+            self._silence.start(self._board.alive, early=True)
+        except Exception:  # torch ends the agent on any error here (findings.md 4); verdicts only hasten recovery
+            if not self._verdict_fault_logged:
+                logger.exception("could not read this node's workers' verdicts (logged once); silent nodes are left "
+                                 "out when their leases end")
+                self._verdict_fault_logged = True
         waiting = self._board.waiting(self._round.round + 1)
         count = waiting_count(waiting, self._round, self._settings.max_nodes)
         if count == 0 and waiting:

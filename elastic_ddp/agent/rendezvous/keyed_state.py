@@ -9,9 +9,9 @@
   number, its members in rank order and its spares (the redundancy list: nodes that arrived beyond
   `max_nodes`, waiting for a place).
 
-Both are decoded with a schema check and nothing else: a value that is not JSON, is too long,
-misses a field or has one of the wrong type is refused (`decode_*` returns None, or the caller
-raises `RendezvousStateError`). torch's dynamic rendezvous unpickles the state it reads, so
+Both are decoded with a schema check and nothing else: a value that is not JSON, is too long, is
+nested too deep, misses a field or has one of the wrong type is refused (`decode_*` returns None,
+or the caller raises `RendezvousStateError`). torch's dynamic rendezvous unpickles the state it reads, so
 whoever can write its key runs code on every agent (findings.md 10); nothing here executes or
 imports what it reads.
 """
@@ -87,7 +87,7 @@ def decode_heartbeat(value: bytes) -> tuple[NodeDesc, int | None, float] | None:
     alive = decode_alive(value)
     if alive is None:
         return None
-    at = json.loads(value).get("at")
+    at = _json(value, MAX_ARRIVAL_BYTES).get("at")  # type: ignore[union-attr]: a dict, as decode_alive found
     if not isinstance(at, int | float) or isinstance(at, bool) or not 0 <= at < 2**40:
         return None
     return alive[0], alive[1], float(at)
@@ -133,7 +133,7 @@ def _json(value: object, limit: int) -> object | None:
         return None
     try:
         return json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: findings.md 20
         return None
 
 
