@@ -50,98 +50,41 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
-from elastic_ddp.runlog import schema
-from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
+from benchmarks.recovery_events import (
+    DEFAULT_SETTINGS,
+    EVENTS,
+    NODES,
+    SETTINGS,
+    SNAPSHOT_FLAGS,
+    STEPS_PER_EPOCH,
+    TRAINING_ARGS,
+    agent_log,
+    first_after,
+    group_phases,
+    lost_steps_of,
+    pause_of,
+    print_table,
+    seconds_since,
+    summarise,
+    wait_for_group,
+    with_node_logs,
+)
+from elastic_ddp.runlog.reader import EventFollower
 from elastic_ddp.testbed.local_cluster import (
     AGENT_ENV,
-    LAUNCHER,
-    MONITOR_INTERVAL_S,
     RDZV_CONF,
-    STOCK_LAUNCHER,
     LocalJob,
-    LocalNode,
 )
 
-SETTINGS: dict[str, dict[str, Any]] = {
-    "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
-    "plain": {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None,
-              "launcher": STOCK_LAUNCHER},
-    "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
-    "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
-    "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
-    "fsdp": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
-}
-DEFAULT_SETTINGS = [name for name in SETTINGS if name != "fsdp"]  # fsdp only when asked for
-# Training flags of a setting beyond TRAINING_ARGS (see the module docstring).
-WITHOUT_OURS = ["--no-memory_copies", "--watchdog_timeout_s", "0"]
-SNAPSHOT_FLAGS: dict[str, list[str]] = {
-    "stock": WITHOUT_OURS,
-    "tutorial": [*WITHOUT_OURS, "--snapshot_every_steps", "0"],
-    "fsdp": ["--sharding", "fsdp"],
-}
-TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
-                 "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",
-                 "--log_interval", "100"]
-NODES = 3
-STEPS_PER_EPOCH = 4096 // 64
 # The kill lands mid-epoch, after the first epoch's snapshot: no setting restarts from scratch.
 KILL_AFTER_STEP = STEPS_PER_EPOCH + 30
-# glog-style lines of torchrun's loggers: "I1121 19:27:26.876000 15122 path.py:123] message"
-AGENT_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] (.*)$")
-PHASES = ("imports", "process_group", "built", "restored", "first_step")
-EVENTS = {"kill": "SIGKILL of 1 of 3 nodes -> first step without it",
-          "join": "new node started -> first step with it (world 2 -> 3)",
-          "freeze": "SIGSTOP of 1 of 3 nodes -> first step without it"}
-
-
-def agent_log(node: LocalNode) -> list[tuple[float, str]]:
-    """(Unix time, message) of each torchrun log line of `node` (local time, this year)."""
-    year = datetime.now().year
-    lines = []
-    for line in node.log_text().splitlines():
-        match = AGENT_LINE.match(line)
-        if match:
-            month, day, hour, minute, second, message = match.groups()
-            moment = datetime(year, int(month), int(day), int(hour), int(minute)).timestamp() + float(second)
-            lines.append((moment, message))
-    return lines
-
-
-def first_after(lines: list[tuple[float, str]], moment: float, needle: str) -> float | None:
-    return next((when for when, message in lines if when >= moment and needle in message), None)
-
-
-def _wait_for_group(events: EventFollower, after: float, predicate, timeout: float, what: str) -> WorkerGroup:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        events.poll()
-        for group in events.groups_since(after):
-            if group.first_step is not None and predicate(group):
-                return group
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _phases(group: WorkerGroup, events: EventFollower, origin: float) -> dict[str, float]:
-    """Seconds from `origin` to the new worker process's start and to each start-up mark."""
-    startup = next((e for e in events.of_kind(schema.STARTUP) if e["incarnation"] == group.incarnation), None)
-    if startup is None:
-        return {}
-    phases = {"worker_process_started": round(startup["process_started"] - origin, 2)}
-    for name in PHASES:
-        if name in startup["seconds"]:
-            phases[name] = round(startup["process_started"] + startup["seconds"][name] - origin, 2)
-    return phases
 
 
 def with_keep_alive_max_attempt(attempts: int) -> dict[str, Any]:
@@ -158,76 +101,47 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
     try:
         for index in range(NODES):
             job.add_node(f"node{index}")
-        _wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
+        wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
         job.wait_for_step(max(events.newest_step() + 30, KILL_AFTER_STEP), timeout)
 
         killed_at = time.time()
         job.nodes[-1].kill()
-        resumed = _wait_for_group(events, killed_at, lambda g: True, timeout, "training after the kill")
+        resumed = wait_for_group(events, killed_at, lambda g: True, timeout, "training after the kill")
         survivor = agent_log(job.nodes[0])
         kill = {"seconds": round(resumed.first_step["time"] - killed_at, 2),
-                "lost_steps": _lost_steps(resumed, events), "without_training": _paused(resumed, events),
-                "agent_noticed": _since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
-                "rendezvous_complete": _since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
-                **_phases(resumed, events, killed_at)}
+                "lost_steps": lost_steps_of(resumed, events), "without_training": pause_of(resumed, events),
+                "agent_noticed": seconds_since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
+                "rendezvous_complete": seconds_since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
+                **group_phases(resumed, events, killed_at)}
 
         job.wait_for_step(resumed.first_step["global_step"] + 30, timeout)
         joined_at = time.time()
         joiner = job.add_node("joiner")
-        grown = _wait_for_group(events, joined_at, lambda g: joiner.pid in g.agent_pids, timeout,
+        grown = wait_for_group(events, joined_at, lambda g: joiner.pid in g.agent_pids, timeout,
                                 "training with the new node")
         joiner_log = agent_log(joiner)
         join = {"seconds": round(grown.first_step["time"] - joined_at, 2),
-                "lost_steps": _lost_steps(grown, events), "without_training": _paused(grown, events),
-                "joiner_waiting": _since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
-                "rendezvous_complete": _since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
-                **_phases(grown, events, joined_at)}
+                "lost_steps": lost_steps_of(grown, events), "without_training": pause_of(grown, events),
+                "joiner_waiting": seconds_since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
+                "rendezvous_complete": seconds_since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
+                **group_phases(grown, events, joined_at)}
 
         job.wait_for_step(grown.first_step["global_step"] + 30, timeout)
         frozen_at = time.time()
         joiner.freeze()
-        unfrozen = _wait_for_group(events, frozen_at, lambda g: joiner.pid not in g.agent_pids, timeout,
+        unfrozen = wait_for_group(events, frozen_at, lambda g: joiner.pid not in g.agent_pids, timeout,
                                    "training without the frozen node")
         survivor = agent_log(job.nodes[0])
         freeze = {"seconds": round(unfrozen.first_step["time"] - frozen_at, 2),
-                  "lost_steps": _lost_steps(unfrozen, events), "without_training": _paused(unfrozen, events),
-                  "agent_noticed": _since(first_after(survivor, frozen_at, "Worker group FAILED"), frozen_at),
-                  "rendezvous_complete": _since(first_after(survivor, frozen_at, "Rendezvous complete"), frozen_at),
-                  **_phases(unfrozen, events, frozen_at)}
+                  "lost_steps": lost_steps_of(unfrozen, events), "without_training": pause_of(unfrozen, events),
+                  "agent_noticed": seconds_since(first_after(survivor, frozen_at, "Worker group FAILED"), frozen_at),
+                  "rendezvous_complete": seconds_since(first_after(survivor, frozen_at, "Rendezvous complete"), frozen_at),
+                  **group_phases(unfrozen, events, frozen_at)}
         return {"setting": setting, "kill": kill, "join": join, "freeze": freeze}
     except TimeoutError as error:
         raise with_node_logs(setting, error, job) from None
     finally:
         job.stop()
-
-
-def with_node_logs(setting: str, error: TimeoutError, job: LocalJob) -> TimeoutError:
-    """`error` with the end of every node's log: without the nodes' own words a time-out says
-    nothing (seen on a 16-core GPU machine)."""
-    logs = "\n".join(f"===== {node.name}\n{node.log_text()[-3000:]}" for node in job.nodes)
-    return TimeoutError(f"{setting}: {error}\n{logs}")
-
-
-def _paused(group: WorkerGroup, events: EventFollower) -> float | None:
-    """Seconds without training before `group`'s first step: since the newest step of the groups
-    that started before it (for a join, how long the running nodes waited for the new one)."""
-    before = [g.newest_step["time"] for g in events.groups.values()
-              if g.started < group.started and g.newest_step is not None]
-    return round(group.first_step["time"] - max(before), 2) if before else None
-
-
-def _lost_steps(group: WorkerGroup, events: EventFollower) -> int | None:
-    """The `lost_steps` of the restore that started `group`; without one (a start from scratch),
-    every step the run had committed: the step `group` began with, less one."""
-    restore = next((e for e in events.of_kind(schema.RESTORE) if e["incarnation"] == group.incarnation), None)
-    if restore is not None:
-        return restore["lost_steps"]
-    previous = [g for g in events.groups.values() if g.started < group.started and g.newest_step is not None]
-    return max(g.newest_step["global_step"] for g in previous) if previous else None
-
-
-def _since(moment: float | None, origin: float) -> float | None:
-    return None if moment is None else round(moment - origin, 2)
 
 
 def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str, Any]]:
@@ -242,42 +156,6 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
                 f"{event} -> training {record[event]['seconds']:.1f} s ({record[event]['lost_steps']} steps lost)"
                 for event in EVENTS), file=sys.stderr, flush=True)
     return records
-
-
-def summarise(records: list[dict[str, Any]],
-              events: dict[str, str] = EVENTS) -> dict[str, dict[str, dict[str, float]]]:
-    """Per setting and event (kill, join, freeze: `events`): median, min and max of the seconds and of each phase."""
-    summary: dict[str, dict[str, dict[str, float]]] = {}
-    for setting in dict.fromkeys(r["setting"] for r in records):
-        summary[setting] = {}
-        for event in events:
-            keys = dict.fromkeys(key for r in records if r["setting"] == setting for key in r[event])
-            summary[setting][event] = {}
-            for key in keys:
-                values = [r[event][key] for r in records if r["setting"] == setting and r[event].get(key) is not None]
-                if values:
-                    summary[setting][event][key] = {"median": round(statistics.median(values), 2),
-                                                    "min": min(values), "max": max(values), "n": len(values)}
-    return summary
-
-
-def print_table(summary: dict[str, dict[str, dict[str, float]]], events: dict[str, str] = EVENTS) -> None:
-    for event, title in events.items():
-        print(f"\n{title} (seconds after the event; median [min-max] over n runs)")
-        settings = list(summary)
-        keys = list(dict.fromkeys(key for s in settings for key in summary[s][event]))
-        print(f"  {'':24}" + "".join(f"{s:>22}" for s in settings))
-        for key in keys:
-            cells = []
-            for setting in settings:
-                cell = summary[setting][event].get(key)
-                cells.append(f"{cell['median']:6.2f} [{cell['min']:.2f}-{cell['max']:.2f}] n={cell['n']}"
-                             if cell else "-")
-            print(f"  {key:24}" + "".join(f"{c:>22}" for c in cells))
-        if "ours" in summary:
-            ours = summary["ours"][event]["seconds"]["median"]
-            for other in (s for s in summary if s != "ours"):
-                print(f"  {other} / ours: {summary[other][event]['seconds']['median'] / ours:.1f}x")
 
 
 def run_benchmark(repeats: int = 1, settings: list[str] | None = None,

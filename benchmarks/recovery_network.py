@@ -30,19 +30,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.recovery import (
+from benchmarks.recovery_events import (
     NODES,
     SETTINGS,
     TRAINING_ARGS,
-    _lost_steps,
-    _paused,
-    _phases,
-    _since,
-    _wait_for_group,
     agent_log,
     first_after,
+    group_phases,
+    lost_steps_of,
+    pause_of,
     print_table,
+    seconds_since,
     summarise,
+    wait_for_group,
     with_node_logs,
 )
 from elastic_ddp.runlog.reader import EventFollower
@@ -70,11 +70,11 @@ def refusal(settings: list[str]) -> str | None:
 def _departure(group, events: EventFollower, origin: float, survivor) -> dict[str, Any]:
     """What it cost until `group`, which goes on without a node, trained: seconds, steps, phases."""
     log = agent_log(survivor)
-    return {"seconds": round(group.first_step["time"] - origin, 2), "lost_steps": _lost_steps(group, events),
-            "without_training": _paused(group, events),
-            "agent_noticed": _since(first_after(log, origin, "Worker group FAILED"), origin),
-            "rendezvous_complete": _since(first_after(log, origin, "Rendezvous complete"), origin),
-            **_phases(group, events, origin)}
+    return {"seconds": round(group.first_step["time"] - origin, 2), "lost_steps": lost_steps_of(group, events),
+            "without_training": pause_of(group, events),
+            "agent_noticed": seconds_since(first_after(log, origin, "Worker group FAILED"), origin),
+            "rendezvous_complete": seconds_since(first_after(log, origin, "Rendezvous complete"), origin),
+            **group_phases(group, events, origin)}
 
 
 def measure_partition_once(setting: str, run_dir: Path, down_s: float = 0, timeout: float = 180) -> dict[str, Any]:
@@ -93,13 +93,13 @@ def measure_partition_once(setting: str, run_dir: Path, down_s: float = 0, timeo
             if name == names[0]:
                 wait_for(lambda: bed.connects(names[-1], bed.address(names[0]), RDZV_PORT), timeout,
                          f"the c10d store on {endpoint}")
-        _wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
+        wait_for_group(events, 0, lambda g: g.start["world_size"] == NODES, timeout, f"world {NODES}")
         job.wait_for_step(max(events.newest_step() + 30, PARTITION_AFTER_STEP), timeout)
         node = job.nodes[-1]
 
         partitioned_at = time.time()
         bed.partition(node.name)
-        resumed = _wait_for_group(events, partitioned_at, lambda g: node.pid not in g.agent_pids, timeout,
+        resumed = wait_for_group(events, partitioned_at, lambda g: node.pid not in g.agent_pids, timeout,
                                   "training after the partition")
         partition = _departure(resumed, events, partitioned_at, job.nodes[0])
 
@@ -107,15 +107,15 @@ def measure_partition_once(setting: str, run_dir: Path, down_s: float = 0, timeo
         time.sleep(max(0.0, partitioned_at + down_s - time.time()))  # the length asked for, not a wait for a condition
         healed_at = time.time()
         bed.heal(node.name)
-        back = _wait_for_group(events, healed_at, lambda g: node.pid in g.agent_pids, timeout,
+        back = wait_for_group(events, healed_at, lambda g: node.pid in g.agent_pids, timeout,
                                "training with the healed node")
-        rejoin = {"seconds": round(back.first_step["time"] - healed_at, 2), "lost_steps": _lost_steps(back, events),
-                  "without_training": _paused(back, events), **_phases(back, events, healed_at)}
+        rejoin = {"seconds": round(back.first_step["time"] - healed_at, 2), "lost_steps": lost_steps_of(back, events),
+                  "without_training": pause_of(back, events), **group_phases(back, events, healed_at)}
 
         job.wait_for_step(back.first_step["global_step"] + 30, timeout)
         frozen_at = time.time()
         node.freeze()
-        unfrozen = _wait_for_group(events, frozen_at, lambda g: node.pid not in g.agent_pids, timeout,
+        unfrozen = wait_for_group(events, frozen_at, lambda g: node.pid not in g.agent_pids, timeout,
                                    "training without the frozen node")
         freeze = _departure(unfrozen, events, frozen_at, job.nodes[0])
         rejoin["down_s"] = round(healed_at - partitioned_at, 2)

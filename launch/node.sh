@@ -29,7 +29,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 # Keep these in step with elastic_ddp/agent/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
-DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5"
+DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.1
 DEFAULT_LAUNCHER=elastic_ddp.agent.launcher
 

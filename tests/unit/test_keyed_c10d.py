@@ -6,6 +6,7 @@ Each handler has a store client of its own, as each agent has; threads stand in 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import threading
 from datetime import timedelta
@@ -25,7 +26,7 @@ from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
-from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory
+from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory, etcd_v3_handler_factory
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
@@ -172,3 +173,24 @@ def test_elastic_c10d_takes_the_keyed_algorithm_by_default_and_names_a_bad_key_b
     for conf in ({}, {"algorithm": "keyed"}):
         with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
             create(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, keep_alive_interval="soon", **conf))
+
+
+@pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
+@pytest.mark.parametrize(("key", "value", "reason"), [
+    ("close_timeout", "10", "closing a round or the rendezvous is one write"),
+    ("heartbeat_timeout", "5", "lease ends"),
+    ("extend_last_call", "0", "every arrival restarts the last call"),
+    ("extend_last_call", "maybe", "every arrival restarts the last call"),
+    ("prompt_completion", "maybe", None),
+])
+def test_both_keyed_boards_check_the_same_keys_and_refuse_those_they_would_ignore(monkeypatch, backend, key, value,
+                                                                                  reason) -> None:
+    """One set-up for both boards (agent_setup): a key read by neither is refused by both, before
+    anything connects (nothing listens at port 1) and before the agent's environment changes."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
+    expected = (f"--rdzv_conf {key}: got '{value}', which the keyed rendezvous .* of {backend}.*{reason}.*remove the key"
+                if reason else f"--rdzv_conf {key}: got '{value}'; expected 1 or 0")
+    with pytest.raises(ValueError, match=expected):
+        create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, **{key: value}))
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ

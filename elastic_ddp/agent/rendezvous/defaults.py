@@ -10,12 +10,13 @@ docs/operations.md, "Rendezvous timing".
 
 from __future__ import annotations
 
-# torch's dynamic rendezvous settings: a 1 s last call, heartbeats every second that expire after
-# five missed ones (keep_alive_max_attempt=2 stops heartbeats altogether: docs/operations.md).
-# torch's own defaults: join 600 s, last call 30 s, close 30 s, heartbeats every 5 s, 3 missed.
+# The rendezvous timing every algorithm reads: a 1 s last call, heartbeats (a lease) every second
+# that expire after five missed ones (keep_alive_max_attempt=2 stops torch's heartbeats altogether:
+# docs/operations.md). torch's own defaults: join 600 s, last call 30 s, heartbeats every 5 s, 3
+# missed. Not `close_timeout`: the keyed rendezvous refuses it (it closes in one write), and torch's
+# 30 s only bounds the last write of a job that ends.
 SHIPPED_RDZV_DEFAULTS: dict[str, int] = {
-    "join_timeout": 300, "last_call_timeout": 1, "close_timeout": 10, "keep_alive_interval": 1,
-    "keep_alive_max_attempt": 5,
+    "join_timeout": 300, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5,
 }
 RDZV_CONF = ",".join(f"{key}={value}" for key, value in SHIPPED_RDZV_DEFAULTS.items())
 # Seconds between the agent's checks of its workers (torchrun's own default since torch 2.3).

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastic_ddp.agent.rendezvous import addresses
+from elastic_ddp.agent.rendezvous.agent_setup import warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.etcd_backend import EtcdV3Heartbeats, EtcdV3RendezvousBackend
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
 from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
@@ -41,17 +41,6 @@ logger = logging.getLogger(__name__)
 NODES_PER_POLL = 16
 
 Instrument = Callable[[RendezvousBackend, HeartbeatChannel], tuple[RendezvousBackend, HeartbeatChannel]]
-
-
-def warn_if_loopback_published(local_addr: str | None, endpoints) -> None:
-    """Warn in one line when this node would publish a loopback address while etcd is on another
-    machine (`addresses.loopback_problem`): a warning, not an error, since etcd is no peer, and the
-    training nodes may all run on this machine."""
-    for host, port in endpoints:
-        problem = addresses.loopback_problem(local_addr, host, port)
-        if problem is not None:
-            logger.warning("%s (unless every training node of the job runs on this machine)", problem)
-            return
 
 
 def create_etcd_v3_handler(params: RendezvousParameters, instrument: Instrument | None = None) -> RendezvousHandler:

@@ -10,18 +10,13 @@
 - a waiting agent looks at the rendezvous state every `SYNC_POLL_S` instead of every second;
 - torch's rendezvous names the method of each event it records from one frame, not from two full
   `inspect.stack()` calls (`torch_internals.name_methods_cheaply`);
-- the workers' gloo and NCCL use the interface that holds this node's published address
-  (`--local_addr`, else its FQDN), unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` are set
-  (`addresses`): set in this agent's environment, which torchrun's workers inherit;
-- the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`,
-  set here, in the agent that uses our backend, never at plugin load): the agent-shared store makes
-  restarted workers read stale addresses (pytorch/pytorch#135712).
+- the agent's set-up that every handler of ours shares (`agent_setup`): the workers' interface
+  and a store of their own for every round.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -31,8 +26,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic_ddp.agent.rendezvous import addresses, torch_internals
-from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT, SHIPPED_RDZV_DEFAULTS, SYNC_POLL_S
+from elastic_ddp.agent.rendezvous import torch_internals
+from elastic_ddp.agent.rendezvous.agent_setup import name_the_workers_interface, never_share_agent_store
+from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS, SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled, start_beacon
 from elastic_ddp.agent.rendezvous.state_holder import (
@@ -51,33 +47,6 @@ def with_shipped_defaults(params: RendezvousParameters) -> RendezvousParameters:
         if params.get(key) in (None, ""):
             params.config[key] = value
     return params
-
-
-def never_share_agent_store() -> None:
-    """Make torch's handler give the workers a store of their own (see the module docstring).
-
-    torch reads the variable both for `use_agent_store` and, in `next_rendezvous`, to decide
-    whether rank 0's agent hosts a TCPStore for the workers; the two must agree, so the variable
-    itself is set rather than one of them overridden.
-    """
-    chosen = os.environ.get(SHARED_STORE_OPT_OUT)
-    if chosen not in (None, "1"):
-        logger.warning("%s=%s is ignored: elastic_ddp's backends never let workers share the agent's store, since "
-                       "they read stale addresses from it after a re-rendezvous (pytorch/pytorch#135712)",
-                       SHARED_STORE_OPT_OUT, chosen)
-    os.environ[SHARED_STORE_OPT_OUT] = "1"
-
-
-def name_the_workers_interface(local_addr: str | None) -> None:
-    """Set `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` in this agent's environment (which its
-    workers inherit) to the interface that holds this node's published address, each unless set
-    (`addresses.worker_interface_environment`)."""
-    published = addresses.published_address(local_addr)
-    chosen = addresses.worker_interface_environment(published)
-    if chosen:
-        os.environ.update(chosen)
-        logger.info("the workers' gloo and NCCL use interface %s, which holds this node's address %s (%s)",
-                    next(iter(chosen.values())), published, ", ".join(f"{name} set" for name in chosen))
 
 
 def check_options(params: RendezvousParameters) -> tuple[bool, bool, bool]:

@@ -40,10 +40,7 @@ with torch's algorithm on elastic-c10d); the heartbeat thread's own requests are
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -52,8 +49,8 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from elastic_ddp.agent.rendezvous import addresses
+from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent
 from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store, endpoint_of, hosts_store
-from elastic_ddp.agent.rendezvous.handler import check_options, name_the_workers_interface, never_share_agent_store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
@@ -75,7 +72,6 @@ BACKEND_NAME = "elastic-c10d"
 # Seconds `arrivals` waits for a slot taken but not yet written (the add and the set are two requests).
 SLOT_WAIT_S = 1.0
 
-_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
 
 
 class StoreRoundBoard:
@@ -309,8 +305,7 @@ def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHa
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.
     """
-    check_options(params)
-    settings = KeyedSettings.from_params(params)
+    settings = prepare_keyed_agent(params)
     if params.get("store_type", "tcp").strip().lower() != "tcp":
         raise ValueError(f"--rdzv_conf store_type: got {params.get('store_type')!r}; the keyed rendezvous needs tcp")
     host, port = endpoint_of(params)
@@ -320,13 +315,10 @@ def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHa
         raise ValueError(problem)
     if problem is not None:
         logger.warning("%s (unless every node of the job runs on this machine)", problem)
-    never_share_agent_store()
-    name_the_workers_interface(params.local_addr)
     witness = ExitWitness(settings.probe_dead_nodes)
     watch = StoreWatch(host, port, silence_s=settings.keep_alive_interval * settings.keep_alive_max_attempt)
     watch.peers_answer = witness.any_answers
     board = StoreRoundBoard(create_tcp_store(params), params.run_id, settings, watch)
     logger.info("elastic-c10d keyed rendezvous '%s' on %s:%d: last call %g s, heartbeat expiry %d s, join timeout %g s",
                 params.run_id, host, port, settings.last_call_timeout, settings.lease_ttl, settings.join_timeout)
-    node = NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))  # as torch names it
-    return KeyedRendezvousHandler(board, node, settings, witness)
+    return KeyedRendezvousHandler(board, keyed_node(params), settings, witness)

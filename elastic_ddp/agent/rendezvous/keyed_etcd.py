@@ -32,10 +32,7 @@ bounds a round to about 4000 nodes.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import os
-import socket
 import threading
 
 import grpc
@@ -46,14 +43,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
+from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent, warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
-from elastic_ddp.agent.rendezvous.etcd_handler import warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
-from elastic_ddp.agent.rendezvous.handler import name_the_workers_interface, never_share_agent_store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
@@ -70,7 +66,6 @@ from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
 
-_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
 
 
 def _prefix_end(prefix: str) -> bytes:
@@ -299,11 +294,6 @@ class EtcdRoundBoard:
         return self.view(-1).closed
 
 
-def keyed_node(params: RendezvousParameters) -> NodeDesc:
-    """This agent's name, made as torch makes it: `--local_addr` (else the FQDN), pid, a counter."""
-    return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
-
-
 def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
     """The keyed rendezvous on etcd v3 (`--rdzv_conf algorithm=keyed`; `keyed_handler`).
 
@@ -311,12 +301,8 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     `RendezvousConnectionError` when etcd cannot be reached (see `etcd_connection`).
     """
     options = EtcdV3Options.from_params(params)
-    settings = KeyedSettings.from_params(params)
-    never_share_agent_store()
-    # As the dynamic path does (`handler.elastic_handler`): on several hosts the workers' gloo must use
-    # the interface of this node's published address, not the host name's (often loopback).
+    settings = prepare_keyed_agent(params)
     warn_if_loopback_published(params.local_addr, options.endpoints)
-    name_the_workers_interface(params.local_addr)
     connection = EtcdConnection(options)
     try:
         store = EtcdV3Store(connection, params.run_id)

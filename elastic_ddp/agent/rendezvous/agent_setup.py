@@ -1,0 +1,109 @@
+"""What every handler of ours does to its torchrun agent before the first round, in one place.
+
+    settings = prepare_keyed_agent(params)      # both keyed boards (elastic-c10d, etcd-v3)
+
+- the `--rdzv_conf` keys are checked before anything connects: a bad value is one `ValueError`
+  naming the key, and a key the keyed rendezvous would not read (`DYNAMIC_ONLY_KEYS`) is refused
+  rather than accepted and ignored; the shipped timing (`defaults.SHIPPED_RDZV_DEFAULTS`) fills
+  the keys left out;
+- the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, set
+  in the agent that uses our backend, never at plugin load): the agent-shared store makes restarted
+  workers read stale addresses (pytorch/pytorch#135712);
+- the workers' gloo and NCCL use the interface that holds this node's published address
+  (`--local_addr`, else its FQDN), unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` are set
+  (`addresses`): set in this agent's environment, which torchrun's workers inherit.
+
+What differs per board stays with the board: a loopback address published to other machines stops
+an elastic-c10d node that does not host the store (its peers cannot reach it) and is a warning with
+etcd-v3 (`warn_if_loopback_published`: etcd is no peer, and every node may run on this machine).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_ddp.agent.rendezvous import addresses
+from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+logger = logging.getLogger(__name__)
+_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
+
+# Keys of torch's dynamic rendezvous (`--rdzv_conf algorithm=dynamic`) that the keyed rendezvous
+# does not read, with what it does instead; `extend_last_call=1` is what it does, so only 0 is refused.
+DYNAMIC_ONLY_KEYS = {
+    "close_timeout": "closing a round or the rendezvous is one write",
+    "heartbeat_timeout": "a node counts as dead when its lease ends, after keep_alive_interval x "
+                         "keep_alive_max_attempt",
+    "extend_last_call": "every arrival restarts the last call",
+}
+
+
+def prepare_keyed_agent(params: RendezvousParameters) -> KeyedSettings:
+    """The keyed rendezvous's settings from `params`, after the checks and the set-up of the module
+    docstring. Call it before connecting: a bad key raises ValueError and changes nothing."""
+    refuse_dynamic_only_keys(params)
+    settings = KeyedSettings.from_params(params)
+    never_share_agent_store()
+    name_the_workers_interface(params.local_addr)
+    return settings
+
+
+def keyed_node(params: RendezvousParameters) -> NodeDesc:
+    """This agent's name, made as torch makes it: `--local_addr` (else the FQDN), pid, a counter."""
+    return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+
+
+def refuse_dynamic_only_keys(params: RendezvousParameters) -> None:
+    """ValueError naming the first key of `DYNAMIC_ONLY_KEYS` that `params` sets (but
+    `extend_last_call=1`), what the keyed rendezvous does instead, and the fix."""
+    for key, instead in DYNAMIC_ONLY_KEYS.items():
+        value = params.get(key)
+        if value in (None, "") or (key == "extend_last_call" and str(value).strip().lower() in ("1", "true", "yes")):
+            continue
+        raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the keyed rendezvous (the default algorithm of "
+                         f"{params.backend}) does not read: {instead}; remove the key")
+
+
+def never_share_agent_store() -> None:
+    """Make torch's agent give the workers a store of their own (see the module docstring).
+
+    torch reads the variable both for `use_agent_store` and, in `next_rendezvous`, to decide
+    whether rank 0's agent hosts a TCPStore for the workers; the two must agree, so the variable
+    itself is set rather than one of them overridden.
+    """
+    chosen = os.environ.get(SHARED_STORE_OPT_OUT)
+    if chosen not in (None, "1"):
+        logger.warning("%s=%s is ignored: elastic_ddp's backends never let workers share the agent's store, since "
+                       "they read stale addresses from it after a re-rendezvous (pytorch/pytorch#135712)",
+                       SHARED_STORE_OPT_OUT, chosen)
+    os.environ[SHARED_STORE_OPT_OUT] = "1"
+
+
+def name_the_workers_interface(local_addr: str | None) -> None:
+    """Set `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` in this agent's environment (which its
+    workers inherit) to the interface that holds this node's published address, each unless set
+    (`addresses.worker_interface_environment`)."""
+    published = addresses.published_address(local_addr)
+    chosen = addresses.worker_interface_environment(published)
+    if chosen:
+        os.environ.update(chosen)
+        logger.info("the workers' gloo and NCCL use interface %s, which holds this node's address %s (%s)",
+                    next(iter(chosen.values())), published, ", ".join(f"{name} set" for name in chosen))
+
+
+def warn_if_loopback_published(local_addr: str | None, endpoints) -> None:
+    """Warn in one line when this node would publish a loopback address while etcd is on another
+    machine (`addresses.loopback_problem`): a warning, not an error, since etcd is no peer, and the
+    training nodes may all run on this machine."""
+    for host, port in endpoints:
+        problem = addresses.loopback_problem(local_addr, host, port)
+        if problem is not None:
+            logger.warning("%s (unless every training node of the job runs on this machine)", problem)
+            return
