@@ -8,9 +8,9 @@ or, when the configuration asks for `--sharding fsdp` (which needs a process gro
 worker of `torchrun --standalone`, an uninterrupted FSDP run. `compare_runs` compares the final
 parameters and the loss of every optimizer step of the surviving trajectory (the newest
 incarnation's `progress` event per step; train with `--log_interval 1` to have one per step).
-`final_model` reads the final parameters of either kind of run: the newest valid snapshot file of
-DDP mode, or the newest sharded step directory that verifies against its manifest (read whole
-through `snapshot.sharded.safe_reader.read_tensors`, no process group needed), whichever is newer.
+`final_model` reads the final parameters of either kind of run through `elastic_ddp.load_snapshot`
+(the newest valid snapshot file of DDP mode, or the newest sharded step directory that verifies
+against its manifest, whichever is newer; no process group needed).
 
 Why a tolerance and not bit equality: each rank sums its share of the global batch and the
 all-reduce adds the ranks' sums, so the order of the fp32 additions in every gradient depends on the
@@ -29,7 +29,6 @@ runs whose randomness does not come from (seed, epoch, sample index).
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -44,10 +43,6 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.loading import load_snapshot
-from elastic_ddp.snapshot.sharded import step_directories as sharded_steps
-from elastic_ddp.snapshot.sharded.safe_reader import read_tensors
-
-logger = logging.getLogger(__name__)
 
 # Largest |reference - chaotic| of any parameter element, relative to the largest |parameter| of
 # its tensor; and the largest absolute difference of a per-step mean loss.
@@ -107,32 +102,9 @@ def run_reference(run_dir: str | Path, training_args: Sequence[str], module: str
 
 def final_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The model's parameters in the newest valid snapshot of `checkpoint_dir`, by name (as in the
-    model's own state dict): a DDP snapshot file, or a sharded step directory, whichever is newer.
-    Sharded steps that do not verify are skipped with a warning, as a restore skips them. Raises
-    FileNotFoundError when there is neither."""
-    sharded = _newest_verified_step(Path(checkpoint_dir))
-    try:
-        snapshot = load_snapshot(checkpoint_dir)
-    except FileNotFoundError:
-        snapshot = None
-    if sharded is not None and (snapshot is None or sharded[0] >= snapshot["global_step"]):
-        prefix = "model."
-        return {name[len(prefix):]: value for name, value in read_tensors(sharded[1]).items()
-                if name.startswith(prefix)}
-    if snapshot is None:
-        raise FileNotFoundError(f"{checkpoint_dir}: no valid snapshot, neither a file nor a sharded step "
-                                "(is it a --checkpoint_dir?)")
-    return snapshot["model"]
-
-
-def _newest_verified_step(checkpoint_dir: Path) -> tuple[int, Path] | None:
-    for step, directory in sharded_steps.committed_steps(checkpoint_dir):
-        try:
-            sharded_steps.verify(directory)
-            return step, directory
-        except sharded_steps.ShardedSnapshotError as exc:
-            logger.warning("skipped %s: %s", directory, exc)
-    return None
+    model's own state dict), of a DDP or a sharded run (`load_snapshot`). Raises FileNotFoundError
+    when there is neither."""
+    return load_snapshot(checkpoint_dir)["model"]
 
 
 def surviving_losses(checkpoint_dir: str | Path) -> dict[int, float]:

@@ -37,7 +37,7 @@ def test_a_sharded_run_compares_with_an_unsharded_one_and_a_step_that_does_not_v
     with open(shard, "r+b") as handle:  # torn after its commit: the manifest's checksum no longer matches
         handle.seek(10)
         handle.write(b"\xff\xfe")
-    with caplog.at_level(logging.WARNING, logger="elastic_ddp.chaos.equivalence"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.loading"):
         fallen_back = final_model(sharded.checkpoint_dir)
     assert f"skipped {newest}" in caplog.text and "checksum does not match" in caplog.text
     older_model = {name[len("model."):]: value for name, value in read_tensors(older).items()
@@ -49,7 +49,7 @@ def test_a_sharded_run_compares_with_an_unsharded_one_and_a_step_that_does_not_v
 
 
 def test_a_directory_without_any_snapshot_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no valid snapshot, neither a file nor a sharded step"):
+    with pytest.raises(FileNotFoundError, match=r"no valid elastic_ddp snapshot, neither a file nor a sharded step"):
         final_model(tmp_path)
 
 

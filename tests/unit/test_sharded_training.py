@@ -24,7 +24,7 @@ from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, checksum_of
-from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError, read_tensors
+from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError
 from elastic_ddp.training.sharding import ShardingError, shard_blocks
 from elastic_ddp.workload.models import MLP, MiniResNet
 from tests.support.training import Crash, crash_at, make_trainer, small_config
@@ -35,8 +35,7 @@ def _sharded(tmp_path, **overrides):
 
 
 def _final_model(config) -> dict[str, torch.Tensor]:
-    (_, newest), *_ = steps.committed_steps(tmp_path_of(config))
-    return {name[len("model."):]: value for name, value in read_tensors(newest).items() if name.startswith("model.")}
+    return load_snapshot(config.checkpoint_dir)["model"]
 
 
 def tmp_path_of(config) -> Path:
@@ -89,6 +88,28 @@ def test_a_sharded_run_equals_the_unsharded_one_and_resumes_exactly(one_rank_glo
             assert torch.equal(resumed[name], value), name
         assert len(steps.committed_steps(tmp_path_of(interrupted))) <= interrupted.keep_last
     assert not any((tmp_path / "interrupted-memory" / "memory").rglob("shard-*"))  # the finished run removed them
+
+
+def test_load_snapshot_reads_a_sharded_run_as_it_reads_a_ddp_one(one_rank_gloo_group, tmp_path):
+    """One call for either kind of run, no process group needed: the sharded step's model, its
+    optimizer state by parameter name, and the unsharded rest, equal to the DDP run's."""
+    plain = small_config(tmp_path / "plain", optimizer="adamw")
+    sharded = _sharded(tmp_path / "sharded", optimizer="adamw")
+    make_trainer(plain).fit()
+    make_trainer(sharded).fit()
+    expected, got = load_snapshot(plain.checkpoint_dir), load_snapshot(sharded.checkpoint_dir)
+    assert [got[key] for key in ("global_step", "epoch", "samples_consumed")] == [
+        expected[key] for key in ("global_step", "epoch", "samples_consumed")]
+    assert got["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        torch.testing.assert_close(got["model"][name], value, rtol=0, atol=1e-6)
+    names = list(expected["model"])  # the MLP's parameters, in the optimizer's index order
+    assert set(got["optimizer"]["state"]) == set(names)
+    assert [group["params"] for group in got["optimizer"]["param_groups"]] == [names]
+    for index, name in enumerate(names):
+        for key, value in expected["optimizer"]["state"][index].items():
+            torch.testing.assert_close(got["optimizer"]["state"][name][key], value, rtol=0, atol=1e-6)
+    assert got["scheduler"] == expected["scheduler"]
 
 
 def test_a_torn_shard_is_refused_and_the_older_step_restored(one_rank_gloo_group, tmp_path):

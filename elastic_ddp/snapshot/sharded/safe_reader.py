@@ -16,6 +16,7 @@ rendezvous state, findings.md 10). Here:
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,5 +76,7 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     metadata = SafeFileSystemReader(directory).read_metadata()
     tensors = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
                for name, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=SafeFileSystemReader(directory), no_dist=True)
+    with warnings.catch_warnings():  # no process group is what this reader is for, not news to its caller
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(directory), no_dist=True)
     return tensors
