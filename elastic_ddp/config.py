@@ -75,6 +75,14 @@ class TrainingConfig:
     betas: tuple[float, float] = _help("AdamW's two betas (--optimizer adamw), e.g. --betas 0.9 0.95.",
                                        default=(0.9, 0.999))
     weight_decay: float = _help("Weight decay: SGD adds it to the gradient, AdamW decouples it.", default=0.0)
+    decay_norms_and_biases: bool = _help(
+        "Apply --weight_decay to every parameter (torch's default). --no-decay_norms_and_biases: only to parameters "
+        "of two or more dimensions (the weights of linear layers, convolutions and embeddings), not to biases and "
+        "norm scales, as nanoGPT and most language-model recipes do. Keep it for the whole run: it sets the "
+        "optimizer's parameter groups, which a restore must match.", default=True)
+    max_grad_norm: float = _help(
+        "Clip the gradient's global norm (over every parameter of every rank) to this before each optimizer step, "
+        "after AMP unscales it; 0: no clipping.", default=0.0)
     warmup_steps: int = _help("Optimizer steps of linear learning-rate warm-up.", default=0)
     seed: int = _help("Seed of the model initialisation, the data order and the augmentation.", default=0)
     model: str = _help(
@@ -182,7 +190,7 @@ class TrainingConfig:
         check_finite(self)
         check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
         check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
-                            "snapshot_replicas", "min_step_time_s", "eval_every_steps")
+                            "snapshot_replicas", "min_step_time_s", "eval_every_steps", "max_grad_norm")
         if not self.lr > 0:
             raise ValueError(f"--lr: got {self.lr}; expected a positive number")
         if not 0 <= self.momentum < 1:

@@ -133,12 +133,19 @@ class TrainingState:
         return {name: component.state_dict() for name, component in self.components().items()}
 
     def load_state_dicts(self, states: dict[str, Any]) -> None:
-        """Load every component; a component the snapshot lacks is an IncompatibleSnapshotError."""
+        """Load every component; a component the snapshot lacks, or whose state does not fit this
+        run's (torch's ValueError: another number of parameter groups), is an IncompatibleSnapshotError."""
         missing = sorted(set(self.components()) - states.keys())
         if missing:
             raise IncompatibleSnapshotError(f"the snapshot holds no state for {', '.join(missing)}")
         for name, component in self.components().items():
-            component.load_state_dict(states[name])
+            try:
+                component.load_state_dict(states[name])
+            except ValueError as exc:
+                hint = (" (its parameter groups come from --decay_norms_and_biases, or from the optimizer you "
+                        "passed: keep them as the run started)") if name == "optimizer" else ""
+                raise IncompatibleSnapshotError(f"the snapshot's {name} state does not fit this run's: {exc}"
+                                                f"{hint}") from exc
 
 
 @dataclass

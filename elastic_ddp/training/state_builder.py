@@ -3,7 +3,9 @@
 `build_training_state` assembles the `TrainingState` a run snapshots from your model, your
 optimizer and scheduler if you gave them, and the defaults below otherwise:
 
-- `--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr` and `--weight_decay`;
+- `--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr` and `--weight_decay` (on every
+  parameter, or with `--no-decay_norms_and_biases` only on those of two or more dimensions: a second
+  parameter group without decay holds the biases and norm scales);
 - a linear warm-up (`--warmup_steps`) then cosine decay to zero over all epochs;
 - a GradScaler, enabled only for fp16 autocast (`--use_amp` on CUDA); bf16 on CPU needs none.
 
@@ -25,10 +27,24 @@ from elastic_ddp.workload.sampler import ElasticSampler
 
 
 def build_optimizer(config: TrainingConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """`--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr` and `--weight_decay`."""
+    """`--optimizer`: SGD (`--momentum`) or AdamW (`--betas`), with `--lr`, `--weight_decay` and
+    `--decay_norms_and_biases` (module docstring)."""
+    groups = weight_decay_groups(list(parameters), config.weight_decay, config.decay_norms_and_biases)
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def weight_decay_groups(parameters: list[torch.nn.Parameter], weight_decay: float,
+                        decay_all: bool) -> list[dict[str, object]]:
+    """One parameter group with `weight_decay` on every parameter (`decay_all`), or two: the
+    parameters of two or more dimensions with it, the others (biases, norm scales) without. A group
+    that would be empty is left out, and with no decay to apply there is one group either way."""
+    if decay_all or weight_decay == 0:
+        return [{"params": parameters}]
+    groups = [{"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,

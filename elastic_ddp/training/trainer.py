@@ -212,6 +212,7 @@ class Trainer:
         """Apply the step whole: optimizer, scaler, schedule, data position (rolled over into the
         next epoch when this step ends one) and step count. Returns whether it ended the epoch."""
         state = self.state
+        self._clip_gradients()
         with state.updating():
             self.amp_step_skipped = state.grad_scaler.step(state.optimizer)
             state.optimizer.zero_grad(set_to_none=True)
@@ -223,6 +224,15 @@ class Trainer:
             state.progress.global_step += 1
             self.stop_guard.committed(plan)
         return epoch_ended
+
+    def _clip_gradients(self) -> None:
+        """`--max_grad_norm`: the gradients unscaled first (the scaler then steps without unscaling
+        them again, and still skips a step whose gradients are not finite), then clipped over every
+        parameter: the same norm on every rank, as every rank holds the all-reduced gradient (DDP)
+        or its shard of it (FSDP2: the norm is reduced over the shards)."""
+        if self.config.max_grad_norm > 0:
+            self.state.grad_scaler.scaler.unscale_(self.state.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
 
     def _to_device(self, batch: Any) -> Any:
         non_blocking = self.context.device.type == "cuda"
