@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from elastic_ddp.config_checks import (
+    AMP_DTYPES,
     IMPORT_PATH_FORM,
+    check_amp_dtype,
     check_checkpoint_dir,
     check_choice_or_import_path,
     check_device,
@@ -139,6 +141,10 @@ class TrainingConfig:
         "training and a drain's final snapshot wait no longer. A snapshot point waits at most 30 s (or 4x the last "
         "write's time) and skips its snapshot, reported, while a write hangs (docs/snapshots.md).", default=600.0)
     use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
+    amp_dtype: str = _help(
+        f"With --use_amp, the autocast dtype: {' or '.join(AMP_DTYPES)}. auto: fp16 with a GradScaler on CUDA, bf16 on "
+        "the CPU; bf16: on CUDA too, with no GradScaler (fp32's range: nothing overflows); fp16: CUDA only.",
+        default="auto")
     num_workers: int = _help("DataLoader worker processes per rank (0: load in the training process).",
                              default=0)
     log_interval: int = _help("Log loss and throughput every N optimizer steps (rank 0).", default=10)
@@ -222,6 +228,7 @@ class TrainingConfig:
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"--progress: got {self.progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
         check_device(self.device, self.dist_backend, torch.cuda.is_available())
+        check_amp_dtype(self.amp_dtype, self.use_amp, self.device, torch.cuda.is_available())
         if not (self.watchdog_timeout_s == 0 or MIN_WATCHDOG_TIMEOUT_S <= self.watchdog_timeout_s
                 < self.collective_timeout_s):
             raise ValueError(f"--watchdog_timeout_s: got {self.watchdog_timeout_s}; expected 0 (off) or at least "

@@ -104,6 +104,7 @@ def check_metrics_endpoint(port: int | None, addr: str, memory_dir: str) -> None
 
 
 DEVICES = ("auto", "cpu", "cuda")
+AMP_DTYPES = ("auto", "bf16", "fp16")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -119,6 +120,18 @@ def check_device(device: str, dist_backend: str, cuda_available: bool) -> None:
     if dist_backend == "nccl" and on_cpu:
         raise ValueError(f"--dist_backend: got 'nccl' with --device {device} (the CPU here); expected auto or "
                          "gloo (nccl needs CUDA devices)")
+
+
+def check_amp_dtype(amp_dtype: str, use_amp: bool, device: str, cuda_available: bool) -> None:
+    """--amp_dtype names a dtype this machine can autocast to, and only with --use_amp."""
+    if amp_dtype not in AMP_DTYPES:
+        raise ValueError(f"--amp_dtype: got {amp_dtype!r}; expected one of {', '.join(AMP_DTYPES)}")
+    if amp_dtype != "auto" and not use_amp:
+        raise ValueError(f"--amp_dtype: got {amp_dtype!r} without --use_amp; expected --use_amp too (or auto)")
+    on_cpu = device == "cpu" or (device == "auto" and not cuda_available)
+    if amp_dtype == "fp16" and on_cpu:
+        raise ValueError(f"--amp_dtype: got 'fp16' with --device {device} (the CPU here); expected auto or bf16 "
+                         "(fp16 autocast and its GradScaler need CUDA)")
 
 
 def check_sharding(config: Any, cuda_available: bool) -> None:

@@ -7,7 +7,8 @@ optimizer and scheduler if you gave them, and the defaults below otherwise:
   parameter, or with `--no-decay_norms_and_biases` only on those of two or more dimensions: a second
   parameter group without decay holds the biases and norm scales);
 - a linear warm-up (`--warmup_steps`) then cosine decay to zero over all epochs;
-- a GradScaler, enabled only for fp16 autocast (`--use_amp` on CUDA); bf16 on CPU needs none.
+- a GradScaler, enabled only for fp16 autocast (`--use_amp` on CUDA, `--amp_dtype auto` or `fp16`);
+  bf16 (on the CPU, or `--amp_dtype bf16` on CUDA) needs none.
 
 Not guaranteed: a scheduler you bring is stepped once per optimizer step and saved with the
 state; one whose state_dict does not capture its position resumes from the wrong place.
@@ -59,10 +60,13 @@ def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
 
 
 def autocast_dtype(config: TrainingConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `--use_amp`: fp16 on CUDA, bf16 on CPU; None without AMP."""
+    """The autocast dtype of `--use_amp` and `--amp_dtype` (auto: fp16 on CUDA, bf16 on CPU); None
+    without AMP. Only fp16 enables the GradScaler (`build_training_state`)."""
     if not config.use_amp:
         return None
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+    if config.amp_dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.bfloat16 if config.amp_dtype == "bf16" else torch.float16
 
 
 def build_training_state(model: torch.nn.Module, dataset_size: int, config: TrainingConfig, device: torch.device,

@@ -1,4 +1,4 @@
-"""fp16 autocast with GradScaler on one GPU: the scale moves, skipped updates are counted, and a run
+"""fp16 autocast with GradScaler on one GPU (and bf16 without one, --amp_dtype bf16): the scale moves, skipped updates are counted, and a run
 interrupted and resumed from its snapshot equals an uninterrupted one bit for bit (model, optimizer,
 scaler, CUDA RNG), as tests/unit/test_resume.py checks on the CPU.
 
@@ -70,6 +70,21 @@ def test_resumed_amp_run_equals_an_uninterrupted_run(tmp_path, crash_step, deter
     assert result["grad_scaler"] == expected["grad_scaler"] is not None
     for key, state in expected["optimizer"]["state"].items():
         assert torch.equal(result["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+
+
+def test_bf16_on_cuda_needs_no_scaler_and_resumes_exactly(tmp_path, deterministic_cuda):
+    """--amp_dtype bf16: autocast to bf16 on the GPU, no GradScaler, a resume bit-equal."""
+    reference = _amp_config(tmp_path / "reference", amp_dtype="bf16", memory_copies=False)
+    trainer = _trainer(reference)
+    assert trainer.autocast_dtype is torch.bfloat16 and not trainer.state.grad_scaler.scaler.is_enabled()
+    trainer.fit()
+    interrupted = _amp_config(tmp_path / "interrupted", amp_dtype="bf16", memory_copies=False)
+    with pytest.raises(Crash):
+        _trainer(interrupted, after_step=crash_at(5)).fit()
+    _trainer(interrupted).fit()
+    expected, result = load_snapshot(reference.checkpoint_dir), load_snapshot(interrupted.checkpoint_dir)
+    assert result["grad_scaler"] is None and result["global_step"] == expected["global_step"]
+    assert_same_parameters(result["model"], expected["model"])
 
 
 def test_the_cuda_rng_state_is_part_of_the_snapshot_and_restored(tmp_path):
