@@ -141,6 +141,10 @@ class TrainingConfig:
         "training and a drain's final snapshot wait no longer. A snapshot point waits at most 30 s (or 4x the last "
         "write's time) and skips its snapshot, reported, while a write hangs (docs/snapshots.md).", default=600.0)
     use_amp: bool = _help("Mixed precision: fp16 with GradScaler on CUDA, bf16 autocast on CPU.", default=False)
+    compile: bool = _help(
+        "torch.compile the model's training forward and backward (inductor). Each new worker compiles again before "
+        "its first step (docs/custom-model.md has the cost); snapshots hold the model's own state dict.",
+        default=False)
     amp_dtype: str = _help(
         f"With --use_amp, the autocast dtype: {' or '.join(AMP_DTYPES)}. auto: fp16 with a GradScaler on CUDA, bf16 on "
         "the CPU; bf16: on CUDA too, with no GradScaler (fp32's range: nothing overflows); fp16: CUDA only.",

@@ -87,6 +87,7 @@ class Trainer:
         self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
         self.model = place_model(model, config.sharding, config.shard_blocks, self.context.device)
         self.ddp_model: nn.Module = self.model
+        self.step_model: nn.Module = self.model  # what a training step calls: ddp_model, compiled with --compile
         self.state = build_training_state(self.model, len(dataset), config, self.context.device, optimizer, scheduler)
         self.fingerprint = run_fingerprint(self.model, len(dataset), config.global_batch_size, config.seed,
                                            config.drop_last)
@@ -158,6 +159,9 @@ class Trainer:
             # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
             self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids, init_sync=not restored)
             keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
+        # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
+        # module; the model itself stays uncompiled, so its state dict keeps its own names.
+        self.step_model = torch.compile(self.ddp_model) if self.config.compile else self.ddp_model
 
     # ------------------------------------------------------------------------------- training
 
@@ -201,7 +205,7 @@ class Trainer:
             with sync:
                 with torch.autocast(self.context.device.type, dtype=self.autocast_dtype,
                                     enabled=self.autocast_dtype is not None):
-                    losses = self.loss_fn(self.ddp_model(inputs), targets)
+                    losses = self.loss_fn(self.step_model(inputs), targets)
                 check_per_sample(losses, len(inputs))
                 losses = losses.float()
                 torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, loss_scale)))
