@@ -17,7 +17,9 @@ contract); the warm launcher is optional. A worker sees the flags, runs under ev
 backend, and can leave behind a small process that watches the agent.
 
 Not guaranteed: the server outlives its agent by up to `WATCH_INTERVAL_S`; a server killed on its
-own (not with its node) comes back only at the node's next worker-group start.
+own (not with its node) comes back only at the node's next worker-group start. Several nodes of one
+run on one machine share one server (the first one's address and port); the others say so in one
+warning (`served_elsewhere`) instead of serving their own `--metrics_port`.
 """
 
 from __future__ import annotations
@@ -167,7 +169,21 @@ def serve_node_metrics(config: TrainingConfig, context: DistributedContext) -> E
     endpoint, started = ensure_server(directory, config.metrics_addr, config.metrics_port, watched)
     logger.info("metrics: %s (%s, pid %d)", endpoint.url,
                 "server started" if started else "served since an earlier worker group", endpoint.pid)
+    shared = served_elsewhere(endpoint, watched, config.metrics_addr, config.metrics_port)
+    if shared:
+        logger.warning("%s", shared)
     return endpoint
+
+
+def served_elsewhere(endpoint: Endpoint, watched_pid: int, addr: str, port: int) -> str | None:
+    """The line that says where this node's metrics are served when it is not where its flags ask:
+    several nodes of one run on one machine (one user, one --checkpoint_dir) share one metrics
+    directory, so the first node's server serves them all, on its own address and port."""
+    if endpoint.watched_pid == watched_pid or (endpoint.addr == addr and port in (0, endpoint.port)):
+        return None
+    return (f"metrics: --metrics_addr {addr} --metrics_port {port} is not served: this run's nodes on this machine "
+            f"share one metrics directory, whose server (pid {endpoint.pid}, for the node of agent pid "
+            f"{endpoint.watched_pid}) serves them all at {endpoint.url}; scrape that URL")
 
 
 def ensure_server(directory: Path, addr: str, port: int, watched_pid: int,

@@ -27,7 +27,13 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runlog.metrics import COUNTERS, GAUGES, PREFIX, RunMetrics, open_node_metrics
 from elastic_ddp.runlog.metrics_agent import exposed_names as agent_series
-from elastic_ddp.runlog.metrics_node import forget_stale_gauges, metrics_directory, remove_files_of_ended_processes
+from elastic_ddp.runlog.metrics_node import (
+    Endpoint,
+    forget_stale_gauges,
+    metrics_directory,
+    remove_files_of_ended_processes,
+    served_elsewhere,
+)
 from elastic_ddp.runlog.metrics_server import MAX_CONNECTIONS, MetricsHTTPServer
 from elastic_ddp.runlog.reader import PreviousIncarnation
 
@@ -350,3 +356,17 @@ def test_clients_that_trickle_their_requests_are_dropped_at_the_deadline_and_scr
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+def test_a_second_node_on_the_machine_says_where_its_metrics_are_served():
+    """Two nodes of one run on one machine share the first one's server: the second, asked for
+    another port, names the URL that serves it instead of nothing at all."""
+    first = Endpoint(addr="127.0.0.1", port=9101, pid=500, start_ticks=1, watched_pid=100, watched_start_ticks=1)
+    assert served_elsewhere(first, 100, "127.0.0.1", 9101) is None  # its own server
+    assert served_elsewhere(first, 200, "127.0.0.1", 0) is None  # any port would do
+    assert served_elsewhere(first, 200, "127.0.0.1", 9101) is None  # the very port asked for
+    line = served_elsewhere(first, 200, "127.0.0.1", 9102)
+    assert line == ("metrics: --metrics_addr 127.0.0.1 --metrics_port 9102 is not served: this run's nodes on this "
+                    "machine share one metrics directory, whose server (pid 500, for the node of agent pid 100) "
+                    "serves them all at http://127.0.0.1:9101/metrics; scrape that URL")
+    assert served_elsewhere(first, 200, "0.0.0.0", 0) is not None  # another address asked for
