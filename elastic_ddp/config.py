@@ -41,8 +41,11 @@ from elastic_ddp.config_checks import (
 from elastic_ddp.config_file import ConfigFileError, load_config_file
 from elastic_ddp.workload.sampler import steps_per_epoch
 
-MODELS = ("mini_resnet", "mlp")
+MODELS = ("mini_resnet", "mlp", "gpt")
 SYNTHETIC = "synthetic"  # the built-in dataset (elastic_ddp/workload/data.py)
+TOKENS = "tokens"  # windows of --token_file (elastic_ddp/workload/tokens.py)
+# --model gpt's sizes (elastic_ddp/workload/gpt.py), by flag; --block_size also sizes --dataset tokens' windows.
+GPT_SIZE_DEFAULTS = {"vocab_size": 256, "block_size": 64, "gpt_layers": 2, "gpt_heads": 2, "gpt_embed": 64}
 SYNTHETIC_SIZE = 4096  # its default length
 OPTIMIZERS = ("sgd", "adamw")
 LOSSES = ("cross_entropy", "mse")
@@ -88,12 +91,29 @@ class TrainingConfig:
     warmup_steps: int = _help("Optimizer steps of linear learning-rate warm-up.", default=0)
     seed: int = _help("Seed of the model initialisation, the data order and the augmentation.", default=0)
     model: str = _help(
-        f"A built-in model ({' or '.join(MODELS)}; mlp has no batch-dependent layers) or {IMPORT_PATH_FORM}: a "
+        f"A built-in model ({' or '.join(MODELS)}; mlp and gpt have no batch-dependent layers; gpt: a small "
+        f"decoder-only transformer for --dataset {TOKENS}, sized by --gpt_*) or {IMPORT_PATH_FORM}: a "
         "callable with no arguments that returns a torch.nn.Module (torch is seeded from --seed first).",
         default="mini_resnet")
     dataset: str = _help(
-        f"Training data: {SYNTHETIC} (built-in images) or {IMPORT_PATH_FORM}: a callable with no arguments "
-        "that returns a map-style dataset of (input, target) samples.", default=SYNTHETIC)
+        f"Training data: {SYNTHETIC} (built-in images), {TOKENS} (windows of --token_file, for language models) or "
+        f"{IMPORT_PATH_FORM}: a callable with no arguments that returns a map-style dataset of (input, target) "
+        "samples.", default=SYNTHETIC)
+    token_file: str | None = _help(
+        f"With --dataset {TOKENS}: a flat file of token ids, little-endian uint16 (nanoGPT's train.bin), memory-"
+        "mapped; each sample is a window of --block_size tokens, the target the same window one token later.",
+        default=None)
+    block_size: int | None = _help(
+        f"Tokens per sample of --dataset {TOKENS}, and the context of --model gpt (default "
+        f"{GPT_SIZE_DEFAULTS['block_size']}).", default=None)
+    vocab_size: int | None = _help(
+        f"--model gpt's vocabulary (default {GPT_SIZE_DEFAULTS['vocab_size']}: bytes); every id in --token_file "
+        "must be below it.", default=None)
+    gpt_layers: int | None = _help(f"--model gpt's blocks (default {GPT_SIZE_DEFAULTS['gpt_layers']}).", default=None)
+    gpt_heads: int | None = _help(f"--model gpt's attention heads (default {GPT_SIZE_DEFAULTS['gpt_heads']}).",
+                                  default=None)
+    gpt_embed: int | None = _help(
+        f"--model gpt's width, a multiple of --gpt_heads (default {GPT_SIZE_DEFAULTS['gpt_embed']}).", default=None)
     dataset_size: int | None = _help(
         f"Length of the built-in {SYNTHETIC} dataset (default {SYNTHETIC_SIZE}); built-in only: an error with "
         "--dataset of your own.", default=None)
@@ -198,7 +218,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._check_workload()
         check_finite(self)
-        check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval")
+        check_positive(self, "epochs", "global_batch_size", "micro_batch_size", "dataset_size", "log_interval",
+                       *GPT_SIZE_DEFAULTS)
         check_non_negative(self, "snapshot_every_steps", "num_workers", "warmup_steps", "weight_decay",
                             "snapshot_replicas", "min_step_time_s", "eval_every_steps", "max_grad_norm")
         if not self.lr > 0:
@@ -252,7 +273,8 @@ class TrainingConfig:
         """The form of the workload flags; fills in the built-in dataset's defaults."""
         self.betas = tuple(self.betas)  # a list from a config file or the library
         check_choice_or_import_path("model", self.model, MODELS)
-        check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC,))
+        check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC, TOKENS))
+        self._check_language_model()
         check_choice_or_import_path("loss", self.loss, LOSSES)
         if self.eval_dataset is not None:
             check_choice_or_import_path("eval_dataset", self.eval_dataset, (SYNTHETIC,))
@@ -267,6 +289,23 @@ class TrainingConfig:
             if getattr(self, name) is not None:
                 raise ValueError(f"--{name}: got {getattr(self, name)} with --dataset {self.dataset}; it applies to "
                                  f"the built-in {SYNTHETIC} dataset only: leave it out")
+
+    def _check_language_model(self) -> None:
+        """--token_file with --dataset tokens and only then; the sizes with the model or data they size,
+        filled with GPT_SIZE_DEFAULTS there; --gpt_embed a multiple of --gpt_heads."""
+        if (self.dataset == TOKENS) != (self.token_file is not None):
+            raise ValueError(f"--token_file: got {self.token_file!r} with --dataset {self.dataset}; expected both "
+                             f"(--dataset {TOKENS} --token_file PATH) or neither")
+        for name, default in GPT_SIZE_DEFAULTS.items():
+            used = self.model == "gpt" or (name == "block_size" and self.dataset == TOKENS)
+            if getattr(self, name) is not None and not used:
+                sized = "--model gpt and --dataset tokens" if name == "block_size" else "--model gpt"
+                raise ValueError(f"--{name}: got {getattr(self, name)} with --model {self.model} and --dataset "
+                                 f"{self.dataset}; it sizes {sized} only: leave it out")
+            if used and getattr(self, name) is None:
+                setattr(self, name, default)
+        if self.model == "gpt" and self.gpt_heads > 0 and self.gpt_embed % self.gpt_heads:
+            raise ValueError(f"--gpt_embed: got {self.gpt_embed}; expected a multiple of --gpt_heads ({self.gpt_heads})")
 
     @property
     def steps_per_epoch(self) -> int:

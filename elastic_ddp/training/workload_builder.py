@@ -1,7 +1,7 @@
 """What to train, from the config: the model, the data, the held-out data, the loss, the augmentation.
 
-`build_workload(config)` builds the built-ins (`--model mini_resnet|mlp`, `--dataset synthetic`,
-`--loss cross_entropy|mse`) or imports yours (`package.module:callable`, elastic_ddp/workload/user_code.py).
+`build_workload(config)` builds the built-ins (`--model mini_resnet|mlp|gpt`, `--dataset
+synthetic|tokens`, `--loss cross_entropy|mse`) or imports yours (`package.module:callable`, elastic_ddp/workload/user_code.py).
 Call it before the process group starts: a bad import path, a model that is not an nn.Module, an
 empty dataset or one too small for `--drop_last` raises `UserCodeError` (a ValueError) with one line,
 and no peer waits for this rank in a collective meanwhile.
@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_ddp.config import MODELS, SYNTHETIC, TrainingConfig
+from elastic_ddp.config import MODELS, SYNTHETIC, TOKENS, TrainingConfig
 from elastic_ddp.workload.data import SampleTransform, SyntheticImageDataset, random_horizontal_flip
+from elastic_ddp.workload.gpt import GPT
 from elastic_ddp.workload.losses import LossFn, per_sample_cross_entropy, per_sample_mse
 from elastic_ddp.workload.models import build_model
+from elastic_ddp.workload.tokens import TokenWindows
 from elastic_ddp.workload.user_code import UserCodeError, build_user_dataset, build_user_model, resolve
 
 BUILTIN_LOSSES: dict[str, LossFn] = {"cross_entropy": per_sample_cross_entropy, "mse": per_sample_mse}
@@ -44,8 +47,7 @@ def build_workload(config: TrainingConfig) -> Workload:
     eval_dataset = (None if config.eval_dataset is None
                     else _dataset("--eval_dataset", config.eval_dataset, config, held_out=True))
     return Workload(
-        model=(build_model(config.model, config.seed) if config.model in MODELS
-               else build_user_model("--model", config.model, config.seed)),
+        model=_model(config),
         dataset=dataset,
         eval_dataset=eval_dataset,
         loss_fn=BUILTIN_LOSSES[config.loss] if config.loss in BUILTIN_LOSSES else resolve("--loss", config.loss),
@@ -53,7 +55,23 @@ def build_workload(config: TrainingConfig) -> Workload:
     )
 
 
+def _model(config: TrainingConfig) -> nn.Module:
+    if config.model == "gpt":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            return GPT(config.vocab_size, config.block_size, config.gpt_layers, config.gpt_heads, config.gpt_embed)
+    if config.model in MODELS:
+        return build_model(config.model, config.seed)
+    return build_user_model("--model", config.model, config.seed)
+
+
 def _dataset(flag: str, value: str, config: TrainingConfig, held_out: bool) -> Dataset:
+    if value == TOKENS:
+        # Without --model gpt nothing bounds the ids but their type (uint16).
+        try:
+            return TokenWindows(config.token_file, config.block_size, config.vocab_size or 1 << 16)
+        except ValueError as exc:
+            raise UserCodeError(str(exc)) from None
     if value != SYNTHETIC:
         return build_user_dataset(flag, value)
     if not held_out:

@@ -11,6 +11,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per sample; for sequences (logits (N, T, classes), targets (N, T): a language
+    model's), the mean over each sample's positions."""
+    if outputs.dim() == 3:
+        losses = nn.functional.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
+        return losses.view(targets.shape).mean(dim=1)
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 

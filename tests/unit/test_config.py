@@ -30,7 +30,7 @@ def test_cli_parses_values_and_boolean_pairs():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"epochs": 0}, "--epochs: got 0; expected a positive integer"),
-    ({"model": "resnet50"}, "--model: got 'resnet50'; expected mini_resnet or mlp, or an import path package.module:callable"),
+    ({"model": "resnet50"}, "--model: got 'resnet50'; expected mini_resnet or mlp or gpt, or an import path package.module:callable"),
     ({"keep_last": 1}, "--keep_last: got 1; expected at least 2"),
     ({"micro_batch_size": 128, "global_batch_size": 64}, "--micro_batch_size: got 128; expected at most --global_batch_size (64)"),
     ({"snapshot_every_steps": -1}, "--snapshot_every_steps: got -1; expected 0 or more"),
@@ -140,8 +140,8 @@ def test_optimizer_betas_loss_and_evaluation_flags():
     ({"betas": (0.9, 1.0)}, "--betas: got 0.9 1.0; expected two numbers in [0, 1)"),
     ({"betas": (0.9,)}, "--betas: got 0.9; expected two numbers in [0, 1)"),
     ({"loss": "hinge"}, "--loss: got 'hinge'; expected cross_entropy or mse, or an import path package.module:callable"),
-    ({"dataset": "cifar10"}, "--dataset: got 'cifar10'; expected synthetic, or an import path"),
-    ({"model": "pkg.mod:"}, "--model: got 'pkg.mod:'; expected mini_resnet or mlp, or an import path"),
+    ({"dataset": "cifar10"}, "--dataset: got 'cifar10'; expected synthetic or tokens, or an import path"),
+    ({"model": "pkg.mod:"}, "--model: got 'pkg.mod:'; expected mini_resnet or mlp or gpt, or an import path"),
     ({"eval_dataset": "a-b:c"}, "--eval_dataset: got 'a-b:c'; expected synthetic, or an import path"),
     ({"eval_every_steps": 10}, "--eval_every_steps: got 10 without --eval_dataset; expected --eval_dataset too"),
     ({"eval_every_steps": -1, "eval_dataset": "synthetic"}, "--eval_every_steps: got -1; expected 0 or more"),
