@@ -69,6 +69,7 @@ STANDARD_FDS = (0, 1, 2)
 LENGTH = struct.Struct("=I")
 RECORD = struct.Struct("=cq")
 CREDENTIALS = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 # The child's pid; its exit code; the signal that killed it; the server's refusal (an errno) before any fork.
 STARTED, EXITED, KILLED, REFUSED = b"P", b"X", b"S", b"R"
 # The handshake: each side sends a fresh nonce; the server answers the client's with its proof, the
@@ -140,8 +141,11 @@ def _connect(address: bytes, key: bytes) -> socket.socket:
     client has proved it (module docstring); nothing else is sent before the server's proof."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.settimeout(ANSWER_TIMEOUT_S)  # a full backlog blocks connect() too
+        # A Unix socket's connect() to a full backlog waits, up to SO_SNDTIMEO; with Python's own
+        # timeout (a non-blocking socket) it would fail at once with EAGAIN instead.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, TIMEVAL.pack(int(ANSWER_TIMEOUT_S), 0))
         connection.connect(address)
+        connection.settimeout(ANSWER_TIMEOUT_S)
         if peer_credentials(connection)[1] != os.getuid():
             raise WarmWorkerUnavailable("the server runs as another user: refused")
         asked = os.urandom(NONCE_BYTES)

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_ddp.agent.rendezvous.plugin import start_warm_workers, take_warm_workers
+from elastic_ddp.agent.warm_workers import MAX_HANDSHAKES
 from elastic_ddp.runtime.procfs import command_line, process_is_alive, read_stat
 from elastic_ddp.warm_client import (
     CLIENT_LABEL,
@@ -433,6 +434,27 @@ def no_fd_after_one_more(pid: int) -> int:
     gaps = max(open_fds) + 1 - len(open_fds)
     assert gaps <= 1, f"process {pid}'s fds {sorted(open_fds)} have {gaps} gaps: no limit leaves exactly one free"
     return max(open_fds) + 2 - gaps
+
+
+def test_connections_that_never_prove_the_key_do_not_hold_the_server(own_agent):
+    """More silent connections than the server keeps waiting for a proof (the oldest are pushed
+    out): a worker that comes after them still starts warm, and nothing was forked for them."""
+    silent = []
+    try:
+        for _ in range(MAX_HANDSHAKES + 6):
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connection.connect(own_agent.address)  # blocking: waits while the backlog is full
+            silent.append(connection)
+        client = own_agent.client("exit", "0")
+        _, err = client.communicate(timeout=BOUND_S)
+        assert client.returncode == 0 and "forked warm by the server" in err, err
+        children = [p for p in os.listdir("/proc") if p.isdigit() and (stat := read_stat(p)) is not None
+                    and stat.parent == own_agent.server_pid()]
+        assert children == [], f"children forked for connections without a proof: {children}"
+    finally:
+        for connection in silent:
+            connection.close()
+    assert "too many connections without a proof" in own_agent.stop()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user (nobody)")
