@@ -9,7 +9,7 @@ CPU time of this process (every thread: gRPC's too) and of the etcd process is d
 The kinds: `view` (a waiting node's look at the round, every 0.1 s), `waiting` (torchrun's monitor
 loop, `num_nodes_waiting`, every 0.1 s), `arrivals` (the closer's read of a round's arrivals) and
 `refresh` (the node lease's keep-alive, every `keep_alive_interval`). These are the figures that say
-what N agents polling cost a machine that runs them all (docs/benchmarks.md, "Rendezvous at scale").
+what N agents polling cost a machine that runs them all (docs/benchmarks-history.md, "Rendezvous at scale").
 Limits: one client, no contention; the answer's wall time includes the loopback round trip only.
 """
 

@@ -9,7 +9,7 @@ The phases, the agents and what is counted are those of `benchmarks.rendezvous_s
 docstring): each agent is the handler torchrun builds for the backend (`rendezvous_agents.make_agent`)
 running torchrun's monitor loop, through a first round, the kill of one agent and the join of one,
 on one local etcd. What differs is that every agent is a thread here, so that 256 of them fit on 2
-cores (256 agent processes saturated them and the local etcd answered too late; docs/benchmarks.md,
+cores (256 agent processes saturated them and the local etcd answered too late; docs/benchmarks-history.md,
 "Rendezvous at scale"). A thread cannot be SIGKILLed, so the kill is what a SIGKILL does to an agent
 as the others see it: its lease or heartbeats are no longer refreshed and its beacon refuses
 connections (its etcd connection stays open, idle).

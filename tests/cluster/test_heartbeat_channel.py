@@ -178,7 +178,7 @@ def test_nodes_waiting_in_a_round_that_forms_for_longer_than_the_expiry_stay_in_
 def test_a_node_busy_in_the_rendezvous_keeps_beating_on_the_channel(shared_etcd_server, run_id):
     """torch stops a node's heartbeat thread while it is in `next_rendezvous`, and leaving a round
     sends no heartbeat: 63 agents leaving at once each waited seconds for a winning write and
-    expired meanwhile (docs/benchmarks.md). Every sync of our state holder now beats on the
+    expired meanwhile (docs/benchmarks-history.md). Every sync of our state holder now beats on the
     channel when the last beat is an interval old: here a node whose heartbeat thread is stopped
     only syncs, for two expiries, and its peer keeps it."""
     busy, peer = [handler(shared_etcd_server, run_id, keep_alive_interval="1", keep_alive_max_attempt="2",

@@ -136,7 +136,7 @@ class CountingStore(dist.Store):
 
 def test_beacons_are_looked_up_a_bounded_batch_at_a_time_with_one_read_for_the_batch(store):
     """After a round of 64 completed, every agent looked up 63 beacons at one sync, two store
-    reads each, which held etcd and every agent for 8 s (docs/benchmarks.md). Now at most
+    reads each, which held etcd and every agent for 8 s (docs/benchmarks-history.md). Now at most
     OBSERVE_PER_SYNC per sync, found with one check and one multi_get; a port that is not one is
     never probed, and the other nodes are still learnt."""
     from elastic_ddp.agent.rendezvous.liveness import OBSERVE_PER_SYNC
@@ -161,7 +161,7 @@ def test_beacons_are_looked_up_a_bounded_batch_at_a_time_with_one_read_for_the_b
 
 def test_agents_waiting_in_a_forming_round_do_not_probe_live_peers(store, monkeypatch):
     """Live peers that joined the forming round beat their heartbeats: none is a suspect. Probing
-    all of them at every sync made the rendezvous of 16+ agents churn (docs/benchmarks.md)."""
+    all of them at every sync made the rendezvous of 16+ agents churn (docs/benchmarks-history.md)."""
     from elastic_ddp.agent.rendezvous import liveness
 
     probes = []

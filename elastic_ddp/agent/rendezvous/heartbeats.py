@@ -3,7 +3,7 @@
 torch's dynamic rendezvous keeps every node's heartbeat in the one state value that all agents
 change by compare-and-set. A heartbeat is then a write of the whole state that competes with every
 join and leave: 64 agents beating once a second need 64 winning writes a second before any join
-gets one, and etcd-v3 wins about 20 a second on a 2-core machine (docs/benchmarks.md, "Rendezvous
+gets one, and etcd-v3 wins about 20 a second on a 2-core machine (docs/benchmarks-history.md, "Rendezvous
 at scale"). With a `HeartbeatChannel`, `state_holder.ElasticStateHolder` publishes a heartbeat
 that is the only change of its state as a plain write of its own key, which never conflicts, and
 merges the peers' published beats into every state it reads before torch looks for expired nodes.

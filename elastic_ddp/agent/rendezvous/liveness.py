@@ -19,7 +19,7 @@ of a complete round that this node has left (after a failure every live agent le
 and rejoins; one that stays is the likely dead one), and any node whose heartbeat is overdue (1.5
 heartbeat intervals). Probing every node at every sync instead cost N - 1 connections per agent
 ten times a second: at 16 simulated agents the first rendezvous took up to 51 s
-(docs/benchmarks.md, "Rendezvous at scale"). Heartbeats carry their writer's clock, so clock skew
+(docs/benchmarks-history.md, "Rendezvous at scale"). Heartbeats carry their writer's clock, so clock skew
 between machines changes how often a node is probed, never which nodes a probe can remove. A node
 killed while it waits in a forming round is found once its heartbeat is overdue (1.5 s shipped).
 
@@ -50,7 +50,7 @@ are no death probes then; a peer is probed once, when first seen, to learn that 
 At most `OBSERVE_PER_SYNC` new peers are looked up at one sync, their beacon ports in one read
 where the store has the extended API: 64 agents that each looked up 63 peers at the sync after a
 round completed, two store reads each, held etcd and every agent for 8 s, long enough for their
-heartbeats to expire (docs/benchmarks.md, "Rendezvous at scale").
+heartbeats to expire (docs/benchmarks-history.md, "Rendezvous at scale").
 
 The probes run in our state holder (`rendezvous.state_holder`), which our backends build
 (`rendezvous.handler`). Limits: relies on torch's private state holder and handler attributes, all

@@ -20,7 +20,7 @@ torch would do anyway:
   deadline one `last_call_timeout` after its arrival). A round so completes once no node has
   arrived for a last call, instead of after a fixed second in which many nodes cannot all write
   the state (63 agents re-entering after a kill): part of them formed a round and the others
-  restarted it (docs/benchmarks.md, "Rendezvous at scale"). Bounded: a round completes at
+  restarted it (docs/benchmarks-history.md, "Rendezvous at scale"). Bounded: a round completes at
   `max_nodes`, so at most `max_nodes` arrivals each restart it (`extend_last_call=0` turns this
   off).
 

@@ -102,7 +102,7 @@ def name_methods_cheaply() -> None:
     torch's version calls `inspect.stack()` twice, which builds every frame's source context (it
     stats and reads the source files), for the event it records at every rendezvous action: in the
     rendezvous-at-scale benchmark that was most of all the agents' time at 32 agents
-    (docs/benchmarks.md). `sys._getframe(depth)` names the same frame: depth 0 is this function,
+    (docs/benchmarks-history.md). `sys._getframe(depth)` names the same frame: depth 0 is this function,
     as `inspect.stack()[0]` is torch's. Process-wide, idempotent; called by our backends only.
     """
     dynamic_rendezvous.get_method_name = _method_name

@@ -31,7 +31,7 @@ state beside its model in the common case (two at most, when the better source's
 refused) and no copy of the bytes; these stay in the file, mapped, until served or written. A
 receiver holds the bytes that arrived and the state loaded from them (2x the state). No step of
 this holds the GIL for long, so the peer watchdog's heartbeat goes on during a restore
-(tests/unit/test_large_state_restore.py, docs/benchmarks.md "Large state").
+(tests/unit/test_large_state_restore.py, docs/benchmarks-history.md "Large state").
 
 When no rank has a usable state but some rank found only snapshots of an incompatible run, every
 rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than silently

@@ -4,7 +4,7 @@ A checksum is written `ALGORITHM:HEXDIGEST` (`blake3:9f2c...`) in manifests, eve
 headers, so that files written with one algorithm stay readable when the default changes. New
 snapshots use `DEFAULT_ALGORITHM`; files of format 1 carry `sha256`.
 
-Why BLAKE3 (docs/benchmarks.md, "Checksums", has the measurements): it is a cryptographic hash like
+Why BLAKE3 (docs/benchmarks-history.md, "Checksums", has the measurements): it is a cryptographic hash like
 sha256 (a checksum that matches proves the bytes are the ones written, not just probably), and it
 is 2.4 times faster than sha256 on one core even where sha256 has CPU instructions of its own
 (about 6 times without them), so hashing on one thread keeps up with the disk. xxh3 is faster
@@ -38,7 +38,7 @@ def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
     """A running hash of `algorithm` (ValueError for an unknown one)."""
     if algorithm == "blake3":
         # One thread: at about 4 GB/s it already outruns the disk, and on a training node the
-        # other cores belong to training (docs/benchmarks.md, "Checksums"). The GIL is released.
+        # other cores belong to training (docs/benchmarks-history.md, "Checksums"). The GIL is released.
         return blake3.blake3()
     if algorithm == "sha256":
         return hashlib.sha256()

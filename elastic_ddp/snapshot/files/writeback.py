@@ -4,7 +4,7 @@ A snapshot write is `write()` into the page cache, then one `fsync()` that waits
 Done that way, serialising and hashing (CPU) and the device's write never overlap: the device
 idles until the fsync, then the CPU idles. `start_writeback` is called after every
 `WRITEBACK_BYTES` written, so the device works on the first megabytes while the next ones are
-produced, and the final fsync finds little left (docs/benchmarks.md, "Checksums and the writer":
+produced, and the final fsync finds little left (docs/benchmarks-history.md, "Checksums and the writer":
 alone it took the writer from 0.6 to 0.9 (100 MB) and 0.74 (1 GB) of a plain write + fsync; with
 the hashing alongside the write, 0.97 and 1.19).
 
