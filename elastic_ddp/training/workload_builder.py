@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import MODELS, SYNTHETIC, TOKENS, TrainingConfig
 from elastic_ddp.workload.data import SampleTransform, SyntheticImageDataset, random_horizontal_flip
-from elastic_ddp.workload.gpt import GPT
 from elastic_ddp.workload.losses import LossFn, per_sample_cross_entropy, per_sample_mse
 from elastic_ddp.workload.models import build_model
 from elastic_ddp.workload.tokens import TokenWindows
@@ -57,9 +55,8 @@ def build_workload(config: TrainingConfig) -> Workload:
 
 def _model(config: TrainingConfig) -> nn.Module:
     if config.model == "gpt":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            return GPT(config.vocab_size, config.block_size, config.gpt_layers, config.gpt_heads, config.gpt_embed)
+        return build_model("gpt", config.seed, vocab_size=config.vocab_size, block_size=config.block_size,
+                           layers=config.gpt_layers, heads=config.gpt_heads, embed=config.gpt_embed)
     if config.model in MODELS:
         return build_model(config.model, config.seed)
     return build_user_model("--model", config.model, config.seed)

@@ -1,8 +1,9 @@
-"""The built-in models: a small ResNet (has BatchNorm) and an MLP (no batch-dependent layers).
+"""The built-in models: a small ResNet (has BatchNorm), an MLP (no batch-dependent layers), and
+`gpt` for token data (elastic_ddp/workload/gpt.py).
 
-Both take the images of `elastic_ddp.workload.data.SyntheticImageDataset` (3x16x16, 10 classes). Use the
-MLP when results must not depend on how a global batch is split over ranks: BatchNorm statistics
-are per rank, so MiniResNet's trajectory changes with the world size.
+The first two take the images of `elastic_ddp.workload.data.SyntheticImageDataset` (3x16x16, 10
+classes). Use the MLP when results must not depend on how a global batch is split over ranks:
+BatchNorm statistics are per rank, so MiniResNet's trajectory changes with the world size.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from elastic_ddp.workload.data import IMAGE_SHAPE, NUM_CLASSES
+from elastic_ddp.workload.gpt import GPT
 
 
 class ResidualBlock(nn.Module):
@@ -62,11 +64,12 @@ class MLP(nn.Module):
         return [module for module in self.net if isinstance(module, nn.Linear)]
 
 
-def build_model(name: str, seed: int) -> nn.Module:
-    """A built-in model by name, initialised from `seed` (the same weights on every rank)."""
-    builders = {"mini_resnet": MiniResNet, "mlp": MLP}
+def build_model(name: str, seed: int, **sizes: int) -> nn.Module:
+    """A built-in model by name, initialised from `seed` (the same weights on every rank); `sizes`:
+    the arguments of `gpt.GPT` for `gpt`."""
+    builders = {"mini_resnet": MiniResNet, "mlp": MLP, "gpt": GPT}
     if name not in builders:
         raise ValueError(f"--model: got {name!r}; expected one of {', '.join(builders)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return builders[name]()
+        return builders[name](**sizes)
