@@ -194,3 +194,18 @@ def test_both_keyed_boards_check_the_same_keys_and_refuse_those_they_would_ignor
     with pytest.raises(ValueError, match=expected):
         create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, **{key: value}))
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+
+
+@pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
+def test_a_key_neither_the_keyed_rendezvous_nor_the_board_reads_is_refused(monkeypatch, backend) -> None:
+    """A typo would leave the shipped value in force without a word: both boards refuse it, naming
+    it and what they accept; torchrun's own `timeout` and each board's keys are accepted."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
+    with pytest.raises(ValueError, match=rf"^--rdzv_conf last_call_timout: not a key of {backend} \(the keyed "
+                                         r"rendezvous\); expected one of .*join_timeout.*last_call_timeout"):
+        create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, timeout="900", last_call_timout="1"))
+    other_board = {"elastic-c10d": {"protocol": "https"}, "etcd-v3": {"is_host": "1"}}[backend]
+    with pytest.raises(ValueError, match=rf"^--rdzv_conf {next(iter(other_board))}: not a key of {backend}"):
+        create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, **other_board))
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ

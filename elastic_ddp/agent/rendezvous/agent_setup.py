@@ -1,10 +1,10 @@
 """What every handler of ours does to its torchrun agent before the first round, in one place.
 
-    settings = prepare_keyed_agent(params)      # both keyed boards (elastic-c10d, etcd-v3)
+    settings = prepare_keyed_agent(params, BOARD_KEYS)   # both keyed boards (elastic-c10d, etcd-v3)
 
 - the `--rdzv_conf` keys are checked before anything connects: a bad value is one `ValueError`
-  naming the key, and a key the keyed rendezvous would not read (`DYNAMIC_ONLY_KEYS`) is refused
-  rather than accepted and ignored; the shipped timing (`defaults.SHIPPED_RDZV_DEFAULTS`) fills
+  naming the key, and a key the keyed rendezvous would not read (`DYNAMIC_ONLY_KEYS`, or one that
+  neither it nor the board knows) is refused rather than accepted and ignored; the shipped timing (`defaults.SHIPPED_RDZV_DEFAULTS`) fills
   the keys left out;
 - the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, set
   in the agent that uses our backend, never at plugin load): the agent-shared store makes restarted
@@ -35,6 +35,10 @@ from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()  # torch numbers the handlers of one process the same way
 
+# The --rdzv_conf keys every keyed board reads, and `timeout`, which torchrun adds to every one (a
+# join timeout of torch's etcd-v2 backend; `join_timeout` is the one read here).
+KEYED_KEYS = frozenset({"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                        "prompt_completion", "probe_dead_nodes", "extend_last_call", "timeout"})
 # Keys of torch's dynamic rendezvous (`--rdzv_conf algorithm=dynamic`) that the keyed rendezvous
 # does not read, with what it does instead; `extend_last_call=1` is what it does, so only 0 is refused.
 DYNAMIC_ONLY_KEYS = {
@@ -45,10 +49,12 @@ DYNAMIC_ONLY_KEYS = {
 }
 
 
-def prepare_keyed_agent(params: RendezvousParameters) -> KeyedSettings:
+def prepare_keyed_agent(params: RendezvousParameters, board_keys: frozenset[str]) -> KeyedSettings:
     """The keyed rendezvous's settings from `params`, after the checks and the set-up of the module
-    docstring. Call it before connecting: a bad key raises ValueError and changes nothing."""
+    docstring; `board_keys`: the `--rdzv_conf` keys the board itself reads (its connection, its
+    store). Call it before connecting: a bad or unknown key raises ValueError and changes nothing."""
     refuse_dynamic_only_keys(params)
+    refuse_unknown_keys(params, board_keys)
     settings = KeyedSettings.from_params(params)
     never_share_agent_store()
     name_the_workers_interface(params.local_addr)
@@ -69,6 +75,17 @@ def refuse_dynamic_only_keys(params: RendezvousParameters) -> None:
             continue
         raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the keyed rendezvous (the default algorithm of "
                          f"{params.backend}) does not read: {instead}; remove the key")
+
+
+def refuse_unknown_keys(params: RendezvousParameters, board_keys: frozenset[str]) -> None:
+    """ValueError naming the first `--rdzv_conf` key that neither the keyed rendezvous nor the board
+    reads (a typo such as `last_call_timout` would otherwise leave the shipped value in force
+    without a word), with the keys accepted."""
+    known = KEYED_KEYS | board_keys
+    unknown = sorted(set(params.config) - known - DYNAMIC_ONLY_KEYS.keys())
+    if unknown:
+        raise ValueError(f"--rdzv_conf {unknown[0]}: not a key of {params.backend} (the keyed rendezvous); expected "
+                         f"one of {', '.join(sorted(known - {'timeout'}))}")
 
 
 def never_share_agent_store() -> None:

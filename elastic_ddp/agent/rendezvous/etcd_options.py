@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastic_ddp/rendezvous"
 
-# The keys this module reads.
-_OWN_KEYS = frozenset({
+# The --rdzv_conf keys this module reads (the etcd board's own, for agent_setup's check).
+ETCD_KEYS = frozenset({
     "protocol", "ca_cert", "cert", "key", "user", "password_file", "read_timeout", "retry_timeout",
     "key_prefix", "ttl", "plaintext_credentials",
 })
@@ -92,10 +92,10 @@ class EtcdV3Options:
     def from_params(cls, params: RendezvousParameters) -> EtcdV3Options:
         """Parse `--rdzv_endpoint` and `--rdzv_conf`; raise ValueError on the first bad value."""
         config = params.config
-        unknown = sorted(set(config) - _OWN_KEYS - _HANDLER_KEYS)
+        unknown = sorted(set(config) - ETCD_KEYS - _HANDLER_KEYS)
         if unknown:
             logger.warning("etcd-v3 ignores the rdzv_conf key(s) %s; known keys: %s",
-                           ", ".join(unknown), ", ".join(sorted(_OWN_KEYS | _HANDLER_KEYS)))
+                           ", ".join(unknown), ", ".join(sorted(ETCD_KEYS | _HANDLER_KEYS)))
         protocol = _choice(config, "protocol", "http", ("http", "https"))
         ca_cert = _readable_file(config, "ca_cert")
         cert = _readable_file(config, "cert")

@@ -299,13 +299,17 @@ class StoreRoundBoard:
         return self._add("closed", 0) > 0
 
 
+# The --rdzv_conf keys of the c10d-store board (c10d_store: where the store is and how long a read may take).
+C10D_KEYS = frozenset({"store_type", "is_host", "read_timeout"})
+
+
 def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
     """The keyed rendezvous in the elastic-c10d TCPStore (the default, `--rdzv_conf algorithm=keyed`; `keyed_handler`).
 
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.
     """
-    settings = prepare_keyed_agent(params)
+    settings = prepare_keyed_agent(params, C10D_KEYS)
     if params.get("store_type", "tcp").strip().lower() != "tcp":
         raise ValueError(f"--rdzv_conf store_type: got {params.get('store_type')!r}; the keyed rendezvous needs tcp")
     host, port = endpoint_of(params)

@@ -48,7 +48,7 @@ from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
-from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd_options import ETCD_KEYS, EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
@@ -300,8 +300,8 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     Raises ValueError for a bad `--rdzv_endpoint`/`--rdzv_conf` value before connecting, and a
     `RendezvousConnectionError` when etcd cannot be reached (see `etcd_connection`).
     """
+    settings = prepare_keyed_agent(params, ETCD_KEYS)
     options = EtcdV3Options.from_params(params)
-    settings = prepare_keyed_agent(params)
     warn_if_loopback_published(params.local_addr, options.endpoints)
     connection = EtcdConnection(options)
     try:
