@@ -108,6 +108,11 @@ AMP_DTYPES = ("auto", "bf16", "fp16")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
+def runs_on_cpu(device: str, cuda_available: bool) -> bool:
+    """Whether --device puts the run on the CPU on this machine (auto: when CUDA is not available)."""
+    return device == "cpu" or (device == "auto" and not cuda_available)
+
+
 def check_device(device: str, dist_backend: str, cuda_available: bool) -> None:
     """--device and --dist_backend name known values that this machine can run together."""
     if device not in DEVICES:
@@ -116,8 +121,7 @@ def check_device(device: str, dist_backend: str, cuda_available: bool) -> None:
         raise ValueError("--device: got 'cuda', but CUDA is not available here; expected auto or cpu")
     if dist_backend not in DIST_BACKENDS:
         raise ValueError(f"--dist_backend: got {dist_backend!r}; expected auto, nccl or gloo")
-    on_cpu = device == "cpu" or (device == "auto" and not cuda_available)
-    if dist_backend == "nccl" and on_cpu:
+    if dist_backend == "nccl" and runs_on_cpu(device, cuda_available):
         raise ValueError(f"--dist_backend: got 'nccl' with --device {device} (the CPU here); expected auto or "
                          "gloo (nccl needs CUDA devices)")
 
@@ -128,8 +132,7 @@ def check_amp_dtype(amp_dtype: str, use_amp: bool, device: str, cuda_available: 
         raise ValueError(f"--amp_dtype: got {amp_dtype!r}; expected one of {', '.join(AMP_DTYPES)}")
     if amp_dtype != "auto" and not use_amp:
         raise ValueError(f"--amp_dtype: got {amp_dtype!r} without --use_amp; expected --use_amp too (or auto)")
-    on_cpu = device == "cpu" or (device == "auto" and not cuda_available)
-    if amp_dtype == "fp16" and on_cpu:
+    if amp_dtype == "fp16" and runs_on_cpu(device, cuda_available):
         raise ValueError(f"--amp_dtype: got 'fp16' with --device {device} (the CPU here); expected auto or bf16 "
                          "(fp16 autocast and its GradScaler need CUDA)")
 

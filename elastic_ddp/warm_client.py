@@ -150,7 +150,7 @@ def _connect(address: bytes, key: bytes) -> socket.socket:
             raise WarmWorkerUnavailable("the server runs as another user: refused")
         asked = os.urandom(NONCE_BYTES)
         connection.sendall(asked)
-        answer = _receive_exactly(connection, NONCE_BYTES + PROOF_BYTES)
+        answer = receive_exactly(connection, NONCE_BYTES + PROOF_BYTES)
         if answer is None:
             raise WarmWorkerUnavailable("the server closed the connection")
         answered, server_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
@@ -212,11 +212,11 @@ def _end_with(kind: bytes, value: int) -> None:
 
 
 def _read_record(connection: socket.socket) -> tuple[bytes | None, int]:
-    data = _receive_exactly(connection, RECORD.size)
+    data = receive_exactly(connection, RECORD.size)
     return (None, 0) if data is None else RECORD.unpack(data)
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
+def receive_exactly(connection: socket.socket, size: int) -> bytes | None:
     """`size` bytes, or None when the other side closes first (a reset too: it closed with data unread)."""
     data = b""
     while len(data) < size:

@@ -81,6 +81,7 @@ from elastic_ddp.warm_client import (
     parse_variable,
     peer_credentials,
     proof,
+    receive_exactly,
     variable_value,
 )
 
@@ -358,11 +359,11 @@ def _take_request(connection: socket.socket) -> str:
     signal.alarm(REQUEST_TIMEOUT_S)
     header, fds, _, _ = socket.recv_fds(connection, LENGTH.size, len(STANDARD_FDS))
     try:
-        header += _receive_exactly(connection, LENGTH.size - len(header))
+        header += _request_bytes(connection, LENGTH.size - len(header))
         (length,) = LENGTH.unpack(header)
         if length > MAX_REQUEST_BYTES:
             raise ValueError("request too large")
-        request = json.loads(_receive_exactly(connection, length))
+        request = json.loads(_request_bytes(connection, length))
         signal.alarm(0)
         module, argv, path, env, cwd, targets = _checked(request, len(fds))
         for received, target in zip(fds, targets):
@@ -398,13 +399,10 @@ def _checked(request: object, fd_count: int) -> tuple:
     return module, argv, path, env, cwd, targets
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = connection.recv(min(size - len(data), 1 << 16))
-        if not chunk:
-            raise ValueError("incomplete request")
-        data += chunk
+def _request_bytes(connection: socket.socket, size: int) -> bytes:
+    data = receive_exactly(connection, size)
+    if data is None:
+        raise ValueError("incomplete request")
     return data
 
 

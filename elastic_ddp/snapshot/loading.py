@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,7 @@ from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.serialization import public_dict, snapshot_from_bytes, snapshot_from_file
 from elastic_ddp.snapshot.sharded import step_directories as sharded_steps
 from elastic_ddp.snapshot.sharded.safe_reader import read_tensors
-
-logger = logging.getLogger(__name__)
+from elastic_ddp.snapshot.sharded.shared_choice import newest_that_verifies
 
 _MODEL, _OPTIMIZER_STATE = "model.", "optimizer.state."
 
@@ -34,23 +32,14 @@ def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     store = SnapshotStore(checkpoint_dir)  # a directory or an object-store URL (sharded runs: directories only)
     found = store.latest_valid(accept=snapshot_from_bytes)
     single = None if found is None else public_dict(snapshot_from_bytes(found[1], store.describe(found[0].file)))
-    sharded = _newest_verified_step(Path(checkpoint_dir))
-    if sharded is not None and (single is None or sharded[0] >= single["global_step"]):
-        return _read_sharded_step(sharded[1])
+    root = Path(checkpoint_dir)
+    sharded = newest_that_verifies(root, fingerprint=None)
+    if sharded is not None and (single is None or sharded[2] >= single["global_step"]):
+        return _read_sharded_step(root / sharded[0])
     if single is None:
         raise FileNotFoundError(f"{checkpoint_dir}: no valid elastic_ddp snapshot, neither a file nor a sharded step "
                                 "(is it a --checkpoint_dir?)")
     return single
-
-
-def _newest_verified_step(root: Path) -> tuple[int, Path] | None:
-    for step, directory in sharded_steps.committed_steps(root):
-        try:
-            sharded_steps.verify(directory)
-            return step, directory
-        except sharded_steps.ShardedSnapshotError as exc:
-            logger.warning("skipped %s: %s", directory, exc)
-    return None
 
 
 def _read_sharded_step(directory: Path) -> dict[str, Any]:

@@ -37,9 +37,9 @@ def test_a_sharded_run_compares_with_an_unsharded_one_and_a_step_that_does_not_v
     with open(shard, "r+b") as handle:  # torn after its commit: the manifest's checksum no longer matches
         handle.seek(10)
         handle.write(b"\xff\xfe")
-    with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.loading"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.sharded.shared_choice"):
         fallen_back = final_model(sharded.checkpoint_dir)
-    assert f"skipped {newest}" in caplog.text and "checksum does not match" in caplog.text
+    assert f"sharded snapshot of step {newest_step} refused" in caplog.text and "checksum does not match" in caplog.text
     older_model = {name[len("model."):]: value for name, value in read_tensors(older).items()
                    if name.startswith("model.")}
     assert (newest_step, older_step) == (12, 8)

@@ -13,7 +13,6 @@ import os
 import re
 import socket
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from elastic_ddp.runlog.metrics_node import (
 )
 from elastic_ddp.runlog.metrics_server import MAX_CONNECTIONS, MetricsHTTPServer
 from elastic_ddp.runlog.reader import PreviousIncarnation
+from elastic_ddp.testbed.local_cluster import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: never a running process
@@ -346,10 +346,7 @@ def test_clients_that_trickle_their_requests_are_dropped_at_the_deadline_and_scr
     for thread in slow:
         thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(dropped) < MAX_CONNECTIONS:
-            assert time.monotonic() < deadline, f"{MAX_CONNECTIONS - len(dropped)} trickling clients still held"
-            time.sleep(0.05)
+        wait_for(lambda: len(dropped) == MAX_CONNECTIONS, 30, "every trickling client dropped", interval=0.05)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
             assert answer.status == 200
     finally:

@@ -44,14 +44,16 @@ def newest_step(root: Path) -> int | None:
     return committed[0][0] if committed else None
 
 
-def newest_that_verifies(root: Path, fingerprint: dict[str, Any]) -> tuple[str, str, int] | None:
-    """(directory name, manifest checksum, step) of the newest committed step that verifies and fits."""
+def newest_that_verifies(root: Path, fingerprint: dict[str, Any] | None) -> tuple[str, str, int] | None:
+    """(directory name, manifest checksum, step) of the newest committed step that verifies and fits
+    `fingerprint` (None: any run's, as `load_snapshot` reads them)."""
     for step, directory in steps.committed_steps(root):
         try:
             checksum = steps.verify(directory)
             SafeFileSystemReader(directory).read_metadata()  # refuses an index that would run code
             plain, _ = snapshot_from_file(directory / steps.TRAINER_FILE, str(directory / steps.TRAINER_FILE))
-            check_compatible(plain, fingerprint, str(directory))
+            if fingerprint is not None:
+                check_compatible(plain, fingerprint, str(directory))
         except Exception as exc:  # noqa: BLE001 - any reason to refuse it is a reason to try the next
             logger.warning("sharded snapshot of step %d refused: %s", step, exc)
             continue
