@@ -22,24 +22,18 @@ if __name__ == "__main__":
 
 import logging
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runlog.metrics_node import MetricsEndpointError, serve_node_metrics
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import configure_worker_logging
-from elastic_ddp.runtime.distributed import DistributedContext, agent_pid, exit_worker, process_group
-from elastic_ddp.runtime.drain import DRAIN_EXIT_CODE, DrainRequested
-from elastic_ddp.runtime.launch_costs import warn_about_launch_costs
+from elastic_ddp.runtime.distributed import DistributedContext, exit_worker
 from elastic_ddp.runtime.prefetch import start_prefetching_dynamo
 from elastic_ddp.training.trainer import Trainer
+from elastic_ddp.training.worker_main import BAD_INPUT_EXIT_CODE, FAILED_EXIT_CODE, run_worker  # noqa: F401 - re-exported
 from elastic_ddp.training.workload_builder import build_workload
 from elastic_ddp.workload.user_code import UserCodeError
 
 logger = logging.getLogger(__name__)
-
-FAILED_EXIT_CODE = 1
-BAD_INPUT_EXIT_CODE = 2  # argparse's, for a value that only fails when it is used (an import path)
 
 
 def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None] | None = None,
@@ -60,15 +54,13 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
     config = config_class.from_args(argv)
     context = DistributedContext.from_env(config.device, config.dist_backend)
     log_prefix = configure_worker_logging(context.rank, context.world_size)
-    if context.is_main and context.is_distributed:
-        warn_about_launch_costs(agent_pid())  # once per start: what a failure will cost with this command
     try:
-        serve_node_metrics(config, context)  # the node's /metrics endpoint (--metrics_port), for every group
         workload = build_workload(config)
-    except (MetricsEndpointError, UserCodeError) as exc:
+    except UserCodeError as exc:
         logger.error("%s", exc)
         return BAD_INPUT_EXIT_CODE
-    with process_group(context, timedelta(seconds=config.collective_timeout_s)):
+
+    def train(context: DistributedContext) -> None:
         startup.mark("process_group")
         trainer = Trainer(
             model=workload.model,
@@ -83,18 +75,9 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
             after_step=after_step,
         )
         startup.mark("built")
-        try:
-            trainer.fit()
-        except DrainRequested as exc:
-            # Never exit 0 here: torchrun closes the rendezvous for every node when a group exits 0.
-            logger.info("%s; exiting with %d (not 0, which would end the job)", exc, DRAIN_EXIT_CODE)
-            return DRAIN_EXIT_CODE
-        except Exception:
-            # fit() has kept the last committed step and closed its files. Exit now, without tearing
-            # down a process group whose peer may be gone: torchrun sees the failure sooner.
-            logger.exception("training stopped by an error; exiting with %d", FAILED_EXIT_CODE)
-            exit_worker(FAILED_EXIT_CODE)
-    return 0
+        trainer.fit()
+
+    return run_worker(config, train, context)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ runs whose randomness does not come from (seed, epoch, sample index).
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -38,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
@@ -79,10 +79,13 @@ class Equivalence:
 def reference_command(training_args: Sequence[str], checkpoint_dir: str | Path,
                       module: str = "elastic_ddp.train") -> list[str]:
     """The command of an uninterrupted run of `training_args`: the module alone, or, with sharding
-    (FSDP2 needs a process group), its one worker under `torchrun --standalone`."""
-    config, _ = TrainingConfig.from_known_args(list(training_args))
+    (FSDP2 needs a process group), its one worker under `torchrun --standalone`. Only `--sharding`
+    is read: the module may be a script of the user's with flags of its own."""
+    finder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    finder.add_argument("--sharding", default="none")
+    sharded = finder.parse_known_args(list(training_args))[0].sharding != "none"
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-                if config.sharding != "none" else [sys.executable])
+                if sharded else [sys.executable])
     return [*launcher, "-m", module, *training_args, "--checkpoint_dir", str(checkpoint_dir)]
 
 

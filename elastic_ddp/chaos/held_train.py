@@ -94,7 +94,7 @@ def held(after_step: Callable | None = None, hold: str | None = None) -> Callabl
         if not hold:
             return
         paced, stop_after = read_hold(hold)
-        while not trainer.drain.requested and trainer.global_step >= stop_after:
+        while not trainer.run.drain.requested and trainer.global_step >= stop_after:
             time.sleep(PAUSE_POLL_S)
             paced, stop_after = read_hold(hold)
         if paced:

@@ -33,3 +33,12 @@ def configure_worker_logging(rank: int, world_size: int) -> RankPrefix:
     package_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     package_logger.propagate = False
     return prefix
+
+
+def installed_rank_prefix() -> RankPrefix | None:
+    """The prefix `configure_worker_logging` installed in this process, if it ran."""
+    for handler in logging.getLogger("elastic_ddp").handlers:
+        for found in handler.filters:
+            if isinstance(found, RankPrefix):
+                return found
+    return None

@@ -140,16 +140,17 @@ def _from_v1(payload: Any, source: str) -> Snapshot:
 
 def public_dict(snapshot: Snapshot) -> dict[str, Any]:
     """What `elastic_ddp.load_snapshot` returns: the components by name (the sampler's position as
-    `epoch` and `samples_consumed`, the step as `global_step`, other components under `extra`) and
-    the snapshot's other fields. Tensors are not copied."""
+    `epoch` and `samples_consumed`, the step as `global_step`, the loop's own under `extra_state`,
+    other components under `extra`) and the snapshot's other fields. Tensors are not copied."""
     states = snapshot.states
     return {
         "global_step": snapshot.global_step, "epoch": snapshot.epoch, "samples_consumed": snapshot.samples_consumed,
         **{name: states.get(name) for name in _V1_COMPONENTS},
         "rng_per_rank": snapshot.rng_per_rank, "fingerprint": snapshot.fingerprint,
         "world_size": snapshot.world_size, "incarnation": snapshot.incarnation, "wall_time": snapshot.wall_time,
+        "extra_state": states.get("extra_state") or {},
         "extra": {name: state for name, state in states.items()
-                  if name not in (*_V1_COMPONENTS, "sampler", "progress")},
+                  if name not in (*_V1_COMPONENTS, "sampler", "progress", "extra_state")},
     }
 
 

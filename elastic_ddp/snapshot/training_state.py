@@ -2,9 +2,9 @@
 
 `TrainingState` names every piece of state a restart must carry over, each a `Stateful` (torch's
 `state_dict` / `load_state_dict` protocol): the model, the optimizer, the LR schedule, the grad
-scaler, the sampler's world-size-free position and the step counter. Capturing and restoring go
-over its fields, so a new piece of state is one new field there and nothing else: the snapshot,
-the restore and the on-disk format (`snapshot.serialization`) follow.
+scaler, the sampler's world-size-free position, the step counter and the user's own extra state.
+Capturing and restoring go over its fields, so a new piece of state is one new field there and
+nothing else: the snapshot, the restore and the on-disk format (`snapshot.serialization`) follow.
 
 Next to the components a `Snapshot` carries the RNG state of every rank, the run's fingerprint
 (which model and data set-up wrote it) and where it came from (world size, incarnation, time).
@@ -23,7 +23,7 @@ import math
 import random
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -92,6 +92,32 @@ class ScalerState:
             self.scaler.load_state_dict(state_dict)
 
 
+class ExtraState:
+    """State of the user's own that a run saves and restores with each step (`ElasticRun`'s
+    `extra_state`): named `Stateful` objects, an EMA of the weights, a curriculum, a counter.
+
+    Saved as `{name: obj.state_dict()}`, so it must be plain data (tensors, numbers, strings, lists,
+    dicts) that `torch.load(weights_only=True)` reads back. A snapshot written without extra state
+    restores into a run that has none; one that lacks a name this run has is incompatible.
+    """
+
+    def __init__(self, objects: dict[str, Stateful] | None = None) -> None:
+        self.objects = dict(objects or {})
+
+    def __bool__(self) -> bool:
+        return bool(self.objects)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.objects.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = sorted(self.objects.keys() - state_dict.keys())
+        if missing:
+            raise IncompatibleSnapshotError(f"the snapshot holds no extra state named {', '.join(missing)}")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state_dict[name])
+
+
 @dataclass
 class TrainingState:
     """Everything of a run that a restart carries over; every field is a `Stateful` component.
@@ -108,6 +134,7 @@ class TrainingState:
     grad_scaler: ScalerState
     sampler: ElasticSampler
     progress: StepCounter
+    extra_state: ExtraState = field(default_factory=ExtraState)
 
     def __post_init__(self) -> None:
         # Not fields: the fields are the components.
@@ -135,10 +162,13 @@ class TrainingState:
     def load_state_dicts(self, states: dict[str, Any]) -> None:
         """Load every component; a component the snapshot lacks, or whose state does not fit this
         run's (torch's ValueError: another number of parameter groups), is an IncompatibleSnapshotError."""
-        missing = sorted(set(self.components()) - states.keys())
+        # Snapshots written before extra state existed, or by a run without it, have none to give.
+        missing = sorted(set(self.components()) - states.keys() - ({"extra_state"} if not self.extra_state else set()))
         if missing:
             raise IncompatibleSnapshotError(f"the snapshot holds no state for {', '.join(missing)}")
         for name, component in self.components().items():
+            if name not in states:
+                continue
             try:
                 component.load_state_dict(states[name])
             except ValueError as exc:

@@ -22,8 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.snapshot.training_state import ScalerState, StepCounter, TrainingState
-from elastic_ddp.training.sharding import ShardingError
+from elastic_ddp.snapshot.training_state import ExtraState, ScalerState, Stateful, StepCounter, TrainingState
 from elastic_ddp.workload.sampler import ElasticSampler
 
 
@@ -71,12 +70,10 @@ def autocast_dtype(config: TrainingConfig, device: torch.device) -> torch.dtype 
 
 def build_training_state(model: torch.nn.Module, dataset_size: int, config: TrainingConfig, device: torch.device,
                          optimizer: torch.optim.Optimizer | None = None,
-                         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainingState:
+                         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                         extra_state: dict[str, Stateful] | None = None) -> TrainingState:
     """The state of a run of `model` (already on `device`) over `dataset_size` samples, with the
-    defaults of the module docstring for what is None."""
-    if optimizer is not None and config.sharding == "fsdp":
-        raise ShardingError("--sharding fsdp: got an optimizer built before the model was sharded; expected none "
-                            "(the trainer builds --optimizer over the sharded parameters)")
+    defaults of the module docstring for what is None; `extra_state`: the user's own (`ExtraState`)."""
     optimizer = optimizer or build_optimizer(config, model.parameters())
     sampler = ElasticSampler(dataset_size, config.global_batch_size, config.seed, config.drop_last)
     if scheduler is None:
@@ -84,4 +81,4 @@ def build_training_state(model: torch.nn.Module, dataset_size: int, config: Trai
     fp16 = autocast_dtype(config, device) == torch.float16
     return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler,
                          grad_scaler=ScalerState(torch.amp.GradScaler("cuda", enabled=fp16)),
-                         sampler=sampler, progress=StepCounter())
+                         sampler=sampler, progress=StepCounter(), extra_state=ExtraState(extra_state))

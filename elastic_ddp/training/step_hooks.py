@@ -1,12 +1,8 @@
-"""Hooks the trainer calls after every committed step: `hook(trainer)`, on every rank.
-
-An exception from a hook ends `fit()` as a crash would (the last committed step is kept).
-"""
+"""Pacing between steps: what `ElasticRun` does at each step boundary for `--min_step_time_s`."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 
 class MinimumStepTime:
@@ -22,7 +18,8 @@ class MinimumStepTime:
         self.seconds = seconds
         self._last_step_ended: float | None = None
 
-    def __call__(self, trainer: Any) -> None:
+    def wait(self) -> None:
+        """Sleep until `seconds` after the previous call ended (at once the first time)."""
         now = time.monotonic()
         if self._last_step_ended is not None:
             time.sleep(max(0.0, self._last_step_ended + self.seconds - now))

@@ -30,42 +30,28 @@ Contracts:
 
 Call `fit()` inside an initialised process group (see `elastic_ddp.train`); it restores the newest
 snapshot the group can read, trains the remaining epochs, and waits for the last snapshot write.
-The loop asks and its components decide: the snapshot session when to snapshot (snapshot/manager.py),
-the evaluator when to evaluate, the run log when to report progress (reporting.py), the stop guard
-when to drain. What is saved is `TrainingState` (snapshot/training_state.py), built by state_builder.py.
+`fit()` is a loop written on the public API for loops of your own (elastic_run.py): what the
+run promises (restore, snapshots, the stop guard, drain, report) it does for this loop too; the
+trainer adds the per-sample loss, clipping from `--max_grad_norm`, evaluation and the hooks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix
-from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
-from elastic_ddp.runtime.drain import DrainSignal
-from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
-from elastic_ddp.snapshot.training_state import run_fingerprint
+from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.training_state import TrainingState
+from elastic_ddp.training.elastic_run import ElasticRun, Step
 from elastic_ddp.training.evaluation import Evaluator
-from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.training.sharding import place_model
-from elastic_ddp.training.state_builder import autocast_dtype, build_training_state
-from elastic_ddp.training.step_hooks import MinimumStepTime
-from elastic_ddp.training.stop_guard import StopGuard
-from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
+from elastic_ddp.workload.data import SampleTransform
 from elastic_ddp.workload.losses import LossFn, check_per_sample, per_sample_cross_entropy
-from elastic_ddp.workload.sampler import StepPlan
-
-logger = logging.getLogger(__name__)
 
 StepHook = Callable[["Trainer"], None]
 
@@ -84,34 +70,26 @@ class Trainer:
                  after_step: StepHook | None = None,
                  startup: StartupTimeline | None = None):
         self.config = config
-        self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
-        self.model = place_model(model, config.sharding, config.shard_blocks, self.context.device)
-        self.ddp_model: nn.Module = self.model
-        self.step_model: nn.Module = self.model  # what a training step calls: ddp_model, compiled with --compile
-        self.state = build_training_state(self.model, len(dataset), config, self.context.device, optimizer, scheduler)
-        self.fingerprint = run_fingerprint(self.model, len(dataset), config.global_batch_size, config.seed,
-                                           config.drop_last)
-        self.samples = EpochSampleView(dataset, config.seed, sample_transform)
-        self.evaluator = (Evaluator(self.model, eval_dataset, loss_fn, self.context, config.eval_every_steps,
+        self.run = ElasticRun(model, dataset, config, optimizer=optimizer, scheduler=scheduler,
+                              sample_transform=sample_transform, context=context, log_prefix=log_prefix,
+                              startup=startup)
+        self.evaluator = (Evaluator(self.run.module, eval_dataset, loss_fn, self.run.context, config.eval_every_steps,
                                     config.micro_batch_size) if eval_dataset is not None else None)
         self.loss_fn = loss_fn
-        self.autocast_dtype = autocast_dtype(config, self.context.device)
-        self.after_step_hooks: list[StepHook] = [hook for hook in (
-            after_step, MinimumStepTime(config.min_step_time_s) if config.min_step_time_s else None) if hook]
-        self.startup = startup or StartupTimeline()
-        self.log_prefix = log_prefix
-        self.drain = DrainSignal(self.context.collective_device)
-        self._empty_batch: list[torch.Tensor] | None = None
-        self.amp_step_skipped = False  # whether GradScaler skipped the last committed step's update
-        self.stop_guard: StopGuard | None = None  # keeps the last committed step (set during fit())
-        self.run_log: RunLog | None = None  # what this fit() reports, and
-        self.snapshots: SnapshotSession | None = None  # its snapshots (both set during fit())
+        self.after_step = after_step
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained (on its device, sharded under --sharding fsdp)."""
+        return self.run.module
+
+    @property
+    def state(self) -> TrainingState:
+        return self.run.state
 
     @property
     def global_step(self) -> int:
-        return self.state.global_step
-
-    # ------------------------------------------------------------------------------- lifecycle
+        return self.run.global_step
 
     def fit(self) -> None:
         """Restore, train the remaining epochs, snapshot; always waits for the last write.
@@ -120,145 +98,21 @@ class Trainer:
         the last steps, is raised again once everything is written and closed, so it still ends
         the process (or reaches the handler you had installed before `fit`).
         """
-        started = time.monotonic()
-        incarnation = agree_on_incarnation(self.context)
-        with self._incarnation(incarnation) as (log, snapshots):
-            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
-                                                self.config.epochs, self.config.watchdog_timeout_s)
-            with guard.watching_peers(incarnation):
-                log.started()
-                snapshots.start()
-                log.restored(restored := snapshots.restore(self.state))
-                self._wrap_model(restored=restored is not None)
-                with self.drain.catching_sigterm(), guard.keeping_the_last_step():
-                    self._train_remaining_epochs()
-                    self.drain.finish()
-            snapshots.finish()
-            log.finished(self.global_step, time.monotonic() - started)
-            snapshots.forget_memory_copies()
-        self.drain.redeliver_unused()
+        with self.run as run:
+            for step in run.steps():
+                for inputs, targets in step.micro_batches():
+                    with run.autocast():
+                        losses = self.loss_fn(run.model(inputs), targets)
+                    check_per_sample(losses, len(inputs))  # names --loss, the flag that chose it
+                    step.backward(losses)
+                if self.config.max_grad_norm > 0:
+                    step.clip_grad_norm_(self.config.max_grad_norm)
+                step.commit()
+                self._after_step(step)
 
-    @contextlib.contextmanager
-    def _incarnation(self, incarnation: int) -> Iterator[tuple[RunLog, SnapshotSession]]:
-        """The run log and snapshot session of one `fit`, closed whatever happens."""
-        self.run_log = RunLog(self.config, self.context, incarnation, self.state.sampler.steps_per_epoch,
-                              self.startup, self.log_prefix)
-        try:
-            self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
-                                                   incarnation)
-            try:
-                yield self.run_log, self.snapshots
-            finally:
-                self.snapshots.close()
-        finally:
-            self.run_log.close()
-
-    def _wrap_model(self, restored: bool) -> None:
-        if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
-            device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
-            # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
-            self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids, init_sync=not restored)
-            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
-        # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
-        # module; the model itself stays uncompiled, so its state dict keeps its own names.
-        self.step_model = torch.compile(self.ddp_model) if self.config.compile else self.ddp_model
-
-    # ------------------------------------------------------------------------------- training
-
-    def _train_remaining_epochs(self) -> None:
-        sampler = self.state.sampler
-        if sampler.epoch >= self.config.epochs:
-            logger.info("training already complete (%d epochs, step %d)", self.config.epochs, self.global_step)
-        while sampler.epoch < self.config.epochs:
-            self._train_epoch_remainder()
-
-    def _train_epoch_remainder(self) -> None:
-        ctx, sampler = self.context, self.state.sampler
-        plans = sampler.plan_epoch_remainder(ctx.rank, ctx.world_size, self.config.micro_batch_size)
-        # A committed state never holds a finished epoch (the rollover is part of the commit), so
-        # there is always a step to plan; without one this loop would never end.
-        assert plans, f"epoch {sampler.epoch} has no step left at sample {sampler.samples_consumed}"
-        batches = iter(plan_loader(self.samples, sampler.epoch, plans, self.config.num_workers,
-                                   pin_memory=ctx.device.type == "cuda"))
-        self.ddp_model.train()
-        self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
-        try:
-            for plan in plans:
-                loss_sum = self._forward_backward(plan, batches)
-                epoch_ended = self._commit(plan)
-                self._after_step(plan, loss_sum, epoch_ended)
-        except BaseException:
-            self.run_log.training_interrupted()
-            raise
-
-    def _forward_backward(self, plan: StepPlan, batches: Iterator[Any]) -> torch.Tensor:
-        """Forward/backward every micro-batch of `plan`, gradients synchronised on the last; the
-        summed loss. Changes no state: a failure here leaves the last committed step intact."""
-        loss_sum: torch.Tensor | None = None
-        # DDP averages gradients over ranks: seeding each sample's gradient with this makes the
-        # result the global batch's mean (the numbers of `scaler.scale(sum * scale)`, 2 nodes fewer).
-        loss_scale = self.context.world_size / plan.global_samples
-        last, scaler = len(plan.micro_batches) - 1, self.state.grad_scaler.scaler
-        for index, micro_batch in enumerate(plan.micro_batches):
-            inputs, targets = self._to_device(next(batches) if micro_batch else self._empty_batch_like_dataset())
-            sync = contextlib.nullcontext() if index == last or self.ddp_model is self.model else self.ddp_model.no_sync()
-            with sync:
-                with torch.autocast(self.context.device.type, dtype=self.autocast_dtype,
-                                    enabled=self.autocast_dtype is not None):
-                    losses = self.loss_fn(self.step_model(inputs), targets)
-                check_per_sample(losses, len(inputs))
-                losses = losses.float()
-                torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, loss_scale)))
-            loss_sum = losses.detach().sum() if loss_sum is None else loss_sum + losses.detach().sum()
-        return loss_sum
-
-    def _commit(self, plan: StepPlan) -> bool:
-        """Apply the step whole: optimizer, scaler, schedule, data position (rolled over into the
-        next epoch when this step ends one) and step count. Returns whether it ended the epoch."""
-        state = self.state
-        self._clip_gradients()
-        with state.updating():
-            self.amp_step_skipped = state.grad_scaler.step(state.optimizer)
-            state.optimizer.zero_grad(set_to_none=True)
-            state.scheduler.step()
-            state.sampler.advance(plan.global_samples)
-            epoch_ended = state.sampler.epoch_finished
-            if epoch_ended:
-                state.sampler.start_next_epoch()
-            state.progress.global_step += 1
-            self.stop_guard.committed(plan)
-        return epoch_ended
-
-    def _clip_gradients(self) -> None:
-        """`--max_grad_norm`: the gradients unscaled first (the scaler then steps without unscaling
-        them again, and still skips a step whose gradients are not finite), then clipped over every
-        parameter: the same norm on every rank, as every rank holds the all-reduced gradient (DDP)
-        or its shard of it (FSDP2: the norm is reduced over the shards)."""
-        if self.config.max_grad_norm > 0:
-            self.state.grad_scaler.scaler.unscale_(self.state.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-
-    def _to_device(self, batch: Any) -> Any:
-        non_blocking = self.context.device.type == "cuda"
-        return [item.to(self.context.device, non_blocking=non_blocking) for item in batch]
-
-    def _empty_batch_like_dataset(self) -> list[torch.Tensor]:
-        if self._empty_batch is None:
-            self._empty_batch = empty_batch_like(self.samples)
-        return self._empty_batch
-
-    def _after_step(self, plan: StepPlan, loss_sum: torch.Tensor, epoch_ended: bool) -> None:
-        """Each component decides for itself what a committed step means to it, in this order on
-        every rank (their collectives must line up)."""
-        step = self.global_step
-        self.run_log.step_committed(plan, step, loss_sum, self.state.scheduler.get_last_lr()[0])
-        if self.amp_step_skipped:
-            self.run_log.amp_step_skipped(step, self.state.grad_scaler.scaler.get_scale())
-        if epoch_ended:
-            self.run_log.epoch_ended(plan.epoch, step)
-        self.snapshots.save(self.state, epoch_ended=epoch_ended)
-        if self.evaluator is not None and self.evaluator.should_evaluate(step, epoch_ended):
-            self.run_log.evaluated(step, plan.epoch, self.evaluator.evaluate())
-        self.stop_guard.drain_if_agreed()
-        for hook in self.after_step_hooks:
-            hook(self)
+    def _after_step(self, step: Step) -> None:
+        """Evaluation when its schedule says, then the hook, on every rank (collectives line up)."""
+        if self.evaluator is not None and self.evaluator.should_evaluate(step.number, step.epoch_ended):
+            self.run.run_log.evaluated(step.number, step.epoch, self.evaluator.evaluate())
+        if self.after_step is not None:
+            self.after_step(self)

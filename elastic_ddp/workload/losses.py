@@ -29,8 +29,8 @@ def per_sample_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return squared.reshape(len(squared), -1).mean(dim=1)
 
 
-def check_per_sample(losses: torch.Tensor, samples: int) -> None:
-    """Raise ValueError naming --loss unless `losses` holds one loss per sample (reduction='none')."""
+def check_per_sample(losses: torch.Tensor, samples: int, what: str = "--loss") -> None:
+    """Raise ValueError naming `what` unless `losses` holds one loss per sample (reduction='none')."""
     if losses.dim() != 1 or losses.shape[0] != samples:
-        raise ValueError(f"--loss: the loss returned a tensor of shape {tuple(losses.shape)} for {samples} samples; "
+        raise ValueError(f"{what}: the loss returned a tensor of shape {tuple(losses.shape)} for {samples} samples; "
                          "expected one loss per sample, shape (samples,) (reduction='none')")

@@ -76,7 +76,7 @@ def test_bf16_on_cuda_needs_no_scaler_and_resumes_exactly(tmp_path, deterministi
     """--amp_dtype bf16: autocast to bf16 on the GPU, no GradScaler, a resume bit-equal."""
     reference = _amp_config(tmp_path / "reference", amp_dtype="bf16", memory_copies=False)
     trainer = _trainer(reference)
-    assert trainer.autocast_dtype is torch.bfloat16 and not trainer.state.grad_scaler.scaler.is_enabled()
+    assert trainer.run.autocast_dtype is torch.bfloat16 and not trainer.state.grad_scaler.scaler.is_enabled()
     trainer.fit()
     interrupted = _amp_config(tmp_path / "interrupted", amp_dtype="bf16", memory_copies=False)
     with pytest.raises(Crash):

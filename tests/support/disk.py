@@ -26,10 +26,10 @@ def run_through_a_full_disk(config, make_disk_full, free_disk, caplog):
 
     def after_step(trainer):
         if trainer.global_step == 10:
-            trainer.snapshots.writer.wait()
+            trainer.run.snapshots.writer.wait()
             make_disk_full()
         elif trainer.global_step == 19:
-            trainer.snapshots.writer.wait()
+            trainer.run.snapshots.writer.wait()
             seen_while_full["leftovers"] = leftovers(directory)
             seen_while_full["newest"] = load_snapshot(directory)["global_step"]
             free_disk()
@@ -37,7 +37,7 @@ def run_through_a_full_disk(config, make_disk_full, free_disk, caplog):
     trainer = make_trainer(config, after_step=after_step)
     trainer.fit()
     assert trainer.global_step == 30, "training goes on"
-    assert trainer.snapshots.writer.failed_writes == 3
+    assert trainer.run.snapshots.writer.failed_writes == 3
     for step in (12, 15, 18):
         assert f"SNAPSHOT NOT SAVED (step {step}): snapshot of step {step} could not be written to {directory} " \
                "(No space left on device); the listed snapshots are intact" in caplog.text

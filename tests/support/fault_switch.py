@@ -48,11 +48,11 @@ class FaultSwitch:
         self.trainer = None
 
     def install(self, trainer) -> None:
-        if self.trainer is not None or trainer.ddp_model is trainer.model:
+        if self.trainer is not None or trainer.run.ddp_model is trainer.model:
             return
         self.trainer = trainer
         if self.moment == "allreduce":  # (DDP takes one comm hook)
-            trainer.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
+            trainer.run.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
         else:
             trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
@@ -78,7 +78,7 @@ class FaultSwitch:
 
     def _peers_committed(self) -> bool:
         """Whether every other rank's audit log of this incarnation has its line for the step."""
-        audit = self.trainer.run_log.audit
+        audit = self.trainer.run.run_log.audit
         for rank in range(self.trainer.context.world_size):
             if rank == self.rank:
                 continue

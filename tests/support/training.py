@@ -47,7 +47,7 @@ def silent_peer_at(step: int):
     as the ended process would no longer train."""
     def after_step(trainer: Trainer) -> None:
         if trainer.global_step == step:
-            trainer.stop_guard._stop_for_silent_peer("rank(s) [1] sent no heartbeat for over 3 s")
+            trainer.run.stop_guard._stop_for_silent_peer("rank(s) [1] sent no heartbeat for over 3 s")
             raise Crash("the watchdog ended the worker")
     return after_step
 

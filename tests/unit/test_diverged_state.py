@@ -124,10 +124,10 @@ def test_newer_non_finite_copies_from_any_tier_are_refused_and_the_restore_event
     with pytest.raises(Crash):
         crashed.fit()
     store = SnapshotStore(config.checkpoint_dir, config.keep_last)
-    _, _, finite = newest_usable_snapshot(store, crashed.fingerprint)
+    _, _, finite = newest_usable_snapshot(store, crashed.run.fingerprint)
     assert finite.global_step == 8
     store.write(10, 0, 160, snapshot_to_bytes(diverged(finite, 10)))
-    crashed.snapshots.memory._write(diverged(crashed.snapshots.memory.newest().snapshot, 9))
+    crashed.run.snapshots.memory._write(diverged(crashed.run.snapshots.memory.newest().snapshot, 9))
     assert sorted(listed_snapshots(config)) == [6, 8, 10] and memory_copy_steps(config) == [8, 9]
 
     make_trainer(config).fit()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def trainer_at(step: int) -> SimpleNamespace:
-    return SimpleNamespace(global_step=step, drain=SimpleNamespace(requested=False))
+    return SimpleNamespace(global_step=step, run=SimpleNamespace(drain=SimpleNamespace(requested=False)))
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_the_pace_sleeps_every_step_and_a_drain_ends_a_stop(tmp_path, sleeps):
     hook(trainer_at(2))
     assert sleeps == [held_train.HELD_STEP_S]
     draining = trainer_at(3)
-    draining.drain.requested = True  # torchrun stops the group for a join: it must not wait
+    draining.run.drain.requested = True  # torchrun stops the group for a join: it must not wait
     hook(draining)
     held_train.release(hold)
     hook(trainer_at(4))

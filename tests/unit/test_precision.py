@@ -19,7 +19,7 @@ def test_bf16_autocast_runs_without_a_scaler_and_resumes_exactly(tmp_path):
     reference = small_config(tmp_path / "reference", use_amp=True, amp_dtype="bf16")
     assert autocast_dtype(reference, torch.device("cuda")) is torch.bfloat16  # on CUDA too, unlike auto
     trainer = make_trainer(reference)
-    assert trainer.autocast_dtype is torch.bfloat16 and not trainer.state.grad_scaler.scaler.is_enabled()
+    assert trainer.run.autocast_dtype is torch.bfloat16 and not trainer.state.grad_scaler.scaler.is_enabled()
     trainer.fit()
     interrupted = small_config(tmp_path / "interrupted", use_amp=True, amp_dtype="bf16")
     with pytest.raises(Crash):

@@ -216,7 +216,7 @@ def test_transient_write_errors_are_retried_and_the_snapshot_lands(tmp_path, mon
     assert failures == {4: 2}
     assert caplog.text.count("retrying in") == 2
     assert 4 in [e["global_step"] for e in snapshot_events(config, "snapshot")]
-    assert trainer.snapshots.writer.failed_writes == 0 and not snapshot_events(config, "snapshot_failed")
+    assert trainer.run.snapshots.writer.failed_writes == 0 and not snapshot_events(config, "snapshot_failed")
 
 
 def test_a_write_that_keeps_failing_is_reported_and_training_goes_on(tmp_path, monkeypatch, caplog):
@@ -225,7 +225,7 @@ def test_a_write_that_keeps_failing_is_reported_and_training_goes_on(tmp_path, m
     trainer = make_trainer(config)
     trainer.fit()
     assert failures == {8: 4}, "bounded retries: 4 attempts in all"
-    assert trainer.global_step == 12 and trainer.snapshots.writer.failed_writes == 1
+    assert trainer.global_step == 12 and trainer.run.snapshots.writer.failed_writes == 1
     [failed] = snapshot_events(config, "snapshot_failed")
     assert failed["global_step"] == 8 and "Input/output error" in failed["error"]
     assert "SNAPSHOT NOT SAVED (step 8)" in caplog.text and "listed snapshots are intact" in caplog.text

@@ -39,7 +39,7 @@ def test_the_watchdog_ends_a_worker_stuck_inside_a_commit_without_waiting_for_it
             return
         # Inside the commit of step 4, holding the state's lock, as scaler.step() waiting on NCCL
         # would: the peer watchdog finds a peer silent now, on its own thread.
-        watchdog = threading.Thread(target=trainer.stop_guard._stop_for_silent_peer,
+        watchdog = threading.Thread(target=trainer.run.stop_guard._stop_for_silent_peer,
                                     args=("rank(s) [1] sent no heartbeat for over 3 s",), daemon=True)
         started = time.monotonic()
         watchdog.start()

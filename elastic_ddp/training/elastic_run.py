@@ -1,0 +1,465 @@
+"""Your own training loop, with every promise of elastic_ddp: `ElasticRun` and its steps.
+
+    run = ElasticRun(model, train_set, config, optimizer=optimizer, extra_state={"ema": ema})
+    with run:                                   # restores the newest state the group can read
+        for step in run.steps():                # this rank's share of every step left, in any world
+            for inputs, targets in step.micro_batches():
+                with run.autocast():            # --use_amp / --amp_dtype (does nothing without)
+                    losses = my_loss(run.model(inputs), targets)   # one loss per sample
+                step.backward(losses)           # scaled: the gradient is the global batch's mean
+            step.clip_grad_norm_(1.0)           # optional: unscaled first, as AMP needs
+            with step.committing():             # the optimizer has stepped; the step counts on exit
+                ema.update(run.module)          # your state that changes with the step
+
+`step.commit()` is `committing()` with nothing inside. The Trainer (trainer.py) is a loop written
+this way. docs/your-own-loop.md gives each rule of the contract with its reason; in short:
+
+- Call `run.model` (DDP, or FSDP2's module, compiled with `--compile`), not your own module: the
+  gradients are synchronised in its backward. `run.module` is your model (placed, perhaps sharded).
+- Read every micro-batch (an empty one too: a rank whose share of a step is empty must still take
+  part in the gradients' all-reduce) and call `step.backward` once for each, inside the loop body:
+  all but the last micro-batch run under DDP's `no_sync`, entered by the iterator.
+- `step.backward` takes one loss per sample (reduction="none"): the run scales it so that the
+  averaged gradient is the mean over the *global* batch whatever the world size; a mean-reduced
+  loss would make the maths depend on how the batch was split.
+- The run steps the optimizer (through the grad scaler), the scheduler it was given (or its own
+  warm-up plus cosine), the data position and the step count, all in the commit, which is all or
+  nothing: a failure before the commit ends leaves the previous step as the last committed one.
+  An `optimizer.step()` of the loop's own is refused where it is called (`LoopContractError`).
+- `extra_state` objects (`state_dict`/`load_state_dict`) are saved and restored with the step;
+  change them inside `committing()` so that a kept step never holds them half a step ahead. Under
+  `--sharding fsdp` they are saved by rank 0 alone, so they must be the same on every rank.
+- Per-sample randomness goes through `sample_transform(sample, generator)` (seeded from the
+  sample), never the global RNG: that is what makes the data the same in any world.
+
+What the run does for the loop: exactly once over the data at any world size, snapshots on the
+overhead budget, the memory copy of the last committed step kept whenever training stops early
+(stop_guard.py), the peer watchdog, drain on SIGTERM (`DrainRequested` out of `steps()` at a step
+boundary, after a final durable snapshot), events, the report and live metrics. Leaving the `with`
+block early without an exception (a `break`) makes the last committed step durable, as a drain does.
+
+Not guaranteed: one optimizer (a second one of the loop's own is neither stepped nor checked, but
+its state may travel in `extra_state`); a loop that changes the model or the optimizer's
+parameter groups between steps, or computes its loss outside `run.model`, breaks the maths in
+ways the run cannot see (the module call is checked only for plain DDP without `--compile`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Self
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runlog.startup import StartupTimeline
+from elastic_ddp.runlog.worker_logging import RankPrefix, installed_rank_prefix
+from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
+from elastic_ddp.runtime.drain import DrainSignal
+from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
+from elastic_ddp.snapshot.training_state import Stateful, run_fingerprint
+from elastic_ddp.training.reporting import RunLog
+from elastic_ddp.training.sharding import ShardingError, place_model
+from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
+from elastic_ddp.training.step_hooks import MinimumStepTime
+from elastic_ddp.training.stop_guard import StopGuard
+from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
+from elastic_ddp.workload.losses import check_per_sample
+from elastic_ddp.workload.sampler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+class LoopContractError(RuntimeError):
+    """The loop broke a rule of `ElasticRun`'s contract; raised where it did (module docstring)."""
+
+
+class ElasticRun:
+    """One worker group's part of an elastic run of a loop of the user's own (module docstring).
+
+    Build it inside an initialised process group (or none, for one process), enter it once with
+    `with`, iterate `steps()` inside. `optimizer` and `scheduler` may be factories, called with the
+    model once placed (sharded under `--sharding fsdp`, where only a factory can be given) and with
+    the optimizer; without them the run builds `--optimizer` and its warm-up plus cosine schedule. Accessors: `model` (call it), `module` (your model),
+    `optimizer`, `scheduler`, `global_step` (committed steps), `epoch`, `rank`, `world_size`.
+    """
+
+    def __init__(self, model: nn.Module, dataset: Dataset, config: TrainingConfig, *,
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
+                 extra_state: dict[str, Stateful] | None = None,
+                 sample_transform: SampleTransform | None = None,
+                 context: DistributedContext | None = None,
+                 log_prefix: RankPrefix | None = None,
+                 startup: StartupTimeline | None = None):
+        check_extra_state(extra_state)
+        if isinstance(optimizer, torch.optim.Optimizer) and config.sharding == "fsdp":
+            raise ShardingError("--sharding fsdp: got an optimizer built before the model was sharded; expected none "
+                                "(the run builds --optimizer over the sharded parameters) or a factory, "
+                                "optimizer=lambda model: AdamW(model.parameters(), ...)")
+        self.config = config
+        self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
+        self.module = place_model(model, config.sharding, config.shard_blocks, self.context.device)
+        self.ddp_model: nn.Module = self.module  # DDP once entered (FSDP2 sharded the module in place)
+        self.model: nn.Module = self.module  # what a step calls: ddp_model, compiled with --compile
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.module)  # over the placed (under fsdp: sharded) parameters
+        if callable(scheduler) and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = scheduler(optimizer or build_optimizer(config, self.module.parameters()))
+        self.state = build_training_state(self.module, len(dataset), config, self.context.device, optimizer,
+                                          scheduler, extra_state)
+        self.fingerprint = run_fingerprint(self.module, len(dataset), config.global_batch_size, config.seed,
+                                           config.drop_last)
+        self.samples = EpochSampleView(dataset, config.seed, sample_transform)
+        self.autocast_dtype = autocast_dtype(config, self.context.device)
+        self.startup = startup or StartupTimeline()
+        self.log_prefix = log_prefix or installed_rank_prefix()  # its step number follows the commits
+        self.drain = DrainSignal(self.context.collective_device)
+        self.pacing = MinimumStepTime(config.min_step_time_s) if config.min_step_time_s else None
+        self.stop_guard: StopGuard | None = None  # keeps the last committed step,
+        self.run_log: RunLog | None = None  # what this run reports, and
+        self.snapshots: SnapshotSession | None = None  # its snapshots (all three set while entered)
+        self.current_step: Step | None = None
+        self._exits: contextlib.ExitStack | None = None
+        self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
+        self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
+        self._empty_batch: list[torch.Tensor] | None = None
+        self.state.optimizer.register_step_pre_hook(self._refuse_the_loops_optimizer_step)
+
+    # ------------------------------------------------------------------------------- accessors
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.state.scheduler
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.sampler.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    def autocast(self) -> torch.autocast:
+        """Autocast for the forward pass as `--use_amp`/`--amp_dtype` say (disabled without AMP)."""
+        return torch.autocast(self.context.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> Self:
+        """Join the run: agree on the incarnation, open its log and snapshots, start the watchdog,
+        restore the newest state the group can read, wrap the model."""
+        if self._exits is not None:
+            raise LoopContractError("ElasticRun: entered while already entered; use one `with run:` per run")
+        started = time.monotonic()
+        incarnation = agree_on_incarnation(self.context)
+        with contextlib.ExitStack() as exits:
+            # A SIGTERM that came too late to drain is raised again once everything is closed.
+            exits.push(_on_success(self.drain.redeliver_unused))
+            log, snapshots = exits.enter_context(self._incarnation(incarnation))
+            exits.push(_on_success(lambda: self._finish(started)))
+            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
+                                                self.config.epochs, self.config.watchdog_timeout_s)
+            exits.enter_context(guard.watching_peers(incarnation))
+            log.started()
+            snapshots.start()
+            log.restored(restored := snapshots.restore(self.state))
+            self._wrap_model(restored=restored is not None)
+            exits.enter_context(self.drain.catching_sigterm())
+            exits.enter_context(guard.keeping_the_last_step())
+            exits.push(_on_success(self.drain.finish))
+            self._exits = exits.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> bool:
+        """Whatever exception leaves the block, the last committed step is kept in node memory
+        first (then it propagates); without one, the last step's snapshot is waited for."""
+        exits, self._exits = self._exits, None
+        self.current_step = None
+        return exits.__exit__(*exc_info)
+
+    @contextlib.contextmanager
+    def _incarnation(self, incarnation: int) -> Iterator[tuple[RunLog, SnapshotSession]]:
+        """The run log and snapshot session of one entry, closed whatever happens."""
+        self.run_log = RunLog(self.config, self.context, incarnation, self.state.sampler.steps_per_epoch,
+                              self.startup, self.log_prefix)
+        try:
+            self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
+                                                   incarnation)
+            try:
+                yield self.run_log, self.snapshots
+            finally:
+                self.snapshots.close()
+        finally:
+            self.run_log.close()
+
+    def _finish(self, started: float) -> None:
+        if self.epoch < self.config.epochs:  # the loop left early: keep its place durably, as a drain does
+            logger.info("the loop left the run at step %d, before its end; saving that step", self.global_step)
+            with self._runtime_owns_optimizer():
+                self.snapshots.save(self.state, final=True)
+        self.snapshots.finish()
+        self.run_log.finished(self.global_step, time.monotonic() - started)
+        self.snapshots.forget_memory_copies()
+
+    def _wrap_model(self, restored: bool) -> None:
+        if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
+            device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
+            # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
+            self.ddp_model = DistributedDataParallel(self.module, device_ids=device_ids, init_sync=not restored)
+            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
+            if not self.config.compile:
+                self.ddp_model.register_forward_pre_hook(self._count_model_call)
+        # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
+        # module; the model itself stays uncompiled, so its state dict keeps its own names.
+        self.model = torch.compile(self.ddp_model) if self.config.compile else self.ddp_model
+
+    # ------------------------------------------------------------------------------- steps
+
+    def steps(self) -> Iterator[Step]:
+        """This rank's share of every step left in the run, in order; between two steps (at the
+        boundary) a drain agreed by the group raises `DrainRequested`. Each step must be committed
+        before the next is asked for."""
+        if self._exits is None:
+            raise LoopContractError("ElasticRun.steps(): called outside `with run:`; enter the run first "
+                                    "(entering restores the newest state)")
+        if self.epoch >= self.config.epochs:
+            logger.info("training already complete (%d epochs, step %d)", self.config.epochs, self.global_step)
+        while self.epoch < self.config.epochs:
+            yield from self._epoch_remainder()
+
+    def _epoch_remainder(self) -> Iterator[Step]:
+        ctx, sampler = self.context, self.state.sampler
+        plans = sampler.plan_epoch_remainder(ctx.rank, ctx.world_size, self.config.micro_batch_size)
+        # A committed state never holds a finished epoch (the rollover is part of the commit), so
+        # there is always a step to plan; without one this loop would never end.
+        assert plans, f"epoch {sampler.epoch} has no step left at sample {sampler.samples_consumed}"
+        batches = iter(plan_loader(self.samples, sampler.epoch, plans, self.config.num_workers,
+                                   pin_memory=ctx.device.type == "cuda"))
+        self.ddp_model.train()
+        self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
+        try:
+            for plan in plans:
+                step = self.current_step = Step(self, plan, batches)
+                yield step
+                if not step.committed:
+                    raise LoopContractError(f"step {step.number} was not committed before the next one was asked "
+                                            "for; end every step with step.commit() (or `with step.committing():`)")
+                self._step_boundary()
+        except BaseException:
+            self.run_log.training_interrupted()
+            raise
+
+    def _step_boundary(self) -> None:
+        """Between two committed steps, on every rank (the drain's collective must line up)."""
+        self.stop_guard.drain_if_agreed()
+        if self.pacing is not None:
+            self.pacing.wait()
+
+    def _after_commit(self, step: Step) -> None:
+        """Each component decides for itself what a committed step means to it, in this order on
+        every rank (their collectives must line up)."""
+        number, plan = self.global_step, step.plan
+        self.run_log.step_committed(plan, number, step.loss_sum, self.state.scheduler.get_last_lr()[0])
+        if step.amp_skipped:
+            self.run_log.amp_step_skipped(number, self.state.grad_scaler.scaler.get_scale())
+        if step.epoch_ended:
+            self.run_log.epoch_ended(plan.epoch, number)
+        with self._runtime_owns_optimizer():  # a sharded save may step a stateless optimizer to build its state
+            self.snapshots.save(self.state, epoch_ended=step.epoch_ended)
+
+    # ------------------------------------------------------------------------------- the contract's checks
+
+    @contextlib.contextmanager
+    def _runtime_owns_optimizer(self) -> Iterator[None]:
+        self._runtime_steps_optimizer = True
+        try:
+            yield
+        finally:
+            self._runtime_steps_optimizer = False
+
+    def _refuse_the_loops_optimizer_step(self, *_: Any) -> None:
+        if self.current_step is not None and not self._runtime_steps_optimizer:
+            raise LoopContractError(f"optimizer.step() called by the loop during step {self.current_step.number}; "
+                                    "the run steps the optimizer (through the grad scaler) in step.commit(), once "
+                                    "per step: remove this call")
+
+    def _count_model_call(self, *_: Any) -> None:
+        self._model_calls += 1
+
+    def _device_batch(self, indices: list[int], batches: Iterator[Any]) -> list[Any]:
+        """The loader's next batch on this rank's device; for no `indices`, an empty batch shaped
+        like the data's (the loader holds only the non-empty micro-batches)."""
+        if indices:
+            batch = next(batches)
+        else:
+            if self._empty_batch is None:
+                self._empty_batch = empty_batch_like(self.samples)
+            batch = self._empty_batch
+        non_blocking = self.context.device.type == "cuda"
+        return [item.to(self.context.device, non_blocking=non_blocking) for item in batch]
+
+
+class Step:
+    """One optimizer step of this rank: read its micro-batches, `backward` each, commit once.
+
+    `number` is the global step it becomes when committed (1-based), `epoch` the epoch it is in,
+    `samples` this rank's share, `global_samples` the whole step's over every rank.
+    """
+
+    def __init__(self, run: ElasticRun, plan: StepPlan, batches: Iterator[Any]):
+        self.run = run
+        self.plan = plan
+        self.batches = batches
+        self.number = run.global_step + 1
+        self.epoch = plan.epoch
+        self.samples = len(plan.rank_samples)
+        self.global_samples = plan.global_samples
+        self.committed = False
+        self.epoch_ended = False  # whether the commit ended the epoch
+        self.amp_skipped = False  # whether the grad scaler skipped the optimizer's update (fp16)
+        self.loss_sum: torch.Tensor | None = None  # of this rank's samples, for the report
+        self._read = 0
+        self._backwards = 0
+        self._calls_at_read = 0
+        # DDP averages gradients over ranks: seeding each sample's gradient with this makes the
+        # result the global batch's mean (the numbers of `scaler.scale(sum * scale)`, 2 nodes fewer).
+        self._loss_scale = run.world_size / plan.global_samples
+
+    def micro_batches(self) -> Iterator[Any]:
+        """This rank's micro-batches of the step, on its device, each collated as the dataset's
+        samples are; all but the last are handed out under DDP's `no_sync`, so call
+        `backward` inside the loop body."""
+        if self._read:
+            raise LoopContractError(f"step.micro_batches(): called again for step {self.number}; read them once")
+        run = self.run
+        last = len(self.plan.micro_batches) - 1
+        for index, indices in enumerate(self.plan.micro_batches):
+            batch = run._device_batch(indices, self.batches)
+            self._read += 1
+            self._calls_at_read = run._model_calls
+            synchronising = index == last or run.ddp_model is run.module
+            with contextlib.nullcontext() if synchronising else run.ddp_model.no_sync():
+                yield batch
+                if self._backwards != self._read:
+                    raise LoopContractError(
+                        f"step {self.number}: micro-batch {index + 1} of {last + 1} was read but step.backward() "
+                        "was not called for it inside the loop body; call it once per micro-batch (an empty "
+                        "one too: every rank takes part in the gradients' all-reduce)")
+
+    def backward(self, losses: torch.Tensor) -> None:
+        """Backward of the last micro-batch read, from one loss per sample (reduction="none"),
+        scaled so that the step's averaged gradient is the global batch's mean (and by the grad
+        scaler under fp16)."""
+        if self._backwards >= self._read:
+            raise LoopContractError(f"step.backward(): called {'twice for one' if self._read else 'before any'} "
+                                    f"micro-batch of step {self.number}; call it once for each micro-batch read")
+        check_per_sample(losses, len(self.plan.micro_batches[self._read - 1]), "step.backward")
+        run = self.run
+        if isinstance(run.model, DistributedDataParallel) and run._model_calls == self._calls_at_read:
+            raise LoopContractError("step.backward(): the loss was not computed through run.model (DDP); calling "
+                                    "your own module skips the gradients' all-reduce and the ranks drift apart")
+        losses = losses.float()
+        scaler = run.state.grad_scaler.scaler
+        torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, self._loss_scale)))
+        self._backwards += 1
+        summed = losses.detach().sum()
+        self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of every parameter to `max_norm` (their total norm, returned):
+        unscaled first (the grad scaler then steps without unscaling again, and still skips a step
+        whose gradients are not finite). The same norm on every rank: each holds the all-reduced
+        gradient (DDP) or its shard of it (FSDP2 reduces the norm over the shards)."""
+        if not (max_norm > 0 and max_norm < float("inf")):
+            raise ValueError(f"step.clip_grad_norm_: got max_norm={max_norm}; expected a positive finite number")
+        self._check_all_read("step.clip_grad_norm_()")
+        state = self.run.state
+        state.grad_scaler.scaler.unscale_(state.optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.run.module.parameters(), max_norm)
+
+    def commit(self) -> None:
+        """Apply the step whole (see `committing`)."""
+        with self.committing():
+            pass
+
+    @contextlib.contextmanager
+    def committing(self) -> Iterator[None]:
+        """The commit point: on entry the optimizer has stepped (through the grad scaler), the
+        gradients are zeroed and the scheduler stepped; the block may update `extra_state`; on exit
+        the data position (rolled into the next epoch when this step ends one) and the step count
+        move, and the step is committed: reported, and snapshotted when the schedule says so.
+
+        An exception out of the block leaves the state half changed and marked so: it is never
+        kept, and the restart takes the previous step from the other ranks or the snapshots."""
+        self._check_all_read("step.commit()")
+        if self.committed:
+            raise LoopContractError(f"step.commit(): step {self.number} is already committed")
+        run, state = self.run, self.run.state
+        with state.updating():
+            with run._runtime_owns_optimizer():
+                self.amp_skipped = state.grad_scaler.step(state.optimizer)
+            state.optimizer.zero_grad(set_to_none=True)
+            state.scheduler.step()
+            yield
+            state.sampler.advance(self.plan.global_samples)
+            self.epoch_ended = state.sampler.epoch_finished
+            if self.epoch_ended:
+                state.sampler.start_next_epoch()
+            state.progress.global_step += 1
+            run.stop_guard.committed(self.plan)
+        self.committed = True
+        run._after_commit(self)
+
+    def _check_all_read(self, what: str) -> None:
+        total = len(self.plan.micro_batches)
+        if self._read < total or self._backwards < self._read:
+            raise LoopContractError(f"{what}: step {self.number} has {total} micro-batch(es); {self._read} were read "
+                                    f"and {self._backwards} went through step.backward(); every one must, first")
+
+
+def check_extra_state(extra_state: Any) -> None:
+    """Raise TypeError (ValueError for an empty name) naming `extra_state` unless it maps names to objects that save and load
+    themselves (`state_dict` and `load_state_dict`)."""
+    if extra_state is None:
+        return
+    if not isinstance(extra_state, dict):
+        raise TypeError(f"extra_state: got a {type(extra_state).__name__}; expected a dict of name -> object "
+                         "with state_dict() and load_state_dict()")
+    for name, obj in extra_state.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"extra_state: got the key {name!r}; expected non-empty strings")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"extra_state[{name!r}]: got a {type(obj).__name__}, which has no state_dict() and "
+                             "load_state_dict(); expected a Stateful (wrap plain values in an object that has both)")
+
+
+def _on_success(action: Callable[[], None]) -> Callable[..., bool]:
+    """An ExitStack exit callback that runs `action` only when the block ended without an exception."""
+    def exit_callback(exc_type: type[BaseException] | None, *_: Any) -> bool:
+        if exc_type is None:
+            action()
+        return False
+    return exit_callback
