@@ -32,11 +32,11 @@ from elastic_ddp.runtime.distributed import exit_worker
 # (module, attribute path) of each probed call, patched where it is looked up at call time
 PROBES = (
     ("elastic_ddp.train", "build_workload"),
-    ("elastic_ddp.training.trainer", "place_model"),
-    ("elastic_ddp.training.trainer", "build_training_state"),
-    ("elastic_ddp.training.trainer", "Trainer._forward_backward"),
-    ("elastic_ddp.training.trainer", "Trainer._commit"),
-    ("elastic_ddp.training.trainer", "Trainer._after_step"),
+    ("elastic_ddp.training.elastic_run", "place_model"),
+    ("elastic_ddp.training.elastic_run", "build_training_state"),
+    ("elastic_ddp.training.elastic_run", "Step.backward"),
+    ("elastic_ddp.training.elastic_run", "Step.commit"),
+    ("elastic_ddp.training.elastic_run", "ElasticRun._after_commit"),
     ("torch.optim", "AdamW.step"),
     ("torch.distributed.checkpoint", "save"),
     ("elastic_ddp.snapshot.manager", "SnapshotSession.save"),

@@ -114,9 +114,8 @@ def train(config: GPTConfig, context: DistributedContext) -> None:
     tokens = TokensSeen()
     run = ElasticRun(model, corpus, config, context=context, extra_state={"tokens": tokens},
                      optimizer=adamw_without_decay_on_norms_and_biases(config))
-    started, tokens_at_start = time.monotonic(), None
-    with run:
-        tokens_at_start = tokens.count
+    with run:  # restored on entry: count from here
+        started, tokens_at_start = time.monotonic(), tokens.count
         for step in run.steps():
             for inputs, targets in step.micro_batches():
                 with run.autocast():

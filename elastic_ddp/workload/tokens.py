@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -51,6 +52,21 @@ class TokenWindows(Dataset):
                              f"(tokens {start}-{start + self.block_size}); expected ids below --vocab_size "
                              f"{self.vocab_size}")
         return window[:-1], window[1:]
+
+    def collated(self, indices: list[int]) -> list[torch.Tensor]:
+        """The windows `indices` as one batch, `[inputs, targets]` each `(len(indices), block_size)`:
+        what the default collate makes of them one by one, from one gather and one check."""
+        starts = np.asarray(indices, dtype=np.int64)
+        if starts.size and not (0 <= starts.min() and starts.max() < self.windows):
+            bad = starts[(starts < 0) | (starts >= self.windows)][0]
+            raise IndexError(f"window {bad} of {self.windows}")
+        starts *= self.block_size
+        windows = self._mapped().numpy()[starts[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
+        if windows.size and int(windows.max()) >= self.vocab_size:
+            row = int(np.argmax(windows.max(axis=1) >= self.vocab_size))
+            self[indices[row]]  # raises the ValueError that names the window
+        batch = torch.from_numpy(windows)
+        return [batch[:, :-1].contiguous(), batch[:, 1:].contiguous()]
 
     def _mapped(self) -> torch.Tensor:
         if self._tokens is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from elastic_ddp import load_snapshot
 from elastic_ddp.config import TrainingConfig
@@ -90,6 +91,18 @@ def test_a_token_file_that_is_not_one_is_refused_in_one_line(tmp_path, token_fil
     windows = TokenWindows(large, block_size=8, vocab_size=256)
     with pytest.raises(ValueError, match=r"holds token id 300 in window 0 .*expected ids below --vocab_size 256"):
         windows[0]
+    with pytest.raises(ValueError, match=r"holds token id 300 in window 1 "):  # the first in the batch
+        windows.collated([1, 0])
+    with pytest.raises(IndexError, match=r"window 9 of 9"):
+        windows.collated([1, 9])
+
+
+def test_a_batch_of_windows_is_what_the_default_collate_makes_of_them(token_file):
+    windows = TokenWindows(token_file, block_size=16, vocab_size=256)
+    indices = [5, 0, len(windows) - 1, 5]
+    batch, one_by_one = windows.collated(indices), default_collate([windows[i] for i in indices])
+    assert [t.shape for t in batch] == [(4, 16), (4, 16)]
+    assert all(torch.equal(got, expected) and got.dtype == expected.dtype for got, expected in zip(batch, one_by_one))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
