@@ -5,9 +5,9 @@ measuring process.
     agent = AgentProcess(context, (backend, endpoint, run_id, max_nodes, is_host))
     agent.wait_built(); agent.start(entering=True); ...; agent.stop(); agent.counts(); agent.kill()
 
-An agent is the handler torchrun builds for the backend (torch's real `DynamicRendezvousHandler`,
-or for `etcd-v3-keyed` and `elastic-c10d-keyed` the keyed rendezvous of `--rdzv_conf algorithm=keyed`), running torchrun's
-monitor loop between rounds. Its processes are forked from a server that
+An agent is the handler torchrun builds for the backend (for `elastic-c10d` and `etcd-v3` the keyed
+rendezvous, for torch's own `c10d` its real `DynamicRendezvousHandler`), running torchrun's monitor
+loop between rounds. Its processes are forked from a server that
 imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
 where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
 it is in `next_rendezvous` and the waiting count it last saw in shared memory, so the measuring
@@ -22,7 +22,6 @@ import multiprocessing.context
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,16 +34,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic_ddp.agent.rendezvous import torch_internals
-from elastic_ddp.agent.rendezvous.c10d import NamedBackend
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.handler import elastic_handler
-from elastic_ddp.agent.rendezvous.heartbeats import HeartbeatChannel
 from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
 from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
 # timeout), instead of polling through the shipped 300 s and holding up the next measurement.
@@ -52,13 +45,13 @@ PHASE_TIMEOUT_S = 60.0
 
 
 class CountingBackend(RendezvousBackend):
-    """A rendezvous backend that counts the state operations going through it, and those of a
-    heartbeat channel wrapped by `counting` (thread-safe)."""
+    """A rendezvous backend that counts the state operations going through it (thread-safe); torch's
+    heartbeats are state writes too."""
 
     def __init__(self, backend: RendezvousBackend):
         self._backend = backend
         self._lock = threading.Lock()
-        self.reads = self.writes = self.lost_writes = self.heartbeat_ops = 0
+        self.reads = self.writes = self.lost_writes = 0
 
     @property
     def name(self) -> str:
@@ -76,31 +69,12 @@ class CountingBackend(RendezvousBackend):
             self.lost_writes += int(result is not None and not result[2])
         return result
 
-    def counting(self, channel: HeartbeatChannel) -> HeartbeatChannel:
-        """`channel`, its publishes and reads counted as `heartbeat_ops`."""
-        counter = self
-
-        class CountingChannel:
-            def publish(self, node: NodeDesc, beat: datetime) -> None:
-                counter._count_heartbeat_op()
-                channel.publish(node, beat)
-
-            def read(self) -> dict[NodeDesc, datetime]:
-                counter._count_heartbeat_op()
-                return channel.read()
-
-        return CountingChannel()
-
-    def _count_heartbeat_op(self) -> None:
-        with self._lock:
-            self.heartbeat_ops += 1
-
     def take(self) -> tuple[int, int, int, int]:
-        """(state reads, state writes, lost state writes, heartbeat channel operations) since the
-        last `take`."""
+        """(state reads, state writes, lost state writes, 0) since the last `take`, in
+        `KeyedCounter.take`'s shape (torch has no heartbeat operations apart from state writes)."""
         with self._lock:
-            counts = (self.reads, self.writes, self.lost_writes, self.heartbeat_ops)
-            self.reads = self.writes = self.lost_writes = self.heartbeat_ops = 0
+            counts = (self.reads, self.writes, self.lost_writes, 0)
+            self.reads = self.writes = self.lost_writes = 0
         return counts
 
 
@@ -140,33 +114,22 @@ class Agent:
 def _params(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> RendezvousParameters:
     conf = {key: value for key, value in SHIPPED_RDZV_DEFAULTS.items()}
     conf["join_timeout"] = int(PHASE_TIMEOUT_S)
-    if not backend.startswith("etcd-v3"):
+    if backend != "etcd-v3":
         conf["is_host"] = is_host
-    return RendezvousParameters(backend.removesuffix("-keyed"), endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
+    return RendezvousParameters(backend, endpoint, run_id, min_nodes=1, max_nodes=max_nodes, local_addr="127.0.0.1",
                                 **conf)
 
 
 def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host: bool) -> Agent:
     """An agent as torchrun would build it for `backend` (see the module docstring)."""
     params = _params(backend, endpoint, run_id, max_nodes, is_host)
-    if backend.endswith("-keyed"):
-        create = create_keyed_etcd_v3_handler if backend.startswith("etcd-v3") else create_keyed_c10d_handler
-        handler = create(params)
-        return Agent(handler, KeyedCounter(handler))
-    if backend == "etcd-v3":
-        counters: list[CountingBackend] = []
-
-        def counting(state: RendezvousBackend, heartbeats: HeartbeatChannel):
-            counters.append(CountingBackend(state))
-            return counters[0], counters[0].counting(heartbeats)
-
-        return Agent(create_etcd_v3_handler(params, instrument=counting), counters[0])
-    c10d_backend, store = create_backend(params)
     if backend == "c10d":
+        c10d_backend, store = create_backend(params)
         counter = CountingBackend(c10d_backend)
         return Agent(create_handler(store, counter, params), counter)
-    counter = CountingBackend(NamedBackend(c10d_backend))
-    return Agent(elastic_handler(params, store, counter), counter)
+    create = create_keyed_etcd_v3_handler if backend == "etcd-v3" else create_keyed_c10d_handler
+    handler = create(params)
+    return Agent(handler, KeyedCounter(handler))
 
 
 # Where each agent process publishes what the parent watches (shared memory, written by the agent).
@@ -218,12 +181,9 @@ def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, sta
     node waits; "stop" ends that loop and replies with its error, if any; "counts" replies with the
     state operations since the last "counts"."""
     agent = make_agent(*spec)
-    if poll_s != MONITOR_INTERVAL_S:  # a waiting agent's looks at the round too (torch's algorithm: process-wide)
-        if isinstance(agent.handler, KeyedRendezvousHandler):
-            agent.handler._poll_s = poll_s
-        else:
-            torch_internals.poll_rendezvous_every(poll_s)
     if isinstance(agent.handler, KeyedRendezvousHandler):
+        if poll_s != MONITOR_INTERVAL_S:  # a waiting agent's looks at the round too (torch's c10d keeps its 1 s)
+            agent.handler._poll_s = poll_s
         _time_milestones(agent.handler, status)
     status[ROUND] = 0
     commands.send("built")

@@ -1,18 +1,18 @@
 """The rendezvous at sizes that one process per agent cannot reach on a small machine: N simulated
 agents as threads of one process.
 
-    python -m benchmarks.rendezvous_threads                                  # 8..256 agents, keyed and torch's algorithm
-    python -m benchmarks.rendezvous_threads --agents 64 256 --backends etcd-v3-keyed --json out.json
+    python -m benchmarks.rendezvous_threads                           # 8..256 agents on etcd-v3
+    python -m benchmarks.rendezvous_threads --agents 64 256 --json out.json
     python -m benchmarks.rendezvous_threads --agents 256 --poll 1     # agents look every 1 s, not every 0.1 s
 
 The phases, the agents and what is counted are those of `benchmarks.rendezvous_scale` (read its
-docstring): each agent is the handler torchrun builds for the backend (`rendezvous_agents.make_agent`)
-running torchrun's monitor loop, through a first round, the kill of one agent and the join of one,
-on one local etcd. What differs is that every agent is a thread here, so that 256 of them fit on 2
-cores (256 agent processes saturated them and the local etcd answered too late; docs/benchmarks-history.md,
-"Rendezvous at scale"). A thread cannot be SIGKILLed, so the kill is what a SIGKILL does to an agent
-as the others see it: its lease or heartbeats are no longer refreshed and its beacon refuses
-connections (its etcd connection stays open, idle).
+docstring): each agent is the handler torchrun builds for etcd-v3, the keyed rendezvous
+(`rendezvous_agents.make_agent`), running torchrun's monitor loop, through a first round, the kill
+of one agent and the join of one, on one local etcd. What differs is that every agent is a thread
+here, so that 256 of them fit on 2 cores (256 agent processes saturated them and the local etcd
+answered too late; docs/benchmarks-history.md, "Rendezvous at scale"). A thread cannot be SIGKILLed, so the kill is what a SIGKILL does to an agent
+as the others see it: its lease is no longer refreshed and its beacon refuses connections (its etcd
+connection stays open, idle).
 
 What this changes, and so how to read the figures: all agents share one interpreter lock, so a
 phase's seconds include queueing for it (with 256 agents, tens of reads a second each in pure-Python
@@ -22,7 +22,7 @@ reads per agent per second of the phase. `--poll S` makes every agent look less 
 monitor loop and a waiting agent's look at the round, both 0.1 s as shipped), so that 256 of them
 fit in one interpreter; the writes per agent do not depend on it. A phase that does not settle within `PHASE_TIMEOUT_S` is
 recorded as a timeout (the agents of that measurement are then closed out with `set_closed`), and
-the next size or backend goes on.
+the next size goes on.
 """
 
 from __future__ import annotations
@@ -42,25 +42,20 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from benchmarks.cpu_use import CpuUse
 from benchmarks.rendezvous_agents import BUSY, FAILED, ROUND, UNKNOWN, WAITING, Agent, make_agent
 from benchmarks.rendezvous_scale import PHASES, _counts, _settle
-from elastic_ddp.agent.rendezvous import torch_internals
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 
 AGENT_COUNTS = (8, 16, 32, 64, 256)
-BACKENDS = ("etcd-v3-keyed", "etcd-v3")
+BACKEND = "etcd-v3"
 STOP_TIMEOUT_S = 90.0  # an agent's loop ends by then: its `next_rendezvous` ends by its join timeout
 
 
 class ThreadAgent:
     """One agent in a thread, with `rendezvous_agents.AgentProcess`'s face (what `_settle` uses)."""
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, max_nodes: int, poll_s: float) -> None:
-        self.agent: Agent = make_agent(backend, endpoint, run_id, max_nodes, False)
+    def __init__(self, endpoint: str, run_id: str, max_nodes: int, poll_s: float) -> None:
+        self.agent: Agent = make_agent(BACKEND, endpoint, run_id, max_nodes, False)
         self._poll_s = poll_s
-        if isinstance(self.agent.handler, KeyedRendezvousHandler):
-            self.agent.handler._poll_s = poll_s
-        else:
-            torch_internals.poll_rendezvous_every(poll_s)  # process-wide, as in an agent
+        self.agent.handler._poll_s = poll_s
         self.status = [0, 0, 0, 0]
         self.status[ROUND] = 0
         self.exitcode = None  # a thread never exits like a process: _settle reads this
@@ -113,27 +108,17 @@ class ThreadAgent:
     def kill(self) -> None:
         """What a SIGKILL does to this agent, as the others see it (module docstring)."""
         handler = self.agent.handler
-        if isinstance(handler, KeyedRendezvousHandler):
-            handler._board._stop.set()
-            handler._witness.close()
-        else:
-            handler._stop_heartbeats()
-            beacon = handler._state_holder._beacon
-            if beacon is not None:
-                beacon.close()
+        handler._board._stop.set()
+        handler._witness.close()
 
     def close(self) -> None:
-        """End this agent: its loop, its lease (keyed: revoked) or heartbeats, its etcd connection.
-        Not torch's `shutdown` for its algorithm: that closes the run with a compare-and-set each,
-        hundreds of them in a row at 256 agents, for a run that is over anyway."""
+        """End this agent: its loop, its lease (revoked), its etcd connection."""
         self._stop.set()
         self.kill()
         handler = self.agent.handler
-        keyed = isinstance(handler, KeyedRendezvousHandler)
         try:
-            if keyed:
-                handler.shutdown()
-            (handler._board._connection if keyed else handler._store._connection).close()
+            handler.shutdown()
+            handler._board._connection.close()
         except Exception:  # noqa: BLE001, S110 - the measurement is over; etcd may be gone
             pass
 
@@ -149,14 +134,14 @@ def _phase(name: str, agents: list[ThreadAgent], entering: list[ThreadAgent]) ->
     return record
 
 
-def measure(backend: str, agents_count: int, endpoint: str, poll_s: float = MONITOR_INTERVAL_S) -> dict[str, Any]:
+def measure(agents_count: int, endpoint: str, poll_s: float = MONITOR_INTERVAL_S) -> dict[str, Any]:
     """The three phases with `agents_count` thread agents on a fresh run id (see
     `rendezvous_scale.measure`); a phase that fails or times out ends the measurement, recorded."""
     run_id = f"threads-{uuid.uuid4().hex[:8]}"
-    record: dict[str, Any] = {"backend": backend, "agents": agents_count, "mode": "threads", "poll_s": poll_s}
+    record: dict[str, Any] = {"backend": BACKEND, "agents": agents_count, "mode": "threads", "poll_s": poll_s}
     built: list[ThreadAgent] = []
     try:
-        built = [ThreadAgent(backend, endpoint, run_id, agents_count + 1, poll_s) for _ in range(agents_count + 1)]
+        built = [ThreadAgent(endpoint, run_id, agents_count + 1, poll_s) for _ in range(agents_count + 1)]
         agents, joiner = built[:-1], built[-1]
         record["first"] = _phase("first", agents, entering=agents)
         if agents_count > 1:
@@ -185,15 +170,13 @@ def _close_all(agents: list[ThreadAgent]) -> None:
         agent.close()
 
 
-def run(backends: list[str], counts: list[int], repeats: int, endpoint: str,
-        poll_s: float = MONITOR_INTERVAL_S) -> list[dict[str, Any]]:
+def run(counts: list[int], repeats: int, endpoint: str, poll_s: float = MONITOR_INTERVAL_S) -> list[dict[str, Any]]:
     records = []
     for _ in range(repeats):
         for count in counts:
-            for backend in backends:
-                record = measure(backend, count, endpoint, poll_s)
-                print(_line(record), flush=True)
-                records.append(record)
+            record = measure(count, endpoint, poll_s)
+            print(_line(record), flush=True)
+            records.append(record)
     return records
 
 
@@ -230,7 +213,6 @@ def print_table(records: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--agents", type=int, nargs="+", default=list(AGENT_COUNTS))
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--poll", type=float, default=MONITOR_INTERVAL_S,
                         help="Seconds between an agent's looks (monitor loop, waiting agent); default %(default)s.")
@@ -245,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rdzv-threads-") as directory:
         server = single_server(Path(directory))
         try:
-            records = run(args.backends, args.agents, args.repeats, server.endpoint, args.poll)
+            records = run(args.agents, args.repeats, server.endpoint, args.poll)
         finally:
             server.stop()
     print_table(records)

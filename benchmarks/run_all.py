@@ -15,11 +15,9 @@ Sections (each module's docstring says exactly what it measures and how):
 - checksums           `benchmarks.checksums`: the snapshot writer (BLAKE3, and sha256 of format 1)
   against the disk's own write + fsync at 100 MB and 1 GB, and each checksum candidate alone.
 - rendezvous          `benchmarks.rendezvous_scale`: 8 and 64 simulated agents through a first round,
-  a kill and a join, on our elastic-c10d and etcd-v3 backends with each algorithm: rows
-  `elastic-c10d-keyed` and `etcd-v3-keyed` are the keyed rendezvous (the backends' default), rows
-  `elastic-c10d` and `etcd-v3` torch's dynamic handler (`--rdzv_conf algorithm=dynamic`). The growth
-  from 8 to 64 (goal <= 2x for the keyed rows), writes per agent per phase (goal <= 4) and the
-  64-agent phases of the keyed rows (goal < 3 s) against their goals.
+  a kill and a join, on our elastic-c10d and etcd-v3 backends (the keyed rendezvous). The growth
+  from 8 to 64 (goal <= 2x), writes per agent per phase (goal <= 4) and the 64-agent phases (goal
+  < 3 s) against their goals.
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new
   node to its first step, with the shipped launch settings against stock torchrun's; and the
   committed steps each redoes, against periodic snapshots alone and the tutorial's per-epoch one.
@@ -31,7 +29,7 @@ Sections (each module's docstring says exactly what it measures and how):
 
 Each cell is `median [min..max]` over the repetitions; the ratio is elastic_ddp over the baseline
 (per repetition when the two were measured in pairs). The table is preceded by a description of
-the machine. `--quick` shrinks every section (rendezvous: 2 and 4 agents, elastic-c10d's dynamic handler only) and
+the machine. `--quick` shrinks every section (rendezvous: 2 and 4 agents, elastic-c10d only) and
 leaves recovery out (one stock-torchrun kill alone waits out its 30 s rendezvous timeout) and sharded
 (its three benchmarks run torchrun jobs for minutes: 260 s with `--repetitions 1` on 2 cores;
 `--only sharded` runs it alone). A section that fails is reported in the table and makes the

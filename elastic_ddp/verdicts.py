@@ -14,10 +14,10 @@ store address and port (`MASTER_ADDR`, `MASTER_PORT`: a new port each round) and
 
 The address is a Unix datagram socket in Linux's abstract namespace (no file: it is gone with the
 agent's process, SIGKILL included, and nothing is left on the machine), bound by the agent for the
-round (`VerdictInbox`). A worker whose agent reads no verdicts (torch's own `c10d`,
-`algorithm=dynamic`) finds nothing bound there and sends nothing. The namespace is per network
-namespace, which a node's agent and its workers share. Elsewhere than on Linux nothing is bound and
-the agent waits for the silent node's lease, as without a verdict.
+round (`VerdictInbox`). A worker whose agent reads no verdicts (torch's own `c10d`) finds nothing
+bound there and sends nothing. The namespace is per network namespace, which a node's agent and
+its workers share. Elsewhere than on Linux nothing is bound and the agent waits for the silent
+node's lease, as without a verdict.
 
 A worker may also name a peer as *suspect* (`send_suspicion`), `SUSPECT_LEAD_S` before its
 watchdog's deadline for that peer, so that the agent asks the peer's beacon while the watchdog is

@@ -4,10 +4,8 @@
 #   bash tests/run.sh                  # everything (about 16 minutes on 2 cores, plus the set-up)
 #   bash tests/run.sh tests/unit       # the unit tests: one process, no servers (seconds)
 #   bash tests/run.sh -m "not slow"    # the same selection by marker
-#   ELASTIC_DDP_TEST_RDZV_ALGORITHM=keyed ELASTIC_DDP_TEST_RDZV_BACKEND=elastic-c10d \
-#       bash tests/run.sh tests/cluster/test_chaos.py
-#                                      # the testbed's agents on elastic-c10d / etcd-v3 run the keyed
-#                                      # rendezvous, and those on torch's c10d run elastic-c10d
+#   ELASTIC_DDP_TEST_RDZV_BACKEND=elastic-c10d bash tests/run.sh tests/cluster/test_chaos.py
+#                                      # the testbed's agents on torch's c10d run elastic-c10d
 #                                      # (elastic_ddp/testbed/rdzv_switch.py; unset: each test's own)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

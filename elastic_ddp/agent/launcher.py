@@ -23,9 +23,8 @@ for any `-m MODULE` and any backend.
 The other difference: `--rdzv_backend=c10d` gets dead-node probes (elastic_ddp.agent.rendezvous.liveness):
 a killed node leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat
 expires 5 s later (`--rdzv_conf=...,probe_dead_nodes=0` turns them off). The launcher does this by
-running `--rdzv_backend=elastic-c10d` in its place, whose default algorithm is the keyed rendezvous
-(elastic_ddp.agent.rendezvous.keyed_c10d; `--rdzv_conf=...,algorithm=dynamic`: torch's dynamic
-rendezvous with the probes, elastic_ddp.agent.rendezvous.c10d, kept for one release).
+running `--rdzv_backend=elastic-c10d` in its place: the keyed rendezvous in the same TCPStore
+(elastic_ddp.agent.rendezvous.keyed_c10d).
 
 Nothing else changes: restarts, signals (SIGTERM still reaches each worker),
 exit codes and logs are torchrun's. The workers are the fork server's children, not the agent's:
@@ -170,11 +169,11 @@ class TracebackAsText(logging.Filter):
 
 def probed_c10d_arguments(argv: list[str]) -> list[str]:
     """`argv` with torchrun's `--rdzv_backend=c10d` (or `--rdzv-backend c10d`) turned into
-    `elastic-c10d`: the same rendezvous, with dead-node probes. The training script's own
-    arguments are left alone."""
+    `elastic-c10d`: the same store, the keyed rendezvous with dead-node probes. The training
+    script's own arguments are left alone."""
     from torch.distributed.run import parse_args
 
-    from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+    from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
 
     argv = list(argv)
     script_at = len(argv) - len(parse_args(argv).training_script_args) - 1

@@ -34,7 +34,7 @@ from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV, MONITOR_INTERVAL_S,
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.procfs import children_by_parent, process_tree
-from elastic_ddp.testbed.rdzv_switch import switched_rendezvous
+from elastic_ddp.testbed.rdzv_switch import switched_backend
 
 # The backends whose store lives in the first node's agent (torch's, and ours built on it).
 C10D_BACKENDS = ("c10d", "elastic-c10d")
@@ -71,7 +71,7 @@ def torchrun_command(
     Pass `rdzv_conf=None`, `monitor_interval=None` and `launcher=STOCK_LAUNCHER` to get stock
     torchrun behaviour.
     """
-    rdzv_backend, rdzv_conf = switched_rendezvous(rdzv_backend, rdzv_conf)  # the tests' switches, unset: as given
+    rdzv_backend = switched_backend(rdzv_backend)  # the tests' switch, unset: as given
     command = [
         sys.executable, "-m", launcher,
         f"--nnodes={nnodes}",

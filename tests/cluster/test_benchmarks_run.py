@@ -86,11 +86,11 @@ def test_run_all_quick_prints_every_row_with_figures_that_parse(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_rendezvous_scale_benchmark_runs_every_phase_for_both_backends(tmp_path, shared_etcd_server):
-    """benchmarks/rendezvous_scale.py with 3 agents, each of our backends (etcd-v3 with both algorithms): a complete round after the
+    """benchmarks/rendezvous_scale.py with 3 agents, each of our backends: a complete round after the
     first rendezvous, a kill and a join (no timing asserted)."""
     from benchmarks import rendezvous_scale
 
-    backends = ["elastic-c10d", "etcd-v3", "etcd-v3-keyed"]
+    backends = ["elastic-c10d", "etcd-v3"]
     records = rendezvous_scale.run(backends, [3], repeats=1, etcd_endpoint=shared_etcd_server.endpoint)
     assert [(r["backend"], r["agents"]) for r in records] == [(backend, 3) for backend in backends]
     for record in records:

@@ -45,9 +45,8 @@ def etcd_job(local_jobs, etcd_server: EtcdServer, tmp_path):
 
 
 def joined_in_etcd(etcd_server: EtcdServer) -> bool:
-    """Whether a node of run `e2e` has written to etcd, whichever the algorithm: an agent writes
-    under its run's prefix only once it joins (keyed: its liveness and arrival keys; dynamic: the
-    shared state key)."""
+    """Whether a node of run `e2e` has written to etcd: an agent writes under its run's prefix only
+    once it joins (its liveness and arrival keys)."""
     return bool(etcd_server.etcdctl("get", "--prefix", "--keys-only", "/elastic_ddp/rendezvous/e2e/").stdout.strip())
 
 

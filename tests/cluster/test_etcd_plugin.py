@@ -17,9 +17,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
-from elastic_ddp.testbed.local_cluster import free_port
-from elastic_ddp.agent.rendezvous import EtcdUnavailableError, create_etcd_v3_handler
+from elastic_ddp.agent.rendezvous import EtcdUnavailableError, create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
+from elastic_ddp.testbed.local_cluster import free_port
 
 if TYPE_CHECKING:
     from elastic_ddp.testbed.etcd_server import EtcdServer
@@ -31,7 +31,7 @@ FAST_RDZV = {"join_timeout": "30", "last_call_timeout": "1", "keep_alive_interva
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", **env})
 
 
@@ -82,8 +82,8 @@ def test_registry_builds_a_handler_that_never_shares_the_agent_store(
 @pytest.mark.etcd
 def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_server: EtcdServer,
                                                                    run_id: str) -> None:
-    handler = create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
-                                            **FAST_RDZV))
+    handler = create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
+                                                  **FAST_RDZV))
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
     # Workers start their own TCPStore at the address rank 0's agent published, not the agent's.
@@ -95,8 +95,9 @@ def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_
 
 @pytest.mark.etcd
 def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: EtcdServer, run_id: str) -> None:
-    handlers = [create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2, local_addr=f"127.0.0.{i + 1}",
-                                              **FAST_RDZV)) for i in range(2)]
+    handlers = [create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2,
+                                                    local_addr=f"127.0.0.{i + 1}", **FAST_RDZV))
+                for i in range(2)]
     infos: dict[int, Any] = {}
     threads = [threading.Thread(target=lambda i=i: infos.__setitem__(i, handlers[i].next_rendezvous()))
                for i in range(2)]
@@ -117,7 +118,8 @@ def test_a_finished_run_id_stays_closed_until_its_keys_are_deleted(shared_etcd_s
     """As docs/etcd.md says: reuse a run id only after `etcdctl del --prefix <key_prefix>/<run_id>/`."""
 
     def handler() -> Any:
-        return create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1", **FAST_RDZV))
+        return create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
+                                                   **FAST_RDZV))
 
     finished = handler()
     finished.next_rendezvous()
@@ -135,7 +137,7 @@ def test_a_finished_run_id_stays_closed_until_its_keys_are_deleted(shared_etcd_s
 def test_unreachable_etcd_at_start_names_every_endpoint_and_the_last_error() -> None:
     endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     with pytest.raises(EtcdUnavailableError) as raised:
-        create_etcd_v3_handler(params(",".join(endpoints), retry_timeout="1"))
+        create_keyed_etcd_v3_handler(params(",".join(endpoints), retry_timeout="1"))
     message = str(raised.value)
     assert all(endpoint in message for endpoint in endpoints)
     assert "Connection refused" in message and "retry_timeout=1s" in message

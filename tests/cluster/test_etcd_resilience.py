@@ -1,4 +1,5 @@
-"""etcd going away and coming back, a cluster losing its leader, auth and TLS: all against real etcd.
+"""etcd going away and coming back, a cluster losing its leader, auth and TLS: all against real etcd,
+through the keyed rendezvous's etcd board and handler (`keyed_etcd`) and the agents' store.
 
 torch's agent dies on any exception from the rendezvous backend (it polls num_nodes_waiting()
 every monitor interval), so an outage of a few seconds must be invisible to the caller.
@@ -16,17 +17,20 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
 from elastic_ddp.agent.rendezvous import (
     EtcdAuthenticationError,
     EtcdConnection,
     EtcdTlsError,
     EtcdUnavailableError,
     EtcdV3Options,
-    EtcdV3RendezvousBackend,
     EtcdV3Store,
-    create_etcd_v3_handler,
+    create_keyed_etcd_v3_handler,
 )
+from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
+from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
 
 if TYPE_CHECKING:
     from elastic_ddp.testbed.etcd_server import EtcdCluster, EtcdServer
@@ -42,19 +46,29 @@ def connect(endpoint: str, **conf: Any) -> EtcdConnection:
     return EtcdConnection(EtcdV3Options.from_params(params(endpoint, **conf)))
 
 
+NODE = NodeDesc("127.0.0.1", 1, 0)
+
+
+def round_board(connection: EtcdConnection) -> EtcdRoundBoard:
+    settings = KeyedSettings("run", 1, 1, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
+                             keep_alive_max_attempt=5)
+    return EtcdRoundBoard(connection, EtcdV3Store(connection, "run"), "run", settings)
+
+
 class Traffic:
-    """Rendezvous-like load in a thread: state CAS, store add and reads, with the slowest call timed."""
+    """Rendezvous-like load in a thread: a round closed (the record's compare-and-set), a store add,
+    and a look at the board, with the slowest call timed."""
 
     def __init__(self, connection: EtcdConnection) -> None:
-        self.backend = EtcdV3RendezvousBackend(connection, "run")
-        self.store = EtcdV3Store(connection, "run")
+        self.board = round_board(connection)
+        self.store = self.board.store
         self.rounds = 0
         self.slowest_call_s = 0.0
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Traffic:
+    def __enter__(self) -> Traffic:  # noqa: PYI034 (Self needs Python 3.11)
         self._thread.start()
         wait_for(lambda: self.rounds >= 3 or bool(self.errors), 20, "traffic to flow")
         return self
@@ -64,19 +78,22 @@ class Traffic:
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        token = None
+        token = 0
         try:
             while not self._stop.is_set():
                 started = time.monotonic()
-                result = self.backend.set_state(f"round {self.rounds}".encode(), token)
-                assert result is not None
-                token = result[1]
+                record = RoundRecord(self.rounds, (NODE,))
+                # A close whose answer was lost and that was retried reports a lost comparison:
+                # the look after it says whether the round is closed, as for a closer.
+                self.board.close_round(record, token)
                 assert self.store.add("rounds", 1) == self.rounds + 1
-                assert self.backend.get_state() is not None
+                view = self.board.view(self.rounds + 1)
+                assert view.record == record, view
+                token = view.token
                 self.slowest_call_s = max(self.slowest_call_s, time.monotonic() - started)
                 self.rounds += 1
                 self._stop.wait(0.05)  # paced like an agent's store traffic; ends at once on exit
-        except BaseException as exc:  # reported by the test, not lost in the thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the test, not lost in the thread
             self.errors.append(exc)
 
     def assert_flows_again(self, after: int) -> None:
@@ -92,8 +109,8 @@ def test_operations_ride_out_an_etcd_restart(etcd_server: EtcdServer) -> None:
 
 
 def test_a_handler_polled_like_the_agent_does_survives_an_etcd_restart(etcd_server: EtcdServer) -> None:
-    handler = create_etcd_v3_handler(params(etcd_server.endpoint, local_addr="127.0.0.1", last_call_timeout="1",
-                                            keep_alive_interval="1", keep_alive_max_attempt="5"))
+    handler = create_keyed_etcd_v3_handler(params(etcd_server.endpoint, local_addr="127.0.0.1", last_call_timeout="1",
+                                                  keep_alive_interval="1", keep_alive_max_attempt="5"))
     assert handler.next_rendezvous().world_size == 1
     outage = threading.Thread(target=etcd_server.restart, kwargs={"down_for": 3.0})
     outage.start()
@@ -128,12 +145,12 @@ def test_a_dead_first_endpoint_costs_one_quick_failover(etcd_cluster: EtcdCluste
     down = next(m for m in etcd_cluster.members if m is not leader)  # no election: only the failover
     down.stop()
     ordered = [down] + [m for m in etcd_cluster.members if m is not down]
-    backend = EtcdV3RendezvousBackend(connect(",".join(m.endpoint for m in ordered), retry_timeout="10"), "run")
+    board = round_board(connect(",".join(m.endpoint for m in ordered), retry_timeout="10"))
     started = time.monotonic()
-    assert backend.set_state(b"x") is not None
+    assert board.close_round(RoundRecord(0, (NODE,)), 0)
     assert time.monotonic() - started < 3
     started = time.monotonic()
-    assert backend.get_state() is not None
+    assert board.view(1).record is not None
     assert time.monotonic() - started < 1, "the connection went back to the dead endpoint"
 
 
@@ -141,7 +158,8 @@ def test_wrong_password_says_authentication_failed(auth_etcd_server: EtcdServer,
     (tmp_path / "password").write_text("battery staple\n")
     started = time.monotonic()
     with pytest.raises(EtcdAuthenticationError) as raised:
-        create_etcd_v3_handler(params(auth_etcd_server.endpoint, user="root", password_file=str(tmp_path / "password")))
+        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, user="root",
+                                            password_file=str(tmp_path / "password")))
     assert time.monotonic() - started < 5, "a wrong password is not worth retrying"
     message = str(raised.value)
     assert "authentication failed for user 'root'" in message and auth_etcd_server.endpoint in message
@@ -150,7 +168,7 @@ def test_wrong_password_says_authentication_failed(auth_etcd_server: EtcdServer,
 
 def test_no_credentials_on_an_auth_etcd_server_says_so(auth_etcd_server: EtcdServer) -> None:
     with pytest.raises(EtcdAuthenticationError, match="requires authentication: set rdzv_conf user="):
-        create_etcd_v3_handler(params(auth_etcd_server.endpoint))
+        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint))
 
 
 def test_a_user_without_permission_on_the_prefix_is_told_what_to_grant(auth_etcd_server: EtcdServer,
@@ -159,7 +177,8 @@ def test_a_user_without_permission_on_the_prefix_is_told_what_to_grant(auth_etcd
     (tmp_path / "password").write_text("builder")
     with pytest.raises(EtcdAuthenticationError, match=r"user 'bob' may not .* grant its role readwrite on the key "
                                                       r"prefix /elastic_ddp/rendezvous/"):
-        create_etcd_v3_handler(params(auth_etcd_server.endpoint, user="bob", password_file=str(tmp_path / "password")))
+        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, user="bob",
+                                            password_file=str(tmp_path / "password")))
 
 
 def test_right_password_works_and_logs_in_again_when_etcd_forgets_the_token(
@@ -181,7 +200,7 @@ def test_right_password_works_and_logs_in_again_when_etcd_forgets_the_token(
 
 
 def _rendezvous_round_trip(handler_params: RendezvousParameters) -> None:
-    handler = create_etcd_v3_handler(handler_params)
+    handler = create_keyed_etcd_v3_handler(handler_params)
     assert handler.next_rendezvous().rank == 0
     assert handler.shutdown()
 
@@ -196,8 +215,8 @@ def test_tls_with_another_ca_is_refused_clearly(tls_etcd_server: EtcdServer) -> 
     assert tls_etcd_server.tls is not None
     started = time.monotonic()
     with pytest.raises(EtcdTlsError) as raised:
-        create_etcd_v3_handler(params(tls_etcd_server.endpoint, protocol="https",
-                                      ca_cert=str(tls_etcd_server.tls.other_ca_cert)))
+        create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, protocol="https",
+                                            ca_cert=str(tls_etcd_server.tls.other_ca_cert)))
     assert time.monotonic() - started < 5
     message = str(raised.value)
     assert f"TLS handshake with etcd at {tls_etcd_server.endpoint} failed" in message
@@ -206,4 +225,4 @@ def test_tls_with_another_ca_is_refused_clearly(tls_etcd_server: EtcdServer) -> 
 
 def test_plain_client_against_tls_etcd_server_hints_at_https(tls_etcd_server: EtcdServer) -> None:
     with pytest.raises(EtcdUnavailableError, match="if etcd serves TLS, set rdzv_conf protocol=https and ca_cert"):
-        create_etcd_v3_handler(params(tls_etcd_server.endpoint, retry_timeout="1"))
+        create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, retry_timeout="1"))

@@ -1,4 +1,4 @@
-"""The keyed rendezvous (`--rdzv_conf algorithm=keyed`) against a real etcd, several handlers in
+"""The keyed rendezvous (what `--rdzv_backend=etcd-v3` runs) against a real etcd, several handlers in
 threads of this process (each one an agent: a lease, keys and a lease-refresh thread of its own).
 
 Also the integration cases of torch's test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py
@@ -152,19 +152,36 @@ def test_handler_contract_names_and_store(make_handlers, run_id) -> None:
     assert handler.shutdown() is True
 
 
-def test_the_entry_point_builds_the_keyed_handler_by_default_and_refuses_an_unknown_algorithm(shared_etcd_server,
-                                                                                             run_id) -> None:
+def test_the_entry_point_builds_the_keyed_handler_and_refuses_any_other_algorithm(shared_etcd_server,
+                                                                                 run_id) -> None:
     create = etcd_v3_handler_factory()
-    # torch's dynamic handler takes whole seconds only (FAST has fractions).
-    whole_seconds = {key: "1" for key, value in FAST.items() if "." in str(value)}
-    for conf in ({}, {"algorithm": "keyed"}, {"algorithm": "dynamic", **whole_seconds}):
+    for conf in ({}, {"algorithm": "keyed"}):
         handler = create(params(shared_etcd_server.endpoint, run_id, 1, 1, **conf))
         try:
-            assert isinstance(handler, KeyedRendezvousHandler) == (conf.get("algorithm") != "dynamic"), conf
+            assert isinstance(handler, KeyedRendezvousHandler), conf
         finally:
             handler.shutdown()
-    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected one of keyed "):
+    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected keyed "):
         create(params(shared_etcd_server.endpoint, run_id, 1, 1, algorithm="fancy"))
+    with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'dynamic', which was removed"):
+        create(params(shared_etcd_server.endpoint, run_id, 1, 1, algorithm="dynamic"))
+
+
+def test_nodes_waiting_for_a_round_for_longer_than_their_lease_stay_in_it(make_handlers) -> None:
+    """Two of three nodes (min_nodes 3) wait for two lease TTLs (2 s each): the lease-refresh threads
+    keep both arrivals all along, and the third one's arrival closes the round with all three."""
+    first, second, third = make_handlers(3, 3, 3, keep_alive_interval="1", keep_alive_max_attempt="2")
+    waiting = [Background(first), Background(second)]
+    wait_for(lambda: first._board.view(0).arrived == 2, 10, "two arrivals")
+    outlived = time.monotonic() + 2 * first._settings.lease_ttl
+
+    def both_kept_for_two_leases() -> bool:
+        assert first._board.view(0).arrived == 2, "an arrival went with its lease"
+        return time.monotonic() >= outlived
+
+    wait_for(both_kept_for_two_leases, 10, "two lease TTLs to pass")
+    waiting.append(Background(third))
+    assert_one_world([each.result() for each in waiting], 3)
 
 
 def test_a_forged_round_record_is_refused_not_executed(make_handlers) -> None:

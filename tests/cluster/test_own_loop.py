@@ -1,5 +1,6 @@
 """A loop of the user's own (docs/examples/gpt_own_loop.py, through `ElasticRun`) keeps every promise
-when a node is lost mid-epoch: real torchrun agents as nodes on 127.0.0.1, real gloo, a real SIGKILL.
+when a node is lost mid-epoch, under DDP and under `--sharding fsdp`: real torchrun agents as nodes
+on 127.0.0.1, real gloo, a real SIGKILL.
 
 Snapshot files are written only at epoch ends, so a restore that loses nothing can only come from
 the survivors' memory copies; exactly once is read from the audit log, equivalence against the
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.agent.rendezvous.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from tests.support.cluster import assert_exactly_once, node_logs, world_reached
@@ -26,13 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_MODULE = "gpt_own_loop"  # docs/examples/gpt_own_loop.py, as a user's script on PYTHONPATH
-CORPUS_BYTES, BLOCK, BATCH, EPOCHS = 65536, 32, 32, 2
+CORPUS_BYTES, BLOCK, BATCH, EPOCHS = 65536, 32, 32, 1
 WINDOWS = (CORPUS_BYTES - 1) // BLOCK  # 2047
 STEPS_PER_EPOCH = -(-WINDOWS // BATCH)  # 64
 TRAINING_ARGS = ["--corpus_bytes", str(CORPUS_BYTES), "--block_size", str(BLOCK), "--gpt_embed", "32",
                  "--gpt_layers", "1", "--epochs", str(EPOCHS), "--global_batch_size", str(BATCH),
                  "--micro_batch_size", "8", "--snapshot_every_steps", "0", "--log_interval", "1",
-                 # >= 12.8 s of training whatever the machine's speed: the kill at step 20 comes mid-run
+                 # >= 6.4 s of training whatever the machine's speed: the kill at step 20 comes mid-run
                  "--min_step_time_s", "0.1"]
 # Relative to each tensor's largest value, as tests/cluster/test_zero_loss.py (1e-4 there, with
 # SGD; chaos/equivalence.py says why not 0). AdamW divides each update by the gradient's running
@@ -49,14 +50,17 @@ def example_on_path(monkeypatch):
     return {"PYTHONPATH": path}
 
 
-def test_a_node_lost_mid_epoch_costs_the_users_loop_no_step_and_no_sample(local_jobs, tmp_path, example_on_path):
-    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None,
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_a_node_lost_mid_epoch_costs_the_users_loop_no_step_and_no_sample(local_jobs, tmp_path, example_on_path,
+                                                                          sharding):
+    training_args = [*TRAINING_ARGS, "--sharding", sharding]
+    job = local_jobs(training_args, launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None,
                      monitor_interval=None, nproc_per_node=2, module=EXAMPLE_MODULE, env=example_on_path)
     host = job.add_node("host")
     lost = job.add_node("lost")
     world_reached(job, 4)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        reference = pool.submit(run_reference, tmp_path / "reference", TRAINING_ARGS, EXAMPLE_MODULE)
+        reference = pool.submit(run_reference, tmp_path / "reference", training_args, EXAMPLE_MODULE)
         job.wait_for_step(20, timeout=120)
         killed_at = time.time()
         lost.kill()

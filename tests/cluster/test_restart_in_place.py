@@ -5,10 +5,9 @@ same address: torch names the new agent exactly as the old one (address, pid, co
 agent is PID 1 of a PID namespace of its own (`unshare --pid --fork --kill-child`, root only) with
 an address of its own (`--local_addr` 127.0.0.x), on real torchrun agents and
 `--rdzv_backend=elastic-c10d`; the dead-node probes must not keep such a node out
-(elastic_ddp.agent.rendezvous.liveness and keyed_probes; the rule alone: tests/unit/test_liveness_rules.py).
-It runs on the default algorithm (the keyed rendezvous) and, with ELASTIC_DDP_TEST_RDZV_ALGORITHM=dynamic,
-on torch's: what it checks is read from the agents' logs and their rendezvous figures, not from either
-algorithm's state.
+(elastic_ddp.agent.rendezvous.liveness and keyed_probes; the rule alone: tests/unit/test_keyed_probes.py).
+What it checks is read from the agents' logs and their rendezvous figures, not from the rendezvous's
+state.
 """
 
 from __future__ import annotations
@@ -45,10 +44,10 @@ def _own_tmpdir(tmp_path: Path, name: str) -> tuple[Path, list[str]]:
 
 
 def _rounds_joined(tmpdir: Path) -> int:
-    """The rendezvous rounds the agent (PID 1) with this TMPDIR completed, from its figures file, whichever
-    the algorithm. A survivor is in every round, so this counts every round that completed, also those
-    whose workers were stopped before they wrote a `start` event (whose `round` counts only the groups
-    that trained)."""
+    """The rendezvous rounds the agent (PID 1) with this TMPDIR completed, from its figures file. A
+    survivor is in every round, so this counts every round that completed, also those whose workers
+    were stopped before they wrote a `start` event (whose `round` counts only the groups that
+    trained)."""
     figures = tmpdir / f"{DIRECTORY_PREFIX}{os.getuid()}" / f"{FILE_PREFIX}1.json"
     return int(json.loads(figures.read_text())["rounds"])
 

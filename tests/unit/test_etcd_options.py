@@ -136,12 +136,6 @@ def test_bad_endpoint_is_named() -> None:
         EtcdV3Options.from_params(params("h1:2379,h2:99999"))
 
 
-def test_unknown_keys_are_warned_about_but_torch_keys_are_not(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        EtcdV3Options.from_params(params("h", ttl_s="5", timeout="900", last_call_timeout="1"))
-    assert "ignores the rdzv_conf key(s) ttl_s;" in caplog.text  # and nothing else
-
-
 class _Unavailable(grpc.RpcError):
     def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         self._details = details

@@ -176,6 +176,19 @@ def test_elastic_c10d_takes_the_keyed_algorithm_by_default_and_names_a_bad_key_b
 
 
 @pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
+def test_the_removed_dynamic_algorithm_is_refused_before_anything_else(monkeypatch, backend) -> None:
+    """Before any other key is read, anything connects (nothing listens at port 1) or the agent's
+    environment changes; the line says to use the keyed default, and where torch's own algorithm is."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
+    with pytest.raises(ValueError, match=r"^--rdzv_conf algorithm: got 'dynamic', which was removed in this version "
+                                         r"of elastic_ddp; expected keyed .*--rdzv_backend=c10d"):
+        create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, algorithm="dynamic", close_timeout="10",
+                                    warm_workers="maybe"))
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+
+
+@pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
 @pytest.mark.parametrize(("key", "value", "reason"), [
     ("close_timeout", "10", "closing a round or the rendezvous is one write"),
     ("heartbeat_timeout", "5", "lease ends"),
@@ -189,7 +202,8 @@ def test_both_keyed_boards_check_the_same_keys_and_refuse_those_they_would_ignor
     anything connects (nothing listens at port 1) and before the agent's environment changes."""
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
-    expected = (f"--rdzv_conf {key}: got '{value}', which the keyed rendezvous .* of {backend}.*{reason}.*remove the key"
+    expected = (f"--rdzv_conf {key}: got '{value}', which the keyed rendezvous of {backend} does not read: "
+                f".*{reason}.*remove the key"
                 if reason else f"--rdzv_conf {key}: got '{value}'; expected 1 or 0")
     with pytest.raises(ValueError, match=expected):
         create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, **{key: value}))

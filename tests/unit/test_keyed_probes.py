@@ -1,26 +1,45 @@
-"""The keyed rendezvous's dead-node probes (`keyed_probes.ExitWitness`) on real beacons in this process."""
+"""The keyed rendezvous's dead-node probes (`keyed_probes.ExitWitness`) on real beacons in this process,
+and their `--rdzv_conf` switch (the probes on real agents: tests/cluster/test_liveness.py)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
+from elastic_ddp.agent.rendezvous.liveness import probes_enabled
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
-EVICTION_LOG = "has exited (its beacon refuses connections)"  # the words torch's algorithm logs too
+EVICTION_LOG = "has exited (its beacon refuses connections)"
+# What torch calls torchrun as PID 1 of a container at 127.0.0.1, after every restart alike.
+CONTAINER_NODE = NodeDesc("127.0.0.1", 1, 0)
+
+
+def test_probes_are_on_unless_turned_off_and_a_bad_value_is_named():
+    def params(**config):
+        return RendezvousParameters("elastic-c10d", "127.0.0.1:1", "r", 1, 1, **config)
+
+    assert probes_enabled(params()) and probes_enabled(params(probe_dead_nodes="1"))
+    assert not probes_enabled(params(probe_dead_nodes="0"))
+    with pytest.raises(ValueError, match=r"--rdzv_conf probe_dead_nodes: got 'maybe'; expected 1 or 0"):
+        probes_enabled(params(probe_dead_nodes="maybe"))
+
+
+def reached(here: ExitWitness, node: NodeDesc, port: int) -> None:
+    here.observe_soon(lambda: {node: port}, [node])
+    wait_for(lambda: here.reached(node, port) is not None, 10, "reaching the other's beacon")
 
 
 def test_an_exited_member_is_found_at_every_ask_and_logged_once_as_a_warning(caplog) -> None:
     here, other = ExitWitness(), ExitWitness()
     node = NodeDesc("127.0.0.1", 2, 0)
     ports = {node: other.port}
-    here.observe_soon(lambda: ports, [node])
-    wait_for(lambda: here._reached, 10, "reaching the other's beacon")
+    reached(here, node, other.port)
     assert here.exited(ports) == set()  # alive: accepts
     other.close()  # its process "exits": the beacon refuses
     with caplog.at_level(logging.INFO, logger="elastic_ddp.agent.rendezvous.keyed_probes"):
@@ -28,4 +47,20 @@ def test_an_exited_member_is_found_at_every_ask_and_logged_once_as_a_warning(cap
         assert here.exited(ports) == {node}  # the closer asks again at its next poll
     said = [record for record in caplog.records if EVICTION_LOG in record.getMessage()]
     assert [record.levelno for record in said] == [logging.WARNING]  # agents log warnings, not info
+    here.close()
+
+
+def test_a_node_restarted_with_the_same_name_is_not_judged_by_its_predecessors_refusal() -> None:
+    """Issue 27: a container restarted in place has its predecessor's name (address, PID 1, counter 0).
+    Its new beacon listens on another port, which this agent has not reached: only the lease, or
+    a refusal of that port once reached, can leave it out."""
+    here, predecessor = ExitWitness(), ExitWitness()
+    restarted = ExitWitness()  # opened now, so that its port is not the predecessor's (the kernel may reuse it)
+    reached(here, CONTAINER_NODE, predecessor.port)
+    predecessor.close()
+    assert here.exited({CONTAINER_NODE: predecessor.port}) == {CONTAINER_NODE}
+    assert here.exited({CONTAINER_NODE: restarted.port}) == set()  # its liveness key names the new port
+    reached(here, CONTAINER_NODE, restarted.port)
+    restarted.close()  # once reached, it is found like any other when it exits too
+    assert here.exited({CONTAINER_NODE: restarted.port}) == {CONTAINER_NODE}
     here.close()

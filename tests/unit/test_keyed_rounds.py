@@ -7,7 +7,6 @@ import json
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.heartbeats import decode_beat
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.keyed_state import (
     RoundRecord,
@@ -82,15 +81,25 @@ def test_settings_take_the_shipped_defaults_and_name_a_bad_key() -> None:
 
 def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:
     params = RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="keyed")
-    assert take_algorithm(params) == "keyed" and "algorithm" not in params.config
-    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4)) == "keyed"  # the default
-    assert take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="dynamic")) == "dynamic"
-    with pytest.raises(ValueError, match=r"--rdzv_conf algorithm: got 'x'; expected one of keyed \(the default\), "
-                                         r"dynamic \(torch's DynamicRendezvousHandler, kept for one release\)"):
+    take_algorithm(params)
+    assert "algorithm" not in params.config
+    take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4))  # the default
+    with pytest.raises(ValueError, match=r"^--rdzv_conf algorithm: got 'x'; expected keyed \(the only one, and the "
+                                         r"default: leave the key out\)$"):
         take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="x"))
 
 
-@pytest.mark.parametrize("decode", [decode_arrival, decode_alive, decode_heartbeat, decode_record, decode_beat])
+def test_the_removed_dynamic_algorithm_is_refused_in_one_line_naming_what_to_use() -> None:
+    with pytest.raises(ValueError) as raised:
+        take_algorithm(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, algorithm="dynamic"))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("--rdzv_conf algorithm: got 'dynamic', which was removed in this version of elastic_ddp; "
+                              "expected keyed (the default: leave the key out)")
+    assert "torch's own --rdzv_backend=c10d" in message
+
+
+@pytest.mark.parametrize("decode", [decode_arrival, decode_alive, decode_heartbeat, decode_record])
 def test_a_value_nested_too_deep_is_refused_not_raised(decode) -> None:
     """findings.md 20: json.loads raises RecursionError on deep nesting, which is not a ValueError."""
     assert decode(b"[" * 1024) is None

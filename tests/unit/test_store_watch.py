@@ -10,13 +10,13 @@ import logging
 import threading
 
 import pytest
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_ddp.agent.rendezvous import c10d_store
-from elastic_ddp.agent.rendezvous.liveness import Beacon, DeadNodeDetector, beacon_key
+from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.testbed.local_cluster import wait_for
 
 SILENCE_S = 0.05
 
@@ -109,17 +109,14 @@ def test_a_slow_store_whose_machine_answers_is_waited_for(monkeypatch):
     assert thread.outcome == "state"
 
 
-def test_other_nodes_answer_once_reached_and_this_node_does_not_count():
-    store = dist.HashStore()
-    this, other = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
-    beacons = {node: Beacon() for node in (this, other)}
-    for node, beacon in beacons.items():
-        store.set(beacon_key(node), str(beacon.port))
-    detector = DeadNodeDetector(store)
-    assert not detector.any_answers(this)  # nobody reached yet
-    detector.observe([this, other])
-    assert detector.any_answers(this)
-    beacons[other].close()
-    assert detector.any_answers(this)  # a refusal: its machine answers, the network works
-    assert detector.any_answers(other)  # from `other`'s side, this node answers
-    beacons[this].close()
+def test_other_nodes_answer_once_reached():
+    """What `peers_answer` is on elastic-c10d: `keyed_probes.ExitWitness.any_answers`."""
+    here, other = ExitWitness(), ExitWitness()
+    node = NodeDesc("127.0.0.1", 2, 0)
+    assert not here.any_answers()  # nobody reached yet
+    here.observe_soon(lambda: {node: other.port}, [node])
+    wait_for(lambda: here.reached(node, other.port) is not None, 10, "reaching the other's beacon")
+    assert here.any_answers()
+    other.close()
+    assert here.any_answers()  # a refusal: its machine answers, the network works
+    here.close()

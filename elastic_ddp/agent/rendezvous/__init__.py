@@ -7,11 +7,14 @@ elastic_ddp is installed `--rdzv_backend=etcd-v3` and `--rdzv_backend=elastic-c1
         --rdzv_endpoint=etcd1:2379,etcd2:2379,etcd3:2379 --rdzv_id=job42 -m elastic_ddp.train ...
 
 Modules: `plugin` (the entry points; imports nothing heavy), `defaults` (the torchrun settings we
-ship), `c10d` (torch's c10d with dead-node probes), `liveness` (the probes), `torch_internals`
-(the private torch names the probes need, in one place), and for etcd: `etcd_options` (the
+ship), `agent_setup` (what every handler does to its agent before the first round), the keyed
+rendezvous (`keyed_handler` the algorithm, `keyed_rounds` its rules, `keyed_state` its records,
+`keyed_probes` and `keyed_silence` who has exited or gone silent, on the beacons of `liveness`),
+its two boards (`keyed_c10d` in a TCPStore, hosted as `c10d_store` says and watched by
+`store_watch`; `keyed_etcd` in etcd), `addresses` (which interface and address a node uses),
+`torch_internals` (the private torch names used, in one place), and for etcd: `etcd_options` (the
 --rdzv_conf keys), `etcd_client` (imports etcd3 around its protobuf problem), `etcd_connection`
-(failover, retries, TLS, auth, lease), `etcd_backend` (the rendezvous state), `etcd_store` (the
-agents' c10d store), `etcd_handler` (puts them together). See docs/etcd.md.
+(failover, retries, TLS, auth, lease), `etcd_store` (the agents' c10d store). See docs/etcd.md.
 
 The names below are imported on first use, so that `import elastic_ddp.agent.rendezvous.plugin` (which
 every torchrun agent of the environment does) loads neither etcd3 nor protobuf.
@@ -25,11 +28,11 @@ from typing import Any
 _EXPORTS = {
     "EtcdAuthenticationError": "etcd_connection", "EtcdConnection": "etcd_connection",
     "EtcdTlsError": "etcd_connection", "EtcdUnavailableError": "etcd_connection",
-    "EtcdV3Options": "etcd_options", "Secret": "etcd_options",
-    "EtcdV3RendezvousBackend": "etcd_backend", "EtcdV3Store": "etcd_store",
-    "create_etcd_v3_handler": "etcd_handler",
+    "EtcdV3Options": "etcd_options", "Secret": "etcd_options", "EtcdV3Store": "etcd_store",
+    "KeyedRendezvousHandler": "keyed_handler", "create_keyed_c10d_handler": "keyed_c10d",
+    "create_keyed_etcd_v3_handler": "keyed_etcd",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = tuple(sorted(_EXPORTS))
 
 
 def __getattr__(name: str) -> Any:

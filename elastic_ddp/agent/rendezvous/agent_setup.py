@@ -3,9 +3,9 @@
     settings = prepare_keyed_agent(params, BOARD_KEYS)   # both keyed boards (elastic-c10d, etcd-v3)
 
 - the `--rdzv_conf` keys are checked before anything connects: a bad value is one `ValueError`
-  naming the key, and a key the keyed rendezvous would not read (`DYNAMIC_ONLY_KEYS`, or one that
-  neither it nor the board knows) is refused rather than accepted and ignored; the shipped timing (`defaults.SHIPPED_RDZV_DEFAULTS`) fills
-  the keys left out;
+  naming the key, and a key the keyed rendezvous would not read (`UNREAD_KEYS`, or one that
+  neither it nor the board knows) is refused rather than accepted and ignored; the shipped timing
+  (`defaults.SHIPPED_RDZV_DEFAULTS`) fills the keys left out;
 - the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, set
   in the agent that uses our backend, never at plugin load): the agent-shared store makes restarted
   workers read stale addresses (pytorch/pytorch#135712);
@@ -39,9 +39,10 @@ _local_ids = itertools.count()  # torch numbers the handlers of one process the 
 # join timeout of torch's etcd-v2 backend; `join_timeout` is the one read here).
 KEYED_KEYS = frozenset({"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
                         "prompt_completion", "probe_dead_nodes", "extend_last_call", "timeout"})
-# Keys of torch's dynamic rendezvous (`--rdzv_conf algorithm=dynamic`) that the keyed rendezvous
-# does not read, with what it does instead; `extend_last_call=1` is what it does, so only 0 is refused.
-DYNAMIC_ONLY_KEYS = {
+# Keys that the keyed rendezvous does not read, with what it does instead: torch's dynamic
+# rendezvous (torch's own `c10d`) reads the first two, and elastic_ddp's former dynamic algorithm read
+# `extend_last_call`; `extend_last_call=1` is what the keyed rendezvous does, so only 0 is refused.
+UNREAD_KEYS = {
     "close_timeout": "closing a round or the rendezvous is one write",
     "heartbeat_timeout": "a node counts as dead when its lease ends, after keep_alive_interval x "
                          "keep_alive_max_attempt",
@@ -53,7 +54,7 @@ def prepare_keyed_agent(params: RendezvousParameters, board_keys: frozenset[str]
     """The keyed rendezvous's settings from `params`, after the checks and the set-up of the module
     docstring; `board_keys`: the `--rdzv_conf` keys the board itself reads (its connection, its
     store). Call it before connecting: a bad or unknown key raises ValueError and changes nothing."""
-    refuse_dynamic_only_keys(params)
+    refuse_unread_keys(params)
     refuse_unknown_keys(params, board_keys)
     settings = KeyedSettings.from_params(params)
     never_share_agent_store()
@@ -66,15 +67,15 @@ def keyed_node(params: RendezvousParameters) -> NodeDesc:
     return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
 
 
-def refuse_dynamic_only_keys(params: RendezvousParameters) -> None:
-    """ValueError naming the first key of `DYNAMIC_ONLY_KEYS` that `params` sets (but
+def refuse_unread_keys(params: RendezvousParameters) -> None:
+    """ValueError naming the first key of `UNREAD_KEYS` that `params` sets (but
     `extend_last_call=1`), what the keyed rendezvous does instead, and the fix."""
-    for key, instead in DYNAMIC_ONLY_KEYS.items():
+    for key, instead in UNREAD_KEYS.items():
         value = params.get(key)
         if value in (None, "") or (key == "extend_last_call" and str(value).strip().lower() in ("1", "true", "yes")):
             continue
-        raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the keyed rendezvous (the default algorithm of "
-                         f"{params.backend}) does not read: {instead}; remove the key")
+        raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the keyed rendezvous of {params.backend} does "
+                         f"not read: {instead}; remove the key")
 
 
 def refuse_unknown_keys(params: RendezvousParameters, board_keys: frozenset[str]) -> None:
@@ -82,7 +83,7 @@ def refuse_unknown_keys(params: RendezvousParameters, board_keys: frozenset[str]
     reads (a typo such as `last_call_timout` would otherwise leave the shipped value in force
     without a word), with the keys accepted."""
     known = KEYED_KEYS | board_keys
-    unknown = sorted(set(params.config) - known - DYNAMIC_ONLY_KEYS.keys())
+    unknown = sorted(set(params.config) - known - UNREAD_KEYS.keys())
     if unknown:
         raise ValueError(f"--rdzv_conf {unknown[0]}: not a key of {params.backend} (the keyed rendezvous); expected "
                          f"one of {', '.join(sorted(known - {'timeout'}))}")

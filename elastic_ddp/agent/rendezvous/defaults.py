@@ -10,7 +10,7 @@ docs/operations.md, "Rendezvous timing".
 
 from __future__ import annotations
 
-# The rendezvous timing every algorithm reads: a 1 s last call, heartbeats (a lease) every second
+# The rendezvous timing our backends read: a 1 s last call, heartbeats (a lease) every second
 # that expire after five missed ones (keep_alive_max_attempt=2 stops torch's heartbeats altogether:
 # docs/operations.md). torch's own defaults: join 600 s, last call 30 s, heartbeats every 5 s, 3
 # missed. Not `close_timeout`: the keyed rendezvous refuses it (it closes in one write), and torch's
@@ -21,8 +21,8 @@ SHIPPED_RDZV_DEFAULTS: dict[str, int] = {
 RDZV_CONF = ",".join(f"{key}={value}" for key, value in SHIPPED_RDZV_DEFAULTS.items())
 # Seconds between the agent's checks of its workers (torchrun's own default since torch 2.3).
 MONITOR_INTERVAL_S = 0.1
-# Seconds between two looks of a waiting agent at the rendezvous state, with our backends
-# (torch polls once a second); also how long such an agent reuses a state it has read.
+# Seconds between two looks of a waiting agent at the round, with our backends (torch's `c10d`
+# looks once a second).
 SYNC_POLL_S = 0.1
 # torch reads this in the agent: "1" gives each worker group a store of its own (the shared store
 # makes restarted workers read stale addresses, pytorch/pytorch#135712).

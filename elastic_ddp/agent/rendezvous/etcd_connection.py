@@ -17,7 +17,7 @@ its own (257 agents as threads started about 260 a second for it; docs/benchmark
 
 Limits: an operation whose request reached etcd but whose answer was lost (a deadline exceeded
 mid-commit) is retried too, so a write may be applied twice; callers make their writes
-idempotent or check (see `EtcdV3RendezvousBackend.set_state`, `EtcdV3Store.add`). A single
+idempotent or check (see `keyed_etcd.EtcdRoundBoard.close_round`, `EtcdV3Store.add`). A single
 attempt may take `read_timeout`, so an operation can last up to `retry_timeout + read_timeout`.
 """
 

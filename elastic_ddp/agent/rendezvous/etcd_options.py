@@ -32,13 +32,6 @@ ETCD_KEYS = frozenset({
     "protocol", "ca_cert", "cert", "key", "user", "password_file", "read_timeout", "retry_timeout",
     "key_prefix", "ttl", "plaintext_credentials",
 })
-# Keys that torch's dynamic rendezvous or elastic_ddp.agent.rendezvous.handler read from the same `--rdzv_conf`: not
-# this module's, but not unknown either. torchrun always adds "timeout" (a legacy join timeout for etcd-v2).
-_HANDLER_KEYS = frozenset({
-    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-    "keep_alive_interval", "keep_alive_max_attempt", "timeout", "probe_dead_nodes", "prompt_completion",
-    "extend_last_call",
-})
 
 
 class Secret:
@@ -92,10 +85,6 @@ class EtcdV3Options:
     def from_params(cls, params: RendezvousParameters) -> EtcdV3Options:
         """Parse `--rdzv_endpoint` and `--rdzv_conf`; raise ValueError on the first bad value."""
         config = params.config
-        unknown = sorted(set(config) - ETCD_KEYS - _HANDLER_KEYS)
-        if unknown:
-            logger.warning("etcd-v3 ignores the rdzv_conf key(s) %s; known keys: %s",
-                           ", ".join(unknown), ", ".join(sorted(ETCD_KEYS | _HANDLER_KEYS)))
         protocol = _choice(config, "protocol", "http", ("http", "https"))
         ca_cert = _readable_file(config, "ca_cert")
         cert = _readable_file(config, "cert")
@@ -119,6 +108,13 @@ class EtcdV3Options:
             key_prefix=_key_prefix(config),
             ttl=_ttl(config),
         )
+
+
+def run_key(key_prefix: str, run_id: str) -> str:
+    """The etcd key under which everything of run `run_id` lives (no trailing slash)."""
+    if not run_id:
+        raise ValueError("The run id must be a non-empty string.")
+    return f"{key_prefix}/{run_id}"
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -222,8 +218,8 @@ _warned_open: set[tuple[str, ...]] = set()
 
 def _warn_if_open(protocol: str, user: str | None, endpoints: tuple[tuple[str, int], ...]) -> None:
     """Warn, once per endpoint set, when etcd on another host is reached over plain http without a
-    user. Then anyone who can reach etcd can write the rendezvous state, and torch's dynamic
-    rendezvous unpickles that state in every agent: code of theirs runs in the job."""
+    user. Then anyone who can reach etcd can rewrite the rendezvous: who is in a round, in which
+    rank, and where the workers meet (nothing read there is executed: `keyed_state`)."""
     if protocol != "http" or user is not None:
         return
     remote = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -232,7 +228,7 @@ def _warn_if_open(protocol: str, user: str | None, endpoints: tuple[tuple[str, i
         return
     _warned_open.add(remote)
     logger.warning("etcd-v3: etcd at %s is reached over plain http without a user: anyone who can reach it "
-                   "can rewrite the rendezvous state, which every agent unpickles (runs their code); use "
+                   "can rewrite the rendezvous (who trains, in which rank, where the workers meet); use "
                    "protocol=https with ca_cert (and cert/key if etcd checks client certificates) and/or "
                    "user=...,password_file=... with etcd auth enabled (docs/etcd.md, \"TLS\" and \"Auth\")",
                    ", ".join(remote))

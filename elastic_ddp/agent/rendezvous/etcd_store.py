@@ -60,9 +60,9 @@ from typing import TypeVar
 
 from torch.distributed import DistStoreError, QueueEmptyError, Store
 
-from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd_options import run_key
 from elastic_ddp.agent.rendezvous.etcd_store_queues import EtcdStoreQueues, mark_is
 
 T = TypeVar("T")

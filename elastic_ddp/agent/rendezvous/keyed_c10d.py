@@ -1,5 +1,5 @@
 """The keyed rendezvous's board in the c10d TCPStore (`StoreRoundBoard`), and
-`create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds by default (`algorithm=keyed`).
+`create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds.
 
 Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `c10d_store` says):
 
@@ -33,8 +33,8 @@ counts this board's requests by kind, for the benchmarks, as `keyed_etcd`'s.
 
 Not guaranteed: the keys of past rounds stay in the store (about 100 bytes per node per round).
 A store whose node is cut off while other nodes' beacons answer stops this node with one line
-after `keep_alive_interval x keep_alive_max_attempt` seconds without an answer (`store_watch`, as
-with torch's algorithm on elastic-c10d); the heartbeat thread's own requests are not watched.
+after `keep_alive_interval x keep_alive_max_attempt` seconds without an answer (`store_watch`); the
+heartbeat thread's own requests are not watched.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ C10D_KEYS = frozenset({"store_type", "is_host", "read_timeout"})
 
 
 def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous in the elastic-c10d TCPStore (the default, `--rdzv_conf algorithm=keyed`; `keyed_handler`).
+    """The keyed rendezvous in the elastic-c10d TCPStore (`keyed_handler`).
 
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.

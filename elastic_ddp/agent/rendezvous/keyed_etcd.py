@@ -1,5 +1,5 @@
 """The keyed rendezvous's board in etcd v3 (`EtcdRoundBoard`), and `create_keyed_etcd_v3_handler`,
-what `--rdzv_backend=etcd-v3 --rdzv_conf algorithm=keyed` builds.
+what `--rdzv_backend=etcd-v3` builds.
 
 Keys of run `R`, under `<key_prefix>/R/keyed/`:
 
@@ -45,10 +45,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent, warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
-from elastic_ddp.agent.rendezvous.etcd_backend import run_key
 from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
-from elastic_ddp.agent.rendezvous.etcd_options import ETCD_KEYS, EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd_options import ETCD_KEYS, EtcdV3Options, run_key
 from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
 from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
@@ -295,7 +294,7 @@ class EtcdRoundBoard:
 
 
 def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous on etcd v3 (`--rdzv_conf algorithm=keyed`; `keyed_handler`).
+    """The keyed rendezvous on etcd v3 (`keyed_handler`).
 
     Raises ValueError for a bad `--rdzv_endpoint`/`--rdzv_conf` value before connecting, and a
     `RendezvousConnectionError` when etcd cannot be reached (see `etcd_connection`).

@@ -1,8 +1,7 @@
 """The keyed rendezvous: torchrun's `RendezvousHandler` at a cost per node that does not grow with
-the number of nodes. The default of etcd-v3 (`keyed_etcd`) and elastic-c10d (in the TCPStore:
-`keyed_c10d`, where leases are heartbeat times and the closing write a `compare_set` of the round's
-own key); `--rdzv_conf algorithm=dynamic` runs torch's dynamic rendezvous instead, kept for one
-release (`plugin`). What follows says it for etcd.
+the number of nodes. What etcd-v3 (`keyed_etcd`) and elastic-c10d (in the TCPStore: `keyed_c10d`,
+where leases are heartbeat times and the closing write a `compare_set` of the round's own key)
+run. What follows says it for etcd.
 
 torch's dynamic rendezvous keeps one state value that every node changes by compare-and-set:
 three winning writes per node per phase (leave, wait list, join), serialised, so N nodes need

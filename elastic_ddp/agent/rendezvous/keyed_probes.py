@@ -88,8 +88,8 @@ class ExitWitness:
 
     def exited(self, suspects: Ports) -> set[NodeDesc]:
         """The `suspects` (node -> the port its liveness key names now) found exited. Each one is
-        logged once as a warning, as torch's algorithm logs its removal (a closer asks again at every
-        poll while the round waits for someone else)."""
+        logged once as a warning, the line in the agent's log that says why the round went on without
+        it (a closer asks again at every poll while the round waits for someone else)."""
         found = set()
         for node, port in suspects.items():
             with self._lock:

@@ -10,11 +10,18 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS
+from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS, conf_switch
 from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled
-from elastic_ddp.agent.rendezvous.state_holder import prompt_completion_enabled
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+
+# The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
+PROMPT_COMPLETION_KEY = "prompt_completion"
+
+
+def prompt_completion_enabled(params: RendezvousParameters) -> bool:
+    """`prompt_completion` of `--rdzv_conf` (default on); a bad value raises ValueError naming it."""
+    return conf_switch(params, PROMPT_COMPLETION_KEY)
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from elastic_ddp.agent.rendezvous.heartbeats import MAX_ADDR_CHARS
 from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 # An arrival is about 100 bytes; a round record about 80 bytes per node. Anything longer than
 # these bounds is not ours (100 000 nodes with 255-character names still fit the record's).
 MAX_ARRIVAL_BYTES = 1024
 MAX_RECORD_BYTES = 64 * 1024 * 1024
+MAX_ADDR_CHARS = 255  # a DNS name is at most 253 characters
 
 
 def node_name(node: NodeDesc) -> str:

@@ -19,12 +19,12 @@ with torch's c10d gets a warning from the worker instead, naming the fix
 Every handler created here counts its rendezvous rounds for the node's metrics endpoint
 (`elastic_ddp.agent.rendezvous_metrics`).
 
-`etcd-v3` and `elastic-c10d` each run one of two algorithms, chosen with `--rdzv_conf algorithm=`:
-`keyed` (the default: each node writes keys of its own and one write closes a round,
-`keyed_handler`, in etcd `keyed_etcd`, in the TCPStore `keyed_c10d`) or `dynamic` (torch's
-`DynamicRendezvousHandler` with our additions, `etcd_handler`, `c10d`), kept for one release so that
-a job can go back to it and the benchmarks can compare the two. torch's own `--rdzv_backend=c10d`
-is torch's and stays its dynamic rendezvous.
+`etcd-v3` and `elastic-c10d` run the keyed rendezvous: each node writes keys of its own and one
+write closes a round (`keyed_handler`; in etcd `keyed_etcd`, in the TCPStore `keyed_c10d`).
+`--rdzv_conf algorithm=keyed` names it; the other value of earlier versions, the dynamic algorithm
+(torch's `DynamicRendezvousHandler` with our additions), is refused with one line that says it was
+removed (`take_algorithm`). torch's own `--rdzv_backend=c10d` is torch's and stays its dynamic
+rendezvous.
 """
 
 from __future__ import annotations
@@ -74,22 +74,26 @@ def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
         os.environ[SHARED_STORE_OPT_OUT] = "1"
 
 
-# `--rdzv_conf algorithm=` of etcd-v3 and elastic-c10d (see the module docstring); the first is the default.
-ALGORITHMS = ("keyed", "dynamic")
+# `--rdzv_conf algorithm=` of etcd-v3 and elastic-c10d (see the module docstring): the one algorithm.
 ALGORITHM_KEY = "algorithm"
-# What the flag's error line says about the algorithms (dynamic goes after one release).
-ALGORITHM_NOTES = {"keyed": "the default", "dynamic": "torch's DynamicRendezvousHandler, kept for one release"}
+ALGORITHM = "keyed"
+REMOVED_ALGORITHM = "dynamic"
 
 
-def take_algorithm(params) -> str:
-    """The `--rdzv_conf algorithm=` of `params` (`RendezvousParameters`), removed from its config so
-    that the backend's own key check does not see it; ValueError naming the key for a bad value."""
+def take_algorithm(params) -> None:
+    """Check the `--rdzv_conf algorithm=` of `params` (`RendezvousParameters`) and remove it from its
+    config, so that the backend's own key check does not see it: leaving it out, or `keyed`, is the
+    keyed rendezvous; anything else raises ValueError naming the key, the value and what is accepted
+    (for `dynamic`, that it was removed)."""
     chosen = params.config.pop(ALGORITHM_KEY, None)
-    chosen = ALGORITHMS[0] if chosen in (None, "") else str(chosen)
-    if chosen not in ALGORITHMS:
-        accepted = ", ".join(f"{name} ({ALGORITHM_NOTES[name]})" for name in ALGORITHMS)
-        raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}; expected one of {accepted}")
-    return chosen
+    if chosen in (None, "", ALGORITHM):
+        return
+    if chosen == REMOVED_ALGORITHM:
+        raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}, which was removed in this version of "
+                         f"elastic_ddp; expected {ALGORITHM} (the default: leave the key out). torch's dynamic "
+                         "rendezvous is torch's own --rdzv_backend=c10d, which elastic_ddp leaves as it is")
+    raise ValueError(f"--rdzv_conf {ALGORITHM_KEY}: got {chosen!r}; expected {ALGORITHM} (the only one, and the "
+                     "default: leave the key out)")
 
 
 # `--rdzv_conf warm_workers=` of etcd-v3 and elastic-c10d: whether the agent starts a warm-worker server.
@@ -126,33 +130,26 @@ def etcd_v3_handler_factory() -> Callable:
     give_our_workers_their_own_store()
 
     def create_etcd_v3_handler(params):
+        from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        algorithm = take_algorithm(params)
+        take_algorithm(params)
         start_warm_workers(params)
-        if algorithm == "dynamic":
-            from elastic_ddp.agent.rendezvous.etcd_handler import create_etcd_v3_handler as create
-        else:
-            from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler as create
-        return count_rounds(create(params))
+        return count_rounds(create_keyed_etcd_v3_handler(params))
 
     return create_etcd_v3_handler
 
 
 def elastic_c10d_handler_factory() -> Callable:
-    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`keyed_c10d`), or with
-    `algorithm=dynamic` torch's c10d with our additions (`rendezvous.c10d`)."""
+    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`keyed_c10d`)."""
     give_our_workers_their_own_store()
 
     def create_elastic_c10d_handler(params):
+        from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
-        algorithm = take_algorithm(params)
+        take_algorithm(params)
         start_warm_workers(params)
-        if algorithm == "dynamic":
-            from elastic_ddp.agent.rendezvous.c10d import create_c10d_handler as create
-        else:
-            from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler as create
-        return count_rounds(create(params))
+        return count_rounds(create_keyed_c10d_handler(params))
 
     return create_elastic_c10d_handler
