@@ -88,6 +88,10 @@ class Trainer:
         return self.run.state
 
     @property
+    def context(self) -> DistributedContext:
+        return self.run.context
+
+    @property
     def global_step(self) -> int:
         return self.run.global_step
 
