@@ -25,8 +25,7 @@ from pathlib import Path
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.etcd_server import single_server
 
 

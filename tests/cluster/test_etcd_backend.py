@@ -1,6 +1,7 @@
 """The keyed rendezvous's board in etcd (`keyed_etcd.EtcdRoundBoard`) against a real etcd: where a
-run's keys live, one winner per closing write, the record's lifetime on the run lease, and an etcd
-that cannot be reached. (The rounds themselves: tests/cluster/test_keyed_rendezvous.py.)
+run's keys live, the record's lifetime on the run lease, and an etcd that cannot be reached. (The
+contract every board keeps, closing writes included: tests/cluster/test_board_contract.py; the
+rounds themselves: tests/cluster/test_keyed_rendezvous.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from elastic_ddp.agent.rendezvous import (
 )
 from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, decode_record
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord, decode_record
 from elastic_ddp.testbed.local_cluster import free_port, wait_for
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
-A, B = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
+A = NodeDesc("127.0.0.1", 1, 0)
 
 
 def connect(endpoint: str, run_id: str = "run", **conf: Any) -> EtcdConnection:
@@ -56,30 +56,6 @@ def test_the_round_record_is_per_run_under_key_prefix(shared_etcd_server: EtcdSe
     assert second.view(1).record is None
     stored = shared_etcd_server.etcdctl("get", "--print-value-only", f"{prefix}/a/keyed/record").stdout.strip()
     assert decode_record(stored.encode()) == RoundRecord(0, (A,))  # plain JSON, readable with etcdctl
-
-
-def test_only_one_of_two_closers_on_the_same_token_wins(shared_etcd_server: EtcdServer, run_id: str) -> None:
-    first = board(connect(shared_etcd_server.endpoint), run_id)
-    second = board(connect(shared_etcd_server.endpoint), run_id)
-    assert first.close_round(RoundRecord(0, (A, B)), 0)
-    token = first.view(1).token
-    won = first.close_round(RoundRecord(1, (A,)), token)
-    lost = second.close_round(RoundRecord(1, (B,)), token)
-    assert won and not lost
-    assert second.view(2).record == RoundRecord(1, (A,))
-    assert second.counts["lost_closes"] == 1
-
-
-def test_a_close_retried_after_it_landed_changes_nothing_and_the_view_shows_its_round(
-        shared_etcd_server: EtcdServer, run_id: str) -> None:
-    """What a retry sees when its first attempt committed but the answer was lost: its comparison
-    fails (the record's revision moved), and the closer learns from its next look that the round is
-    closed as it wrote it."""
-    closer = board(connect(shared_etcd_server.endpoint), run_id)
-    record = RoundRecord(0, (A, B))
-    assert closer.close_round(record, 0)
-    assert not closer.close_round(record, 0)
-    assert closer.view(1).record == record
 
 
 @pytest.mark.timeout(30)

@@ -28,8 +28,7 @@ from elastic_ddp.agent.rendezvous import (
 )
 from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
 
 if TYPE_CHECKING:

@@ -25,10 +25,9 @@ from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard, create_keye
 from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory, etcd_v3_handler_factory
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import ranks_by_node
 

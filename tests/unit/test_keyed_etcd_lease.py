@@ -27,8 +27,7 @@ from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
 from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,8 +9,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,23 +1,28 @@
-"""The keyed rendezvous's pure parts: the completion rule, who is in a round, the JSON schema."""
+"""The keyed rendezvous's parts without a board: the completion rule, who is in a round, the JSON schema,
+how nodes are named."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ddp.agent.rendezvous.agent_setup import keyed_node
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.keyed_state import (
+    NodeDesc,
     RoundRecord,
     decode_alive,
     decode_arrival,
     decode_heartbeat,
     decode_record,
     encode_arrival,
+    node_name,
 )
 from elastic_ddp.agent.rendezvous.plugin import take_algorithm
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 A, B, C, D = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(4))
 
@@ -69,6 +74,24 @@ def test_records_and_arrivals_round_trip_and_anything_else_is_refused() -> None:
     assert [decode_record(value) for value in refused] == [None] * len(refused)
     assert decode_arrival(b"x" * 2000) is None
     assert decode_arrival(pickled) is None
+
+
+def test_a_node_is_named_by_address_pid_and_counter_hashable_ordered_and_printable() -> None:
+    node = NodeDesc("host", 42, 0)
+    assert node == NodeDesc("host", 42, 0) and len({node, NodeDesc("host", 42, 0)}) == 1
+    assert sorted([NodeDesc("b", 1, 0), NodeDesc("a", 2, 1), NodeDesc("a", 2, 0), NodeDesc("a", 10, 0)]) == [
+        NodeDesc("a", 2, 0), NodeDesc("a", 2, 1), NodeDesc("a", 10, 0), NodeDesc("b", 1, 0)]  # field by field
+    assert str(node) == repr(node) == node_name(node) == "host_42_0"  # the name torch prints, as ours do
+    # The wire format every node of a run must share (key names and values): as it was with torch's node.
+    assert encode_arrival(node) == b'{"addr": "host", "pid": 42, "local_id": 0}'
+    assert decode_alive(b'{"addr": "host", "pid": 42, "local_id": 0, "port": 7}') == (node, 7)
+
+
+def test_this_process_makes_a_new_node_per_handler_at_its_published_address() -> None:
+    first = keyed_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, local_addr="10.0.0.7"))
+    second = keyed_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4))
+    assert (first.addr, first.pid) == ("10.0.0.7", os.getpid())
+    assert (second.addr, second.pid, second.local_id) == (socket.getfqdn(), os.getpid(), first.local_id + 1)
 
 
 def test_settings_take_the_shipped_defaults_and_name_a_bad_key() -> None:

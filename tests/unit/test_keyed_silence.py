@@ -21,9 +21,8 @@ from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_silence import Reply, ask
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import Beacon
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.verdicts import (
     MAX_VERDICT_BYTES,

@@ -14,8 +14,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_ddp.agent.rendezvous import c10d_store
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 
 SILENCE_S = 0.05

@@ -8,11 +8,11 @@ elastic_ddp is installed `--rdzv_backend=etcd-v3` and `--rdzv_backend=elastic-c1
 
 Modules: `plugin` (the entry points; imports nothing heavy), `defaults` (the torchrun settings we
 ship), `agent_setup` (what every handler does to its agent before the first round), the keyed
-rendezvous (`keyed_handler` the algorithm, `keyed_rounds` its rules, `keyed_state` its records,
+rendezvous (`keyed_handler` the algorithm, `keyed_rounds` its rules, `keyed_state` its nodes and records,
 `keyed_probes` and `keyed_silence` who has exited or gone silent, on the beacons of `liveness`),
 its two boards (`keyed_c10d` in a TCPStore, hosted as `c10d_store` says and watched by
 `store_watch`; `keyed_etcd` in etcd), `addresses` (which interface and address a node uses),
-`torch_internals` (the private torch names used, in one place), and for etcd: `etcd_options` (the
+`torch_internals` (the one private torch name used), and for etcd: `etcd_options` (the
 --rdzv_conf keys), `etcd_client` (imports etcd3 around its protobuf problem), `etcd_connection`
 (failover, retries, TLS, auth, lease), `etcd_store` (the agents' c10d store). See docs/etcd.md.
 

@@ -24,16 +24,18 @@ import itertools
 import logging
 import os
 import socket
+import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 
 logger = logging.getLogger(__name__)
-_local_ids = itertools.count()  # torch numbers the handlers of one process the same way
+_local_ids = itertools.count()  # the handlers of this process, numbered as torch numbers its own
+_local_ids_lock = threading.Lock()  # next() of a count is atomic only under the GIL
 
 # The --rdzv_conf keys every keyed board reads, and `timeout`, which torchrun adds to every one (a
 # join timeout of torch's etcd-v2 backend; `join_timeout` is the one read here).
@@ -63,8 +65,11 @@ def prepare_keyed_agent(params: RendezvousParameters, board_keys: frozenset[str]
 
 
 def keyed_node(params: RendezvousParameters) -> NodeDesc:
-    """This agent's name, made as torch makes it: `--local_addr` (else the FQDN), pid, a counter."""
-    return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), next(_local_ids))
+    """A new node of this process, made as torch's dynamic rendezvous makes its own: `--local_addr`
+    (else this host's FQDN), this process's id, and the next number of a per-process counter."""
+    with _local_ids_lock:
+        local_id = next(_local_ids)
+    return NodeDesc(params.local_addr or socket.getfqdn(), os.getpid(), local_id)
 
 
 def refuse_unread_keys(params: RendezvousParameters) -> None:

@@ -55,6 +55,7 @@ from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvou
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import (
+    NodeDesc,
     RoundRecord,
     decode_arrival,
     decode_heartbeat,
@@ -64,7 +65,6 @@ from elastic_ddp.agent.rendezvous.keyed_state import (
     node_name,
 )
 from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,9 @@ class StoreRoundBoard:
     # --- rounds ------------------------------------------------------------------------------
 
     def arrive(self, round_number: int, node: NodeDesc) -> None:
-        """See `RoundBoard`: one `add` for a slot, one `set` of it (at most once per round)."""
+        """See `RoundBoard`: one `add` for a slot, one `set` of it (at most once per round). Not
+        guaranteed: this node's arrival at an earlier round is not dropped (a slot is written once),
+        which the handler never notices, as it never reads a round before the last closed one."""
         with self._lock:
             if round_number in self._slots:
                 return

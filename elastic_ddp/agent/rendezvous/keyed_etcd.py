@@ -53,6 +53,7 @@ from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvou
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.keyed_state import (
+    NodeDesc,
     RoundRecord,
     decode_alive,
     decode_arrival,
@@ -61,7 +62,6 @@ from elastic_ddp.agent.rendezvous.keyed_state import (
     encode_arrival,
     node_name,
 )
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
 

@@ -70,8 +70,7 @@ from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
 from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.keyed_silence import SilenceJudge
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord, node_name
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord, node_name
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +82,13 @@ class BoardView:
     record: RoundRecord | None  # the last closed round
     token: int  # what the closing write compares (etcd: the record's mod revision; 0: no record)
     closed: bool  # set_closed was called
-    arrived: int  # arrivals at the round waited for
-    first: str | None  # node name of the earliest of them
+    arrived: int  # arrivals at the round waited for (c10d: those of nodes gone since too)
+    first: str | None  # node name of the earliest live one (the closer)
 
 
 class RoundBoard(Protocol):
-    """Where the nodes of one run meet: a backend (etcd-v3: `keyed_etcd`; a c10d store: `keyed_c10d`). Thread-safe."""
+    """Where the nodes of one run meet: a backend (etcd-v3: `keyed_etcd`; a c10d store: `keyed_c10d`). Thread-safe.
+    tests/cluster/test_board_contract.py holds every board to the promises below."""
 
     name: str  # the backend's name (`get_backend`)
     store: Store  # the agents' store (torchrun's, and rank 0's address for the workers)
@@ -99,13 +99,17 @@ class RoundBoard(Protocol):
 
     def view(self, round_number: int) -> BoardView: ...
 
-    def arrivals(self, round_number: int) -> list[NodeDesc]: ...  # in arrival order
+    def arrivals(self, round_number: int) -> list[NodeDesc]: ...  # the live ones, in arrival order
 
-    def alive(self) -> dict[NodeDesc, int | None]: ...  # live nodes and their beacon ports
+    # Live nodes and their beacon ports: at least the members and spares of the last closed round
+    # that this board's `view` returned (c10d: only those).
+    def alive(self) -> dict[NodeDesc, int | None]: ...
 
-    def close_round(self, record: RoundRecord, token: int) -> bool: ...  # True if this write won
+    # True if this write won: one of the closers of a round wins. Writing the record again changes
+    # nothing (a retried request; etcd then says False, as the record's revision moved).
+    def close_round(self, record: RoundRecord, token: int) -> bool: ...
 
-    def waiting(self, round_number: int) -> list[NodeDesc]: ...
+    def waiting(self, round_number: int) -> list[NodeDesc]: ...  # the live arrivals at the round
 
     def set_closed(self) -> None: ...
 

@@ -27,8 +27,8 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, probe
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS, conf_switch
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 
 # The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"

@@ -49,9 +49,8 @@ import time
 from collections.abc import Callable
 
 from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness, Ports
-from elastic_ddp.agent.rendezvous.keyed_state import RoundRecord
+from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
 from elastic_ddp.verdicts import SUSPECT_LEAD_S, VerdictInbox, verdict_address
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
-"""What the keyed rendezvous (`keyed_handler`) keeps in its backend: two small records, plain JSON.
+"""What the keyed rendezvous (`keyed_handler`) keeps in its backend: small records, plain JSON, about
+its nodes (`NodeDesc`, defined here).
 
-- An **arrival**, one per node and round, in a key of the node's own: the node's name
-  (`NodeDesc`: address, pid, local id). Written once by the node itself; never changed by another.
+- An **arrival**, one per node and round, in a key of the node's own: the node (`NodeDesc`:
+  address, pid, local id). Written once by the node itself; never changed by another.
 - A **liveness** value, one per node, in a key of the node's own: its name and, with dead-node
   probes on, its beacon port (`keyed_probes`); in a store without leases (c10d) also the time the
   node last wrote it (a heartbeat, `keyed_c10d`).
@@ -21,8 +22,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from elastic_ddp.agent.rendezvous.torch_internals import NodeDesc
-
 # An arrival is about 100 bytes; a round record about 80 bytes per node. Anything longer than
 # these bounds is not ours (100 000 nodes with 255-character names still fit the record's).
 MAX_ARRIVAL_BYTES = 1024
@@ -30,8 +29,27 @@ MAX_RECORD_BYTES = 64 * 1024 * 1024
 MAX_ADDR_CHARS = 255  # a DNS name is at most 253 characters
 
 
+@dataclass(frozen=True, order=True)
+class NodeDesc:
+    """A node of the keyed rendezvous: one rendezvous handler of one torchrun agent, identified as
+    torch's dynamic rendezvous identifies its nodes (`agent_setup.keyed_node` makes this process's).
+    Ordered by its fields in this order: a round's ranks follow it (`keyed_rounds.closed_round`).
+    Prints as its `node_name`, as torch's prints in torch's logs.
+
+    Not guaranteed: unique across restarts in place. A container that restarts torchrun as PID 1
+    with the same address comes back as the same node (findings.md 15).
+    """
+
+    addr: str  # --local_addr, else this host's FQDN: where its peers reach it
+    pid: int  # the agent's process id
+    local_id: int  # the handler's number in its process (a per-process counter from 0)
+
+    def __repr__(self) -> str:
+        return node_name(self)
+
+
 def node_name(node: NodeDesc) -> str:
-    """The name of `node`'s keys, unique per node (the name torch prints for it)."""
+    """The name of `node`'s keys, unique per node: `addr_pid_local_id` (the name torch prints)."""
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 

@@ -1,20 +1,15 @@
-"""The private names of torch's rendezvous that elastic_ddp relies on, named in one place.
+"""The one private name of torch's rendezvous that elastic_ddp relies on, named in one place.
 
-Two, both from torch 2.4 to 2.13: the keyed rendezvous names its nodes as torch's dynamic rendezvous
-does (`NodeDesc`: address, pid, a counter; the name torch prints), and the elastic-c10d store is
-hosted where torch's `c10d` would host it too (`matches_machine_hostname`, in `c10d_store`).
-Nothing else in the package touches a private name of torch's rendezvous;
-tests/unit/test_torch_internals.py pins each one (it exists, with the shape used here) so that a
-torch upgrade that moves one fails there first, with the name.
+The elastic-c10d store is hosted where torch's `c10d` would host it too (`matches_machine_hostname`,
+in `c10d_store`; the same in torch 2.4 to 2.13). Nothing else in the package touches a private name
+of torch's rendezvous (the keyed rendezvous names its nodes with `keyed_state.NodeDesc`, its own);
+tests/unit/test_torch_internals.py pins this one (it exists, with the shape used here) so that a
+torch upgrade that moves it fails there first, with the name.
 """
 
 from __future__ import annotations
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
-
-# A node of the rendezvous (addr, pid, local_id); hashable, printable.
-NodeDesc = _NodeDesc
 
 
 def matches_machine_hostname(host: str) -> bool:
