@@ -58,9 +58,10 @@ SNAPSHOT_CAPTURED = EventKind(
     "snapshot_captured", ("global_step", "blocked_seconds"),
     "rank 0 copied the state for a snapshot; training was blocked this long")
 SNAPSHOT_CADENCE = EventKind(
-    "snapshot_cadence", ("global_step", "every_steps", "interval_s", "blocked_seconds", "budget"),
+    "snapshot_cadence", ("global_step", "every_steps", "interval_s", "blocked_seconds", "writer_cpu_seconds", "budget"),
     "rank 0 spaced the durable snapshots on the overhead budget (--snapshot_budget): the next one in `every_steps` "
-    "steps (about `interval_s` seconds), as the snapshot of `global_step` blocked training `blocked_seconds`")
+    "steps (about `interval_s` seconds), as the snapshot of `global_step` blocked training `blocked_seconds` and "
+    "its background write took `writer_cpu_seconds` of CPU from training's cores (0 where a core is spare)")
 SNAPSHOT = EventKind(
     "snapshot", ("global_step", "epoch", "file", "checksum", "size_bytes", "write_seconds"),
     "a snapshot is durable and listed (the only kind a restore may name)")

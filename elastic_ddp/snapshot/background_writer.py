@@ -80,6 +80,7 @@ class SnapshotWriter:
         self._in_flight: tuple[int, threading.Event, float] | None = None  # (global step, done, started)
         self._hung_step: int | None = None  # the write in flight that a snapshot point gave up on
         self._last_write_seconds = 0.0  # how long the last write that completed took
+        self.last_write_cpu_seconds = 0.0  # CPU time of the last write on its thread (serialise, hash, write)
 
     def submit(self, capture: Capture, *, final: bool = False, global_step: int | None = None) -> float:
         """Wait for the write in flight, copy the state with `capture(staging)`, queue its write.
@@ -143,9 +144,11 @@ class SnapshotWriter:
         done = threading.Event()
 
         def run() -> None:
+            cpu_started = time.thread_time()
             try:
                 function(*args)
             finally:
+                self.last_write_cpu_seconds = time.thread_time() - cpu_started
                 done.set()
 
         self._in_flight = (global_step, done, time.monotonic())

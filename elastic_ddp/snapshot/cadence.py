@@ -2,13 +2,17 @@
 
 Memory copies cover the loss of nodes (a failure costs no committed step); the durable snapshot
 only guards against losing the whole job. So by default its cadence follows a budget, as
-CheckFreq does: measure what a snapshot costs the training thread (the RNG gather, waiting for the
-previous write, the copy into staging: the `blocked_seconds` of `snapshot_captured`) and space
-snapshots so that this cost stays under `--snapshot_budget` of training time (1 %), but never
-further apart than `--snapshot_max_interval_s` (10 minutes):
+CheckFreq does: measure what a snapshot costs training and space snapshots so that this cost stays
+under `--snapshot_budget` of training time (1 %), but never further apart than
+`--snapshot_max_interval_s` (10 minutes):
 
-    interval = min(blocked seconds / budget, max interval)      every = interval / seconds per step
-                                                                (rounded up to stay under the budget)
+    interval = min(cost / budget, max interval)      every = interval / seconds per step
+                                                     (rounded up to stay under the budget)
+
+The cost is what a snapshot blocks the training thread (the RNG gather, waiting for the previous
+write, the copy into staging: the `blocked_seconds` of `snapshot_captured`), plus, on a machine with
+no core to spare for it, the CPU time of the background write (serialising, hashing, writing: the
+writer's thread takes it from training's cores).
 
 The first snapshot of each worker group comes `PROBE_STEPS` steps after it starts (to measure the
 cost); after each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
@@ -42,6 +46,7 @@ class Interval:
     every_steps: int
     seconds: float  # the steps' expected duration
     blocked_seconds: float  # what the snapshot that set it cost the training thread
+    writer_cpu_seconds: float = 0.0  # and its background write's CPU, counted where it competes with training
 
 
 class SnapshotCadence:
@@ -79,18 +84,20 @@ class SnapshotCadence:
             return last_saved_step != global_step
         return self.due(global_step, epoch_ended, training_done)
 
-    def next_due(self, global_step: int, blocked_seconds: float) -> int:
-        """Rank 0, after saving `global_step` at a cost of `blocked_seconds`: the step the next
-        budgeted snapshot is due at (to be agreed: see `agree`)."""
+    def next_due(self, global_step: int, blocked_seconds: float, writer_cpu_seconds: float = 0.0) -> int:
+        """Rank 0, after saving `global_step` at a cost of `blocked_seconds` on the training thread
+        and `writer_cpu_seconds` of a background write that competes with training (0 where a core
+        is spare): the step the next budgeted snapshot is due at (to be agreed: see `agree`)."""
         self._blocked_total += blocked_seconds
         start_step, start_time = self._clock
         steps = max(1, global_step - start_step)
+        # Blocked time is not training time; the writer's CPU is already inside the steps' own.
         step_seconds = max(1e-6, (time.monotonic() - start_time - self._blocked_total) / steps)
         # Rounded so as to stay under the budget (up) and under the ceiling (down).
-        budget_steps = math.ceil(blocked_seconds / self.budget / step_seconds)
+        budget_steps = math.ceil((blocked_seconds + writer_cpu_seconds) / self.budget / step_seconds)
         ceiling_steps = math.floor(self.max_interval_s / step_seconds)
         every = max(1, min(budget_steps, ceiling_steps))
-        self._log_if_changed(Interval(every, every * step_seconds, blocked_seconds))
+        self._log_if_changed(Interval(every, every * step_seconds, blocked_seconds, writer_cpu_seconds))
         return global_step + every
 
     def agree(self, next_due_step: int) -> None:
@@ -102,7 +109,10 @@ class SnapshotCadence:
         if previous is not None and 1 / CHANGE_WORTH_A_LOG_LINE < interval.every_steps / previous.every_steps \
                 < CHANGE_WORTH_A_LOG_LINE:
             return
-        logger.info("durable snapshots every %d steps (%.0f s): one blocks training %.3f s, %.2f%% of the time "
+        cost = interval.blocked_seconds + interval.writer_cpu_seconds
+        writer = (f" and its write takes {interval.writer_cpu_seconds:.3f} s of CPU from training's cores"
+                  if interval.writer_cpu_seconds else "")
+        logger.info("durable snapshots every %d steps (%.0f s): one blocks training %.3f s%s, %.2f%% of the time "
                     "(--snapshot_budget %g, at most every %g s)", interval.every_steps, interval.seconds,
-                    interval.blocked_seconds, 100 * interval.blocked_seconds / max(interval.seconds, 1e-9),
+                    interval.blocked_seconds, writer, 100 * cost / max(interval.seconds, 1e-9),
                     self.budget, self.max_interval_s)

@@ -24,6 +24,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
@@ -158,7 +160,15 @@ class SnapshotSession:
             self._submit(state, rng_per_rank, final)
         if self.cadence.on_budget:
             agree_on_next_snapshot(self.cadence, state.global_step, time.monotonic() - started, self.context,
-                                   self.events)
+                                   self.events, self._writer_cpu_taken_from_training())
+
+    def _writer_cpu_taken_from_training(self) -> float:
+        """Rank 0: the CPU time of the last background write (this one's estimate), where the
+        writer's thread has no core of its own: as many training threads on this node as cores."""
+        if self.writer is None:
+            return 0.0
+        training_threads = self.context.local_world_size * torch.get_num_threads()
+        return self.writer.last_write_cpu_seconds if len(os.sched_getaffinity(0)) <= training_threads else 0.0
 
     def _submit(self, state: TrainingState, rng_per_rank: list[dict[str, Any]], final: bool) -> None:
         """Rank 0: copy `state` into staging and queue its write."""

@@ -178,7 +178,7 @@ def test_on_the_overhead_budget_the_interval_is_the_cadences():
     metrics = RunMetrics(snapshot_interval_steps=None, registry=registry)
     assert value(registry, "snapshot_interval_steps") == 0  # (in files: absent until told)
     feed(metrics, schema.SNAPSHOT_CADENCE, global_step=10, every_steps=240, interval_s=61.5, blocked_seconds=0.6,
-         budget=0.01)
+         writer_cpu_seconds=0.0, budget=0.01)
     assert value(registry, "snapshot_interval_steps") == 240 and value(registry, "snapshot_interval_seconds") == 61.5
 
 

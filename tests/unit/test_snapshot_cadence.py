@@ -66,6 +66,19 @@ def test_the_interval_never_exceeds_its_ceiling_and_the_end_of_training_is_alway
     assert cadence.due(PROBE_STEPS + 1, epoch_ended=False, training_done=True)
 
 
+def test_a_background_write_that_takes_trainings_cores_counts_in_the_cost(clock):
+    blocked_only, with_writer = (SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600) for _ in range(2))
+    for step in range(1, PROBE_STEPS + 1):
+        clock.now += 0.1
+        for cadence in (blocked_only, with_writer):
+            cadence.due(step, epoch_ended=False, training_done=False)
+    clock.now += 0.01  # the snapshot blocked training 10 ms; its write took 40 ms of a busy core
+    alone = blocked_only.next_due(PROBE_STEPS, blocked_seconds=0.01) - PROBE_STEPS
+    counted = with_writer.next_due(PROBE_STEPS, blocked_seconds=0.01, writer_cpu_seconds=0.04) - PROBE_STEPS
+    assert alone > 1 and 5 * (alone - 1) <= counted <= 5 * alone  # 50 ms against 10 ms, each rounded up
+    assert with_writer.interval.writer_cpu_seconds == 0.04 and blocked_only.interval.writer_cpu_seconds == 0
+
+
 def snapshot_events(config, kind: str) -> list[dict]:
     return [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == kind]
 
