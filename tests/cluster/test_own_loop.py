@@ -1,6 +1,6 @@
 """A loop of the user's own (docs/examples/gpt_own_loop.py, through `ElasticRun`) keeps every promise
-when a node is lost mid-epoch, under DDP and under `--sharding fsdp`: real torchrun agents as nodes
-on 127.0.0.1, real gloo, a real SIGKILL.
+when a node is lost mid-epoch and another joins, under DDP and under `--sharding fsdp`: real torchrun
+agents as nodes on 127.0.0.1, real gloo, a real SIGKILL.
 
 Snapshot files are written only at epoch ends, so a restore that loses nothing can only come from
 the survivors' memory copies; exactly once is read from the audit log, equivalence against the
@@ -27,13 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_MODULE = "gpt_own_loop"  # docs/examples/gpt_own_loop.py, as a user's script on PYTHONPATH
-CORPUS_BYTES, BLOCK, BATCH, EPOCHS = 65536, 32, 32, 1
+CORPUS_BYTES, BLOCK, BATCH, EPOCHS = 65536, 32, 32, 2
 WINDOWS = (CORPUS_BYTES - 1) // BLOCK  # 2047
 STEPS_PER_EPOCH = -(-WINDOWS // BATCH)  # 64
 TRAINING_ARGS = ["--corpus_bytes", str(CORPUS_BYTES), "--block_size", str(BLOCK), "--gpt_embed", "32",
                  "--gpt_layers", "1", "--epochs", str(EPOCHS), "--global_batch_size", str(BATCH),
                  "--micro_batch_size", "8", "--snapshot_every_steps", "0", "--log_interval", "1",
-                 # >= 6.4 s of training whatever the machine's speed: the kill at step 20 comes mid-run
+                 # >= 12.8 s of training whatever the machine's speed: the kill and the join come mid-run
                  "--min_step_time_s", "0.1"]
 # Relative to each tensor's largest value, as tests/cluster/test_zero_loss.py (1e-4 there, with
 # SGD; chaos/equivalence.py says why not 0). AdamW divides each update by the gradient's running
@@ -50,9 +50,17 @@ def example_on_path(monkeypatch):
     return {"PYTHONPATH": path}
 
 
+def restore_after(job, world_size: int, after: float) -> dict:
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == world_size
+                                 and e["time"] > after, 120, f"a restore in world {world_size}")
+    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
+    assert restore["global_step"] % STEPS_PER_EPOCH, ("a mid-epoch step: no snapshot file holds it", restore)
+    return restore
+
+
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_a_node_lost_mid_epoch_costs_the_users_loop_no_step_and_no_sample(local_jobs, tmp_path, example_on_path,
-                                                                          sharding):
+def test_a_node_lost_and_one_joining_mid_epoch_cost_the_users_loop_no_step_and_no_sample(
+        local_jobs, tmp_path, example_on_path, sharding):
     training_args = [*TRAINING_ARGS, "--sharding", sharding]
     job = local_jobs(training_args, launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None,
                      monitor_interval=None, nproc_per_node=2, module=EXAMPLE_MODULE, env=example_on_path)
@@ -65,11 +73,11 @@ def test_a_node_lost_mid_epoch_costs_the_users_loop_no_step_and_no_sample(local_
         killed_at = time.time()
         lost.kill()
         committed = job.last_step()
-        restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2
-                                     and e["time"] > killed_at, 120, "a restore in world 2")
-        assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
-        assert restore["global_step"] >= committed and restore["global_step"] % STEPS_PER_EPOCH, restore
-        assert host.wait(timeout=180) == 0, node_logs(job)
+        assert restore_after(job, 2, killed_at)["global_step"] >= committed
+        joined_at = time.time()
+        joiner = job.add_node("joiner")
+        assert restore_after(job, 4, joined_at)["global_step"] < EPOCHS * STEPS_PER_EPOCH
+        assert host.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
         reference_dir = reference.result(timeout=180)
 
     assert_exactly_once(job, WINDOWS, EPOCHS, BATCH)
