@@ -64,7 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
     """Linear warm-up, then cosine decay to zero: what `ElasticRun` builds when given no scheduler
-    (tests/unit/test_benchmark_own_loop.py checks the learning rates are the same)."""
+    (tests/unit/test_benchmark_own_loop.py checks the learning rates are the same). A copy, not an
+    import: importing elastic_ddp.training would load the runtime into the baseline's memory."""
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps

@@ -5,9 +5,9 @@ against the same loop in bare PyTorch DDP (`benchmarks.bare_gpt_loop`).
     python -m benchmarks.own_loop --repetitions 1 --corpus_bytes 60000   # a smoke run (`--repeats` works too)
     python -m benchmarks.own_loop --example_args="--snapshot_every_steps 0"   # where a gap comes from
 
-(run from the repository root). Each side is one job of plain torchrun,
-`python -m torch.distributed.run --standalone --nproc_per_node=2` (2 CPU workers, gloo, the agent
-environment elastic_ddp ships: `OMP_NUM_THREADS=1`), started as a subprocess. Ours is the example
+(run from the repository root). Each side is one job of plain torchrun on one node, 2 CPU workers,
+gloo, the agent environment elastic_ddp ships (`OMP_NUM_THREADS=1`), started as a subprocess the
+way benchmarks.throughput starts its jobs (`run_torchrun`). Ours is the example
 itself, unchanged, run through a thin wrapper (`-m benchmarks.own_loop --worker ours ARGS`: it
 imports the example's file, calls its `main()`, then prints each worker's peak memory), with its
 defaults: snapshots on the overhead budget, memory copies on; only `--checkpoint_dir` and
@@ -39,26 +39,21 @@ import importlib.util
 import os
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-from benchmarks.measure import emit_result, parse_results, peak_rss_mb
+from benchmarks.measure import emit_result, peak_rss_mb
 from benchmarks.table import Row, format_number, render_markdown
-from benchmarks.throughput import BenchmarkRunError
-from elastic_ddp.agent.rendezvous.defaults import AGENT_ENV
+from benchmarks.throughput import BenchmarkRunError, run_torchrun
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.distributed import exit_worker
-from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, signal_tree
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO_ROOT / "docs" / "examples" / "gpt_own_loop.py"
@@ -232,37 +227,6 @@ def run_ours_worker(example_args: Sequence[str]) -> NoReturn:
     exit_worker(code)  # as the example ends
 
 
-def run_job(module_args: Sequence[str], run_dir: Path, world_size: int, timeout: float) -> tuple[list[dict], float]:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=N -m MODULE_ARGS` in a session of
-    its own; its `BENCH_RESULT` records (one per rank) and its wall time."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", STOCK_LAUNCHER, "--standalone", f"--nproc_per_node={world_size}",
-               "-m", *module_args]
-    log_path = run_dir / "torchrun.log"
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                   env={**os.environ, **AGENT_ENV}, start_new_session=True)
-    try:
-        exit_code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        exit_code = None
-    finally:  # a timeout, or this harness interrupted: leave no job behind
-        if process.poll() is None:
-            signal_tree(process.pid, signal.SIGKILL)
-            process.wait()
-    seconds = time.monotonic() - started
-    output = log_path.read_text(errors="replace")
-    if exit_code != 0:
-        what = f"ran past {timeout:.0f} s" if exit_code is None else f"exited with {exit_code}"
-        raise BenchmarkRunError(f"{' '.join(module_args)} {what}; log {log_path}:\n{output[-3000:]}")
-    records = parse_results(output)
-    if len(records) != world_size:
-        raise BenchmarkRunError(f"{module_args[0]}: expected {world_size} result lines, got {len(records)}; "
-                                f"log {log_path}")
-    return records, seconds
-
-
 def run_ours(workload: Workload, corpus: Path, run_dir: Path, timeout: float) -> RunResult:
     checkpoint_dir = run_dir / "ck"
     (checkpoint_dir / "data").mkdir(parents=True)
@@ -270,7 +234,7 @@ def run_ours(workload: Workload, corpus: Path, run_dir: Path, timeout: float) ->
     args = ["benchmarks.own_loop", "--worker", OURS, *workload.shared_args(), "--corpus_bytes",
             str(workload.corpus_bytes), "--device", "cpu", "--checkpoint_dir", str(checkpoint_dir),
             "--memory_dir", str(run_dir / "memory"), "--log_interval", str(NO_LOGGING), *workload.example_args]
-    records, seconds = run_job(args, run_dir, workload.world_size, timeout)
+    records, seconds = run_torchrun(args[0], args[1:], run_dir, workload.world_size, timeout)
     events = read_events(checkpoint_dir / EVENT_LOG_NAME)
     step_times = _checked(workload, step_times_from_events(events))
     start, end = step_times[max(workload.skip_steps, 1) - 1], step_times[-1]
@@ -281,7 +245,7 @@ def run_ours(workload: Workload, corpus: Path, run_dir: Path, timeout: float) ->
 
 def run_bare(workload: Workload, corpus: Path, run_dir: Path, timeout: float) -> RunResult:
     args = ["benchmarks.bare_gpt_loop", *workload.shared_args(), "--token_file", str(corpus)]
-    records, seconds = run_job(args, run_dir, workload.world_size, timeout)
+    records, seconds = run_torchrun(args[0], args[1:], run_dir, workload.world_size, timeout)
     step_times = _checked(workload, next(r["step_times"] for r in records if r["rank"] == 0))
     return RunResult(_tokens_per_second(workload, step_times), max(r["peak_rss_mb"] for r in records), seconds)
 

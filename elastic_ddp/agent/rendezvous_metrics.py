@@ -3,22 +3,14 @@
 The torchrun agent runs our rendezvous handler (`--rdzv_backend=elastic-c10d` or `etcd-v3`, and
 `c10d` under `python -m elastic_ddp.agent.launcher`); `count_rounds(handler)` wraps its
 `next_rendezvous`, so that every round, from the agent's entry to the worker group's world, is
-counted. After each change this agent writes, whole (a rename), its figures to
+counted. After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
+whose format and checks `elastic_ddp.rendezvous_figures` holds, the whole contract with the node's
+metrics server (runlog/metrics_agent.py), which serves them as `elastic_ddp_agent_rendezvous_*`.
 
-    TMPDIR/elastic_ddp-agent-<uid>/rendezvous-<agent pid>.json
-    {"pid": 4242, "rounds": 3, "failures": 0, "seconds": 4.81, "last_round_seconds": 1.02,
-     "round_started": 1764120000.5}        # Unix time of the round in progress, else null
-
-The node's metrics server (runlog/metrics_agent.py) knows the agent's pid (it watches the agent)
-and serves the file as `elastic_ddp_agent_rendezvous_*` series; it imports nothing of this module,
-and this one nothing of the worker side (contract agent-apart): the path above is the whole
-contract, and tests/unit/test_rendezvous_metrics.py checks that both sides name the same file.
-
-The directory is the user's alone (0700, checked); the file holds counts and times, nothing of the
-job's settings. It is removed when the agent exits normally, by the metrics server when the agent
-has ended (a SIGKILLed one), and else by the next agent of the user on the machine (the files of
-pids that no longer run); the directory goes with the last file. Writing it never stops the agent:
-a failure is logged once.
+The file is removed when the agent exits normally, by the metrics server when the agent has ended
+(a SIGKILLed one), and else by the next agent of the user on the machine (the files of pids that no
+longer run); the directory goes with the last file. Writing it never stops the agent: a failure is
+logged once.
 
 Not guaranteed: with torch's own `--rdzv_backend=c10d` under plain torchrun our code does not run
 in the agent, so there is no file and no series. The counts are the agent's own: a node restarted
@@ -30,27 +22,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import logging
 import os
-import stat
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from elastic_ddp.rendezvous_figures import FILE_PREFIX, remove_file_and_empty_directory, rendezvous_file, write_figures
+
 logger = logging.getLogger(__name__)
 
-DIRECTORY_PREFIX = "elastic_ddp-agent-"
-FILE_PREFIX = "rendezvous-"
-
 Handler = TypeVar("Handler")
-
-
-def rendezvous_file(pid: int) -> Path:
-    """Where the agent of `pid` (of this user) keeps its rendezvous figures."""
-    return Path(tempfile.gettempdir()) / f"{DIRECTORY_PREFIX}{os.getuid()}" / f"{FILE_PREFIX}{pid}.json"
 
 
 class RendezvousRounds:
@@ -98,10 +81,7 @@ class RendezvousRounds:
                            "this agent's rendezvous rounds", self.path, exc)
 
     def _write_once(self) -> None:
-        _make_private_directory(self.path.parent)
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        temporary.write_text(json.dumps(self.figures()))
-        os.replace(temporary, self.path)
+        write_figures(self.path, self.figures())
 
     def remove(self) -> None:
         """The agent exits: remove the file (only the process that wrote it), and the directory if
@@ -127,14 +107,6 @@ class RendezvousRounds:
             self.last_round_seconds = seconds
             self.round_started = None
             self.write()
-
-
-def remove_file_and_empty_directory(path: Path) -> None:
-    """Delete an agent's file, then its directory if that is empty now (rmdir refuses otherwise)."""
-    with contextlib.suppress(OSError):
-        path.unlink()
-    with contextlib.suppress(OSError):
-        path.parent.rmdir()
 
 
 def count_rounds(handler: Handler) -> Handler:
@@ -165,11 +137,3 @@ def _is_running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _make_private_directory(directory: Path) -> None:
-    with contextlib.suppress(FileExistsError):
-        directory.mkdir(mode=0o700)
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{directory} is not a private directory of this user")

@@ -1,9 +1,9 @@
 """The node's torchrun agent's rendezvous rounds, as the node's metrics server shows them.
 
 The agent (elastic_ddp/agent/rendezvous_metrics.py, which this module never imports: the agent
-side and the worker side live apart) writes its figures to `rendezvous_file(agent pid)`; the
-node's metrics server knows that pid (it watches the agent) and serves the file through
-`AgentRendezvousCollector`, read at each scrape. These series are every node's own (one per
+side and the worker side live apart) writes its figures to the file of `elastic_ddp.rendezvous_figures`,
+the one contract of the two; the node's metrics server knows the agent's pid (it watches the agent)
+and serves the file through `AgentRendezvousCollector`, read at each scrape. These series are every node's own (one per
 endpoint), unlike the run's, which come from rank 0's node:
 
     elastic_ddp_agent_rendezvous_rounds_total            rounds the agent completed
@@ -19,20 +19,13 @@ watched agent's, is ignored.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-# The agent's side of the contract (elastic_ddp/agent/rendezvous_metrics.py); the unit tests check
-# that both name the same file.
-DIRECTORY_PREFIX = "elastic_ddp-agent-"
-FILE_PREFIX = "rendezvous-"
+from elastic_ddp.rendezvous_figures import read_figures, remove_file_and_empty_directory, rendezvous_file
+
 NAME = "elastic_ddp_agent_rendezvous"
 
 # name: (help, type)
@@ -44,28 +37,6 @@ SERIES = {
     "in_progress": (("1 while this node's agent is in a rendezvous round (its worker group is being formed), "
                      "else 0."), "gauge"),
 }
-
-
-def rendezvous_file(pid: int) -> Path:
-    """Where the agent of `pid` (of this user) keeps its rendezvous figures."""
-    return Path(tempfile.gettempdir()) / f"{DIRECTORY_PREFIX}{os.getuid()}" / f"{FILE_PREFIX}{pid}.json"
-
-
-def read_figures(pid: int) -> dict | None:
-    """The agent's figures, or None (no file yet, not this user's, torn, another pid's)."""
-    path = rendezvous_file(pid)
-    try:
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    with os.fdopen(handle) as opened:
-        if os.fstat(opened.fileno()).st_uid != os.getuid():
-            return None
-        try:
-            figures = json.loads(opened.read())
-        except ValueError:
-            return None
-    return figures if isinstance(figures, dict) and figures.get("pid") == pid else None
 
 
 def series_values(figures: dict, now: float) -> dict[str, float]:
@@ -105,11 +76,7 @@ class AgentRendezvousCollector:
 
 def remove_agent_file(pid: int) -> None:
     """The agent of `pid` has ended (perhaps SIGKILLed, so it could not remove its file itself)."""
-    path = rendezvous_file(pid)
-    with contextlib.suppress(OSError):
-        path.unlink()
-    with contextlib.suppress(OSError):  # the directory too, once no agent's file is in it
-        path.parent.rmdir()
+    remove_file_and_empty_directory(rendezvous_file(pid))
 
 
 def exposed_names() -> set[str]:

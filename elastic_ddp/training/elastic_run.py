@@ -130,6 +130,7 @@ class ElasticRun:
         self.snapshots: SnapshotSession | None = None  # its snapshots (all three set while entered)
         self.current_step: Step | None = None
         self._exits: contextlib.ExitStack | None = None
+        self._entered = False
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
         self._empty_batch: list[torch.Tensor] | None = None
@@ -171,8 +172,10 @@ class ElasticRun:
     def __enter__(self) -> Self:
         """Join the run: agree on the incarnation, open its log and snapshots, start the watchdog,
         restore the newest state the group can read, wrap the model."""
-        if self._exits is not None:
-            raise LoopContractError("ElasticRun: entered while already entered; use one `with run:` per run")
+        if self._entered:
+            raise LoopContractError("ElasticRun: entered a second time; a run is entered once (build a new one to "
+                                    "train again: it restores where this one stopped)")
+        self._entered = True
         started = time.monotonic()
         incarnation = agree_on_incarnation(self.context)
         with contextlib.ExitStack() as exits:

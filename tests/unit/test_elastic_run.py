@@ -211,7 +211,9 @@ def test_steps_outside_the_run_and_a_second_entry_are_refused(tmp_path):
     run = new_run(small_config(tmp_path))
     with pytest.raises(LoopContractError, match=r"steps\(\): called outside `with run:`"):
         next(run.steps())
-    with run, pytest.raises(LoopContractError, match="entered while already entered"):
+    with run, pytest.raises(LoopContractError, match="entered a second time"):
+        run.__enter__()
+    with pytest.raises(LoopContractError, match="entered a second time"):
         run.__enter__()
 
 

@@ -1,7 +1,7 @@
 """The agent's rendezvous rounds as metrics: counted around `next_rendezvous` in the agent
 (elastic_ddp/agent/rendezvous_metrics.py), written to a file, served by the node's metrics server
-(elastic_ddp/runlog/metrics_agent.py). The two sides import nothing of each other; the file's path
-is their contract. A real agent and server are in tests/cluster/test_metrics_endpoint.py."""
+(elastic_ddp/runlog/metrics_agent.py). The two sides import nothing of each other; the file is
+their contract, in one module of its own (elastic_ddp/rendezvous_figures.py). A real agent and server are in tests/cluster/test_metrics_endpoint.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_ddp import rendezvous_figures as figures_file
 from elastic_ddp.agent import rendezvous_metrics as agent_side
 from elastic_ddp.runlog import metrics_agent as server_side
 from elastic_ddp.runlog.metrics_server import node_registry
@@ -50,9 +51,9 @@ def served(pid: int, directory) -> dict[str, float]:
             for sample in family.samples if sample.name.startswith(NAME)}
 
 
-def test_both_sides_name_the_same_file():
-    assert agent_side.rendezvous_file(1234) == server_side.rendezvous_file(1234)
-    assert agent_side.rendezvous_file(1234).parent.name == f"elastic_ddp-agent-{os.getuid()}"
+def test_the_file_is_the_users_own_per_agent():
+    assert figures_file.rendezvous_file(1234).parent.name == f"elastic_ddp-agent-{os.getuid()}"
+    assert figures_file.rendezvous_file(1234).name == "rendezvous-1234.json"
 
 
 def test_rounds_and_their_seconds_are_served_while_and_after_they_run(tmp_path):
@@ -86,7 +87,7 @@ def test_rounds_and_their_seconds_are_served_while_and_after_they_run(tmp_path):
 
 def test_nothing_is_served_for_another_agent_or_a_torn_or_foreign_file(tmp_path):
     assert served(os.getpid(), tmp_path) == {}, "no file yet"
-    path = server_side.rendezvous_file(os.getpid())
+    path = figures_file.rendezvous_file(os.getpid())
     path.parent.mkdir(mode=0o700)
     path.write_text('{"pid": 1, "rounds": 3}')
     assert served(os.getpid(), tmp_path) == {}, "the figures of another pid"
@@ -97,28 +98,28 @@ def test_nothing_is_served_for_another_agent_or_a_torn_or_foreign_file(tmp_path)
 
 
 def test_a_directory_others_can_write_is_refused_and_the_agent_goes_on(tmp_path, caplog):
-    directory = agent_side.rendezvous_file(os.getpid()).parent
+    directory = figures_file.rendezvous_file(os.getpid()).parent
     directory.mkdir(mode=0o777)
     directory.chmod(0o777)
     handler = agent_side.count_rounds(StandInHandler())
     handler.proceed.set()
     assert handler.next_rendezvous() == "round info", "the agent's round is unharmed"
     assert "rendezvous metrics: cannot write" in caplog.text
-    assert not agent_side.rendezvous_file(os.getpid()).exists()
+    assert not figures_file.rendezvous_file(os.getpid()).exists()
 
 
 def test_the_files_of_agents_that_no_longer_run_are_removed_by_the_next_agent():
-    dead = agent_side.rendezvous_file(2**22 + 1)  # above Linux's largest pid_max: never a running process
-    alive = agent_side.rendezvous_file(os.getppid())
+    dead = figures_file.rendezvous_file(2**22 + 1)  # above Linux's largest pid_max: never a running process
+    alive = figures_file.rendezvous_file(os.getppid())
     dead.parent.mkdir(mode=0o700)
     for path in (dead, alive):
         path.write_text("{}")
     agent_side.count_rounds(StandInHandler())
-    assert not dead.exists() and alive.exists() and agent_side.rendezvous_file(os.getpid()).exists()
+    assert not dead.exists() and alive.exists() and figures_file.rendezvous_file(os.getpid()).exists()
 
 
 def test_the_directory_goes_with_the_last_agents_file_and_a_write_racing_that_is_not_lost(monkeypatch):
-    mine, other = agent_side.rendezvous_file(os.getpid()), agent_side.rendezvous_file(os.getppid())
+    mine, other = figures_file.rendezvous_file(os.getpid()), figures_file.rendezvous_file(os.getppid())
     rounds = agent_side.RendezvousRounds(mine)
     rounds.write()
     other.write_text("{}")
@@ -127,14 +128,14 @@ def test_the_directory_goes_with_the_last_agents_file_and_a_write_racing_that_is
     server_side.remove_agent_file(os.getppid())
     assert not mine.parent.exists(), "the metrics server removed the last file, and the directory"
     rounds = agent_side.RendezvousRounds(mine)
-    made, removed = agent_side._make_private_directory, []
+    made, removed = figures_file.make_private_directory, []
 
     def made_then_removed(directory):  # another agent exits between this one's mkdir and its write, once
         made(directory)
         if not removed:
             removed.append(directory)
             directory.rmdir()
-    monkeypatch.setattr(agent_side, "_make_private_directory", made_then_removed)
+    monkeypatch.setattr(figures_file, "make_private_directory", made_then_removed)
     rounds.write()
     assert removed, "the race was played"
     assert json.loads(mine.read_text())["pid"] == os.getpid()
@@ -146,7 +147,7 @@ def test_the_seconds_served_never_go_down_when_a_round_ends_between_a_scrape_and
     """A scrape just after a round ended, before the agent wrote its end, adds the round's time up to
     the scrape: slightly more than the agent then records (seen in a CI run: 1.7063 s, then 1.7048 s)."""
     pid = os.getpid()
-    path = server_side.rendezvous_file(pid)
+    path = figures_file.rendezvous_file(pid)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     collector = server_side.AgentRendezvousCollector(pid)
 
