@@ -76,14 +76,6 @@ class SnapshotCadence:
             return epoch_ended or bool(self.every_steps and global_step % self.every_steps == 0)
         return global_step >= self.next_due_step
 
-    def save_due(self, global_step: int, last_saved_step: int | None, *, epoch_ended: bool, final: bool,
-                 training_done: bool) -> bool:
-        """Whether a session saves the step just committed: on `final` (a drain) unless that step is
-        saved already, else as `due` says (the same answer on every rank)."""
-        if final:
-            return last_saved_step != global_step
-        return self.due(global_step, epoch_ended, training_done)
-
     def next_due(self, global_step: int, blocked_seconds: float, writer_cpu_seconds: float = 0.0) -> int:
         """Rank 0, after saving `global_step` at a cost of `blocked_seconds` on the training thread
         and `writer_cpu_seconds` of a background write that competes with training (0 where a core

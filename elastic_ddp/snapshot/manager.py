@@ -11,9 +11,10 @@
 Behind it: the store (`files.snapshot_store`, on `files.backends`), rank 0's background writer
 (`background_writer`), the node's memory copies (`memory_copies`), the restore agreement
 (`exchange.restore_agreement`) and replication (`exchange.replication`), which move bytes through
-`exchange.transport`. It owns the cadence: the trainer calls `save` after every step. The session emits the snapshot events (`snapshot_captured`,
-`snapshot`, `snapshot_failed`, `memory_copy`) to the event log it is given; nothing calls back
-into the trainer.
+`exchange.transport`. It owns the schedule (`exchange.cadence_agreement`, shared with the sharded
+session): the trainer calls `save` after every step. The session emits the snapshot events
+(`snapshot_captured`, `snapshot`, `snapshot_failed`, `memory_copy`) to the event log it is given;
+nothing calls back into the trainer.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
-from elastic_ddp.snapshot.cadence import SnapshotCadence
-from elastic_ddp.snapshot.exchange.cadence_agreement import agree_on_next_snapshot
 from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
+from elastic_ddp.snapshot.exchange.schedule import SnapshotSchedule
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
@@ -66,9 +66,7 @@ class SnapshotSession:
                                          asynchronous=config.snapshot_async, write_timeout_s=config.snapshot_timeout_s)
         self.replication = Replication()  # the real one is agreed on in start()
         self.memory = self._memory_tier() if config.memory_copies else None
-        self.last_saved_step: int | None = None
-        self.cadence = SnapshotCadence(config.snapshot_every_steps, config.snapshot_budget,
-                                       config.snapshot_max_interval_s)
+        self.schedule = SnapshotSchedule.from_config(config)
         self._kept_in_memory: int | None = None  # the step this worker kept in memory
         self._restored: tuple[int, int] | None = None  # (step, incarnation that committed it) restored
 
@@ -120,7 +118,7 @@ class SnapshotSession:
             return None
         with state.updating():
             restored.snapshot.restore_into(state, self.context.rank, self.context.world_size, self.config.seed)
-        self.last_saved_step = restored.snapshot.global_step
+        self.schedule.last_saved_step = restored.snapshot.global_step
         self._restored = (restored.snapshot.global_step, restored.snapshot.incarnation)
         self._keep_restored_copies(restored)
         return restored
@@ -138,29 +136,25 @@ class SnapshotSession:
             self.replication.offer(restored.entry)
 
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
-        """Snapshot `state` if its cadence (snapshot/cadence.py: the overhead budget, or
-        --snapshot_every_steps) says so, always at the end of training, and on `final` (a drain)
-        unless this step is saved already. Call it after every committed step on every rank: when
-        it saves it is a collective (every rank's RNG), and rank 0 queues the write. Returns whether
-        it saved."""
-        due = self.cadence.save_due(state.global_step, self.last_saved_step, epoch_ended=epoch_ended, final=final,
-                                    training_done=state.sampler.epoch >= self.config.epochs)
+        """Snapshot `state` when its schedule says so (`SnapshotSchedule.due`: the overhead budget
+        or --snapshot_every_steps, the end of training, and `final`, a drain). Call it after every
+        committed step on every rank: when it saves it is a collective (every rank's RNG), and rank
+        0 queues the write. Returns whether it saved."""
+        due = self.schedule.due(state, epoch_ended=epoch_ended, final=final)
         if due:
             self._save_now(state, final)
         return due
 
     def _save_now(self, state: TrainingState, final: bool) -> None:
         started = time.monotonic()
-        self.last_saved_step = state.global_step
         if self.context.in_process_group:
             rng_per_rank = gather_rng_states(self.context.world_size, self.context.device)
         else:
             rng_per_rank = [capture_rng_state()]
         if self.writer is not None:
             self._submit(state, rng_per_rank, final)
-        if self.cadence.on_budget:
-            agree_on_next_snapshot(self.cadence, state.global_step, time.monotonic() - started, self.context,
-                                   self.events, self._writer_cpu_taken_from_training())
+        self.schedule.after_save(state.global_step, time.monotonic() - started, self.context, self.events,
+                                 self._writer_cpu_taken_from_training())
 
     def _writer_cpu_taken_from_training(self) -> float:
         """Rank 0: the CPU time of the last background write (this one's estimate), where the
@@ -245,9 +239,9 @@ class SnapshotSession:
         if self.writer is not None:
             if not self.writer.wait(self.config.snapshot_timeout_s):
                 logger.error("the snapshot of step %s is still being written after %.0f s (storage hung?): not "
-                             "waiting longer", self.last_saved_step, self.config.snapshot_timeout_s)
+                             "waiting longer", self.schedule.last_saved_step, self.config.snapshot_timeout_s)
             last = self.writer.last_written
-            durable = last is not None and last.global_step == self.last_saved_step
+            durable = last is not None and last.global_step == self.schedule.last_saved_step
         self.replication.finish(timeout=self.config.collective_timeout_s / 2)
         return durable
 

@@ -1,15 +1,18 @@
 """When durable snapshots are due (elastic_ddp/snapshot/cadence.py): a fixed cadence as asked, or
-the overhead budget, decided the same way on every rank."""
+the overhead budget, decided the same way on every rank; and the schedule both sessions share
+(elastic_ddp/snapshot/exchange/cadence_agreement.py)."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.snapshot import cadence as cadence_module
 from elastic_ddp.snapshot.cadence import PROBE_STEPS, SnapshotCadence
+from elastic_ddp.snapshot.exchange.schedule import SnapshotSchedule
 from tests.support.training import make_trainer, small_config
 
 
@@ -77,6 +80,21 @@ def test_a_background_write_that_takes_trainings_cores_counts_in_the_cost(clock)
     counted = with_writer.next_due(PROBE_STEPS, blocked_seconds=0.01, writer_cpu_seconds=0.04) - PROBE_STEPS
     assert alone > 1 and 5 * (alone - 1) <= counted <= 5 * alone  # 50 ms against 10 ms, each rounded up
     assert with_writer.interval.writer_cpu_seconds == 0.04 and blocked_only.interval.writer_cpu_seconds == 0
+
+
+def committed(global_step: int, epoch: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(global_step=global_step, sampler=SimpleNamespace(epoch=epoch))
+
+
+def test_the_schedule_saves_a_drain_once_and_the_end_of_training_always():
+    schedule = SnapshotSchedule(SnapshotCadence(every_steps=4, budget=0.01, max_interval_s=600), epochs=2)
+    assert not schedule.due(committed(3), epoch_ended=False, final=False) and schedule.last_saved_step is None
+    assert schedule.due(committed(4), epoch_ended=False, final=False) and schedule.last_saved_step == 4
+    assert not schedule.due(committed(4), epoch_ended=False, final=True)  # a drain right after a save
+    assert schedule.due(committed(5), epoch_ended=False, final=True) and schedule.last_saved_step == 5
+    assert schedule.due(committed(7, epoch=2), epoch_ended=False, final=False)  # the end of training
+    schedule.last_saved_step = 9  # as restored
+    assert not schedule.due(committed(9), epoch_ended=False, final=True)
 
 
 def snapshot_events(config, kind: str) -> list[dict]:

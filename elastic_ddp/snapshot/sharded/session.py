@@ -3,12 +3,13 @@
 The same contract as `snapshot.manager.SnapshotSession` (start, restore, save, keep_in_memory,
 finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2:
 
-- save (a collective, on the same cadence: the overhead budget or --snapshot_every_steps): every
-  rank writes its shards of the model and optimizer state into a temporary step directory with
-  `torch.distributed.checkpoint` (tensors only); rank 0 adds `trainer.snap` (the unsharded rest: LR
-  schedule, sampler position, step, grad scaler, optimizer hyper-parameters, every rank's RNG, the
-  run's fingerprint) and commits the step (step_directories.py). Training waits for the whole write:
-  the budget spaces snapshots by that cost.
+- save (a collective, on the DDP session's schedule, `exchange.cadence_agreement`: the overhead
+  budget or --snapshot_every_steps): every rank writes its shards of the model and optimizer state
+  into a temporary step directory with `torch.distributed.checkpoint` (tensors only); rank 0 adds
+  `trainer.snap` (the unsharded rest: LR schedule, sampler position, step, grad scaler, optimizer
+  hyper-parameters, every rank's RNG, the run's fingerprint) and commits the step
+  (step_directories.py). Training waits for the whole write: the budget spaces snapshots by that
+  cost. A step whose state holds a non-finite value is not written and does not move the schedule.
 - restore (a collective): the memory state (below) is weighed first against the newest committed
   step, by name (and size on node-local disks), so that a memory state at least as new wins without
   a durable file read. Otherwise rank 0 picks the newest committed step that verifies and fits this
@@ -54,10 +55,9 @@ from elastic_ddp.locations import local_path
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
-from elastic_ddp.snapshot.cadence import SnapshotCadence
-from elastic_ddp.snapshot.exchange.cadence_agreement import agree_on_next_snapshot
 from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, RestoredSnapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
+from elastic_ddp.snapshot.exchange.schedule import SnapshotSchedule
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.serialization import (
     check_compatible,
@@ -93,9 +93,7 @@ class ShardedSnapshotSession:
         self.config, self.context, self.events = config, context, events
         self.fingerprint, self.incarnation = fingerprint, incarnation
         self.root = local_path(config.checkpoint_dir)
-        self.cadence = SnapshotCadence(config.snapshot_every_steps, config.snapshot_budget,
-                                       config.snapshot_max_interval_s)
-        self.last_saved_step: int | None = None
+        self.schedule = SnapshotSchedule.from_config(config)
         self.last_durable_step: int | None = None
         self.memory: MemoryCopies | None = None
         self.local: NodeLocalSteps | None = None  # node-local directories (None: one place for every rank)
@@ -169,7 +167,7 @@ class ShardedSnapshotSession:
             self._load_shards(state, directory, plain.states["optimizer"])
             same_world = len(plain.rng_per_rank) == self.context.world_size
             self._load_rest(state, plain, plain.rng_per_rank[self.context.rank] if same_world else None)
-        self.last_saved_step = self.last_durable_step = plain.global_step
+        self.schedule.last_saved_step = self.last_durable_step = plain.global_step
         self._committed_in = plain.incarnation
         where, source_rank, source_host = fetched or (None, 0, socket.gethostname())
         entry = where and ManifestEntry(where, plain.global_step, plain.epoch, plain.samples_consumed, checksum, 0,
@@ -184,7 +182,7 @@ class ShardedSnapshotSession:
         mine = in_memory.offers[self.context.rank].plain if in_memory.world_size == self.context.world_size else b""
         self._load_rest(state, plain, snapshot_from_bytes(mine, description).rng_per_rank[0] if mine else None)
         logger.info("restored %s from memory (%d bytes received from peers)", description, received)
-        self.last_saved_step = self.last_durable_step = plain.global_step
+        self.schedule.last_saved_step = self.last_durable_step = plain.global_step
         self._committed_in = in_memory.incarnation
         source_rank = in_memory.source_rank
         return RestoredSnapshot(snapshot=plain, entry=None, checksum=in_memory.checksum, source=MEMORY,
@@ -227,15 +225,14 @@ class ShardedSnapshotSession:
         elif self._kept_step != state.global_step:  # the optimizer step was skipped: no part taken yet
             self._committed_in = self.incarnation
             self._keep_part(state)
-        due = self.cadence.save_due(state.global_step, self.last_saved_step, epoch_ended=epoch_ended, final=final,
-                                    training_done=state.sampler.epoch >= self.config.epochs)
+        due = self.schedule.due(state, epoch_ended=epoch_ended, final=final)
         if due:
             self._save_now(state)
         return due
 
     def _save_now(self, state: TrainingState) -> None:
         started = time.monotonic()
-        step = self.last_saved_step = state.global_step
+        step = state.global_step
         rng_per_rank = (gather_rng_states(self.context.world_size, self.context.device)
                         if self.context.in_process_group else [capture_rng_state()])
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
@@ -251,8 +248,7 @@ class ShardedSnapshotSession:
         self._commit(state, step, temporary, rng_per_rank, optimizer_state["param_groups"], started)
         if self.context.in_process_group:
             dist.barrier()  # no rank reads or prunes a step before it is committed
-        if self.cadence.on_budget:
-            agree_on_next_snapshot(self.cadence, step, time.monotonic() - started, self.context, self.events)
+        self.schedule.after_save(step, time.monotonic() - started, self.context, self.events)
 
     def _keep_part(self, state: TrainingState, rest: bool = True) -> None:
         """This rank's part of the state, kept and exchanged with its ring partners (memory_shards.py;
@@ -328,7 +324,7 @@ class ShardedSnapshotSession:
 
     def finish(self) -> bool | None:
         """Whether the last save is durable (writes are synchronous); None off rank 0."""
-        return self.last_durable_step == self.last_saved_step if self.context.is_main else None
+        return self.last_durable_step == self.schedule.last_saved_step if self.context.is_main else None
 
     def forget_memory_copies(self) -> None:
         """The run finished: its parts in memory are removed."""
