@@ -1,7 +1,7 @@
 """A worker that plain torchrun starts as `python -m elastic_ddp.train`, run warm: forked, not imported.
 
 Plain torchrun starts every worker as a new `python -m MODULE` process, which imports torch, torch._dynamo
-and the trainer again after every failure (1.9-3.5 s here). When the agent's rendezvous is one of
+and the trainer again after every failure (seconds: docs/operations.md). When the agent's rendezvous is one of
 ours (`elastic-c10d`, `etcd-v3`), the agent runs a warm-worker server that has imported them once
 (elastic_ddp/agent/warm_workers.py) and puts its address in `ELASTIC_DDP_WARM_WORKERS`, which the
 workers inherit. The first lines of `elastic_ddp.train` (and `elastic_ddp.chaos.held_train`) then call

@@ -5,15 +5,13 @@
 
 It takes exactly torchrun's arguments and runs torchrun's own agent (launch/node.sh uses it). The
 first difference is how workers start. After every failure or join, torchrun starts each worker as
-a new `python -m MODULE` process, which imports torch (1.3-2 s on a small CPU, several times that
-when all workers of a machine start at once) and, at the first `torch.optim` call, torch._dynamo
-(another 1.4-1.6 s). Here the agent first starts a multiprocessing fork server that imports
-torch, torch._dynamo and elastic_ddp's trainer once (started before the agent imports torch
-itself, so that the two imports run side by side), while the agent is still in the rendezvous;
-torchrun then forks every worker from it (`--start-method forkserver`) and the worker runs
-`MODULE` with `runpy`, as `python -m MODULE` would. (Entering the rendezvous only once the fork
-server is ready was tried: a join then kept the running nodes waiting 0.2 s less, and took 0.8 s
-longer in all, median of 3.) docs/failure-semantics.md ("Recovery speed") has the measured difference.
+a new `python -m MODULE` process, which imports torch and, at the first `torch.optim` call,
+torch._dynamo: seconds per restart. Here the agent starts a multiprocessing fork server that imports
+torch, torch._dynamo and elastic_ddp's trainer once, side by side with the agent's own imports and
+its rendezvous (entering the rendezvous only once it is ready made a join slower in all); torchrun
+then forks every worker from it (`--start-method forkserver`) and the worker runs `MODULE` with
+`runpy`, as `python -m MODULE` would. Figures: docs/failure-semantics.md ("Recovery speed"),
+docs/benchmarks-history.md.
 Plain torchrun gets warm workers too where it can: with `--rdzv_backend=elastic-c10d` or `etcd-v3`
 and `-m elastic_ddp.train`, our rendezvous plugin starts a warm-worker server in the agent
 (elastic_ddp/agent/warm_workers.py) that the worker process hands its run to. This launcher turns
@@ -154,10 +152,9 @@ class TracebackAsText(logging.Filter):
     """Turn a record's traceback into text before torch's log formatter sees it.
 
     With callable entry points the agent logs every worker failure with `logger.exception`, and
-    torch's formatter imports torch._dynamo to format any record that carries `exc_info`: 1.5 s
-    (7 s on a busy 2-core machine) between a worker's failure and the agent acting on it, once
-    per agent. With the traceback already in `exc_text` the formatter prints the same text
-    without that import.
+    torch's formatter imports torch._dynamo to format any record that carries `exc_info`: seconds,
+    once per agent, between a worker's failure and the agent acting on it. With the traceback
+    already in `exc_text` the formatter prints the same text without that import.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -439,9 +439,8 @@ def _run_as_main(module: str) -> int:
     # The interpreter's exit, less its teardown of modules: wait for the threads that are not
     # daemons, run the atexit handlers, flush (the caller then calls os._exit). Private calls, kept
     # on purpose: ending through the interpreter's own exit instead (SystemExit out of the server's
-    # frames) tore down torch's modules too and took 0.93 s per worker from the module's end to the
-    # client's exit, against 0.06 s this way (medians of 5, twice each, interleaved, 2026-11-26), a
-    # cost paid at every group restart; tests/unit/test_warm_workers.py checks the order.
+    # frames) tore down torch's modules too: 0.93 s per worker against 0.06 s this way, at every
+    # group restart (docs/benchmarks-history.md); tests/unit/test_warm_workers.py checks the order.
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -17,11 +17,9 @@ all-reduce adds the ranks' sums, so the order of the fp32 additions in every gra
 world size (and resuming changes nothing else: a restore is bit-exact). Each step then rounds
 differently, by about fp32's unit roundoff (6e-8) relative to the gradient, and the differences
 compound over the steps of the run. `DEFAULT_PARAMETER_TOLERANCE` and `DEFAULT_LOSS_TOLERANCE`
-(1e-5) are set from what that amounts to for the built-in MLP over 192 steps: 3.2e-7 and 1.2e-7
-measured, a factor 30 of margin. A wrong batch shows much more: consecutive steps' losses differ by
-8e-2 (median) early in that run and 4e-5 late, so a skipped, repeated or mis-scaled batch moves the
-loss of its step by about that much, and the trajectory after it. (The audit log checks
-exactly-once on its own.) docs/failure-semantics.md, "Same model as an uninterrupted run".
+(1e-5) are a factor 30 above what that amounts to for the built-in MLP over 192 steps, and below
+the change of loss between consecutive steps, which a wrong batch shows (docs/benchmarks-history.md;
+docs/failure-semantics.md, "Same model as an uninterrupted run"). The audit log checks exactly-once.
 
 Not comparable this way: models with batch-dependent layers (BatchNorm: per-rank statistics), and
 runs whose randomness does not come from (seed, epoch, sample index).

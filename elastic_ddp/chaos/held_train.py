@@ -5,8 +5,7 @@
 While the file named by ELASTIC_DDP_HOLD exists, the job cannot finish before a scenario of faults
 (kills, joins, freezes) has happened, however fast the machine. Whoever plays the scenario (the
 chaos harness, a test) deletes the file once it is done (`release`), and the job runs to its end
-at full speed. Trainers got 10x faster once and rehearsals sized for the old speed broke; holding
-the job makes them independent of it. What the file says decides how it holds:
+at full speed. What the file says decides how it holds:
 
 - empty: every optimizer step of every rank ends with a sleep of HELD_STEP_S, so the job keeps
   training (its collectives keep running, so failures are seen at once) at a slow pace;

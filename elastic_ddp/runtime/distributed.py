@@ -139,9 +139,9 @@ def wait_until_listening(host: str, port: int, timeout_s: float, poll_s: float =
     """Whether `host:port` accepted a TCP connection within `timeout_s` (tried every `poll_s`).
 
     The other ranks call it before `init_process_group`, whose store client, started before rank
-    0's store listens, retries with a backoff that cost 0.15-0.9 s after the store was up (measured
-    on torch 2.13): on the critical path of every restart. Connecting once the port listens takes
-    one attempt. The probe connects and closes; the store server takes that as a client leaving.
+    0's store listens, retries with a backoff that can cost most of a second after the store is up,
+    on the critical path of every restart (docs/benchmarks-history.md); once the port listens, it
+    connects at its first attempt. The probe connects and closes; the store takes that as a client leaving.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -183,7 +183,7 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
         # After a peer died the group may be unusable; tearing it down must not mask the real error.
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:  # best effort on the way out
             logger.debug("destroy_process_group failed", exc_info=True)
 
 

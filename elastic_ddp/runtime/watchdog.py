@@ -11,9 +11,9 @@ rank runs `PeerWatchdog`, a heartbeat thread that, every `interval_s`:
   last changed.
 
 and a watching thread that never touches the store: a TCPStore request to a store that is cut off
-by a partition, or whose process is frozen, blocks for ever whatever its timeout (seen with torch
-2.13), so the heartbeat thread may block while the watching one goes on judging. The watching
-thread judges each read as it comes and wakes at the earliest deadline.
+by a partition, or whose process is frozen, can block for ever whatever its timeout, so the
+heartbeat thread may block while the watching one goes on judging. The watching thread judges each
+read as it comes and wakes at the earliest deadline.
 
 A peer whose heartbeat has not changed for `bound_s` is *silent*: counted from the read that first
 showed its last change, and confirmed by a read asked for after that deadline (the watching thread
@@ -35,13 +35,13 @@ gap sets a new longest (`longest_gap_s`): what the layer above reports (the live
 
 What it never does: judge a peer by how fast it trains. A heartbeat comes from a thread that does
 nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
-only; `bound_s` (default `--watchdog_timeout_s`, chosen from measured heartbeat gaps under load:
-docs/failure-semantics.md, "The watchdog") leaves a wide margin for that. A rank that leaves
-training on its own (finished, drained, failed) marks its heartbeat `left`, and its peers stop
-watching it. Heartbeats are keyed by incarnation, so a store shared across rounds cannot mix them.
+only; `bound_s` (default `--watchdog_timeout_s`) leaves a wide margin for that (docs/failure-semantics.md,
+"The watchdog"). A rank that leaves training on its own (finished, drained, failed) marks its
+heartbeat `left`, and its peers stop watching it. Heartbeats are keyed by incarnation, so a store
+shared across rounds cannot mix them.
 
 Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
-small values per `interval_s` on rank 0's store (40-50 µs each on loopback), and one more of each
+small values per `interval_s` on rank 0's store (tens of µs each on loopback), and one more of each
 per deadline reached (a peer's, once).
 Limits: the watchdog fires `bound_s` after the read that saw a frozen peer's last heartbeat (plus
 one read's round trip and scheduling), which comes up to one `interval_s` after that heartbeat: so

@@ -13,11 +13,10 @@ The root is always sharded last, so that what is left (parameters outside any bl
 Memory (CPU): FSDP2 gathers each block's whole parameters (and gradients) for its forward and
 backward and frees them right after, every step. glibc's malloc raises its mmap threshold to the
 size of the largest block freed so far (up to 32 MiB), so those buffers then come from its heap,
-which keeps what is freed and grows step after step: a worker of `benchmarks.sharded_memory`'s MLP
-(one gloo worker of 2, AdamW) peaked at 934 MiB after 12 steps of a bare FSDP2 loop, still growing,
-and at 469 MiB with the threshold fixed at 1 MiB (the same loop under DDP: 661). `shard_model` therefore fixes it at `MMAP_THRESHOLD`
-(`mallopt`) unless the user set `MALLOC_MMAP_THRESHOLD_`; a buffer of 1 MiB or more is then
-returned to the system when freed (each new one costs its page faults).
+which keeps what is freed and grows step after step. `shard_model` therefore fixes it at
+`MMAP_THRESHOLD`, 1 MiB (`mallopt`), unless the user set `MALLOC_MMAP_THRESHOLD_`: a buffer that
+large is returned to the system when freed (each new one costs its page faults), about halving a
+worker's peak (docs/benchmarks-history.md).
 Each rank must build the same initial weights before this runs (the built-in models do, from
 `--seed`): `fully_shard` keeps this rank's slice of the weights it is given.
 

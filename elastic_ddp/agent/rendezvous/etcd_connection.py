@@ -13,7 +13,7 @@ it names every endpoint tried and the last error. All three are `RendezvousConne
 
 Leases are kept alive over one long-lived LeaseKeepAlive stream per connection (`keep_alive`):
 etcd3's `refresh_lease` opens a stream per refresh, and grpc-python serves each with a thread of
-its own (257 agents as threads started about 260 a second for it; docs/benchmarks-history.md).
+its own: hundreds of threads a second with hundreds of agents (docs/benchmarks-history.md).
 
 Limits: an operation whose request reached etcd but whose answer was lost (a deadline exceeded
 mid-commit) is retried too, so a write may be applied twice; callers make their writes

@@ -14,8 +14,7 @@ one keep-alive stream (`EtcdConnection.keep_alive`), without the board's lock: w
 the lease expires and etcd deletes its arrival and liveness keys; `leave` revokes it at once. If a
 refresh finds the lease expired (etcd unreachable, or the process starved of CPU, for longer than
 its TTL), the thread takes a new one and writes the node's liveness and last arrival again; so does an
-arrival that finds it gone (retrying the write on the dead lease would fail for the whole retry
-budget: seen with 256 agents as threads, `benchmarks/rendezvous_threads.py`).
+arrival that finds it gone (a write retried on the dead lease would fail for the whole retry budget).
 
 `view` is one transaction of three range reads (record, closed flag, count and earliest of the
 round's arrivals, by create revision), each of constant size: the record's value (O(N) bytes) comes
@@ -307,7 +306,7 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
         store = EtcdV3Store(connection, params.run_id)
         # Members read rank 0's address from it as soon as they see a new round, often before rank 0
         # (at its own next look) wrote it; the store's back-off to 250 ms could make them see it up
-        # to 250 ms late. (64 agents, one run each: close to last return 0.31 s with this, 0.33 s before.)
+        # to 250 ms late (docs/benchmarks-history.md).
         store.max_poll_s = SYNC_POLL_S / 2
         board = EtcdRoundBoard(connection, store, params.run_id, settings)
         board.view(0)  # fails here, not in the first round, if etcd refuses us
@@ -322,7 +321,7 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
 
 def _revoke(client: Etcd3Client, lease: int) -> None:
     """Revoke `lease`; one that etcd no longer has (it expired: the node stopped refreshing it) is
-    gone already, which is what revoking asks. Retrying it spent the whole retry budget (30 s)."""
+    gone already, which is what revoking asks; retrying it would spend the whole retry budget."""
     try:
         client.revoke_lease(lease)
     except Exception as exc:

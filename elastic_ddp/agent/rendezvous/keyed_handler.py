@@ -5,8 +5,7 @@ run. What follows says it for etcd.
 
 torch's dynamic rendezvous keeps one state value that every node changes by compare-and-set:
 three winning writes per node per phase (leave, wait list, join), serialised, so N nodes need
-about 3N winning writes one after another and lose most of their attempts (64 agents on etcd-v3:
-51-57 writes per agent per phase, 48-54 of them lost; docs/benchmarks-history.md, "Rendezvous at scale").
+about 3N winning writes one after another and lose most of their attempts (docs/benchmarks-history.md).
 Here each node writes only keys of its own, and one write closes a round:
 
 1. **Arrive.** A node reads the last closed round `R` (the *round record*) and writes its arrival

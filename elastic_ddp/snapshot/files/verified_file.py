@@ -1,9 +1,8 @@
 """Reading a format-2 snapshot in place: its checksum streamed, its payload read through a window.
 
-Loading a snapshot by its bytes held them whole (`read_bytes`), copied them for torch.load
-(`io.BytesIO` of a slice) and then held the loaded state: three times the state at once, and the
-copy held the GIL for as long as it took (0.25 s per 400 MB here, longer under memory pressure),
-starving every other thread of the worker, the peer watchdog's heartbeat among them. Here:
+Reading a snapshot's bytes whole and copying them for torch.load would hold three times the state
+at once, and the copy would hold the GIL long enough to starve the worker's other threads, the
+watchdog's heartbeat among them (docs/benchmarks-history.md). Here:
 
 - `verify_file(fd, size, source)` checks a file's frame (`file_layout.read_seal`: its header is
   untrusted input) and recomputes its checksum in chunks of CHUNK_BYTES read with `os.preadv` into
