@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,15 +21,16 @@ def trainer_at(step: int) -> SimpleNamespace:
 
 @pytest.fixture
 def sleeps(monkeypatch) -> list[float]:
-    """The sleeps of the hook, recorded; the pause's polls still wait a little."""
+    """The sleeps of the hook, recorded; the pause's polls still wait a little. Only held_train's
+    own: patching `time.sleep` itself also recorded a thread of an earlier test (a 0.32 s sleep)."""
     recorded: list[float] = []
-    real_sleep = held_train.time.sleep
+    real_sleep = time.sleep
 
     def sleep(seconds: float) -> None:
         recorded.append(seconds)
         real_sleep(min(seconds, 0.001))
 
-    monkeypatch.setattr(held_train.time, "sleep", sleep)
+    monkeypatch.setattr(held_train, "time", SimpleNamespace(sleep=sleep))
     return recorded
 
 
