@@ -19,7 +19,6 @@ first epoch left out).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -31,24 +30,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from benchmarks.baseline_schedule import warmup_cosine_schedule
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled, steady_state_samples_per_second
 from elastic_ddp.runtime.distributed import exit_worker
 from elastic_ddp.workload.data import SyntheticImageDataset
 from elastic_ddp.workload.models import build_model
-
-
-def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up, then cosine decay to zero: the schedule elastic_ddp's trainer uses by default.
-
-    Written out here so that the baseline imports nothing of elastic_ddp's training machinery;
-    tests/unit/test_benchmark_tables.py checks the two give the same learning rates.
-    """
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class RandomHorizontalFlip(Dataset):

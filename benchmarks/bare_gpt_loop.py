@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import time
@@ -36,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.baseline_schedule import warmup_cosine_schedule
 from benchmarks.measure import emit_result, peak_rss_mb
 from elastic_ddp.workload.gpt import GPT
+from elastic_ddp.workload.sampler import even_split, micro_batches
 from elastic_ddp.workload.tokens import TokenWindows
 
 VOCAB = 256  # bytes, as in the example
@@ -62,18 +63,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up, then cosine decay to zero: what `ElasticRun` builds when given no scheduler
-    (tests/unit/test_benchmark_own_loop.py checks the learning rates are the same). A copy, not an
-    import: importing elastic_ddp.training would load the runtime into the baseline's memory."""
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def adamw_groups(model: nn.Module, lr: float) -> torch.optim.AdamW:
     """The example's optimizer: decay on matrices, none on norms and biases."""
     decayed = [p for p in model.parameters() if p.ndim >= 2]
@@ -90,13 +79,11 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int,
                        micro_batch_size: int) -> list[np.ndarray]:
-    """This rank's micro-batches of one global batch, as elastic_ddp's sampler cuts them: a contiguous
-    share (the first `len % world_size` ranks one more), in pieces of `micro_batch_size`; one empty
-    piece for an empty share (its backward still takes part in the all-reduce)."""
-    base, extra = divmod(len(global_batch), world_size)
-    start = rank * base + min(rank, extra)
-    share = global_batch[start:start + base + (1 if rank < extra else 0)]
-    return [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)] or [share]
+    """This rank's micro-batches of one global batch, cut as elastic_ddp's sampler cuts them (its
+    `even_split` and `micro_batches`: plain arithmetic, nothing of the runtime)."""
+    start, stop = even_split(len(global_batch), world_size, rank)
+    return [np.asarray(piece, dtype=global_batch.dtype)
+            for piece in micro_batches(list(global_batch[start:stop]), micro_batch_size)]
 
 
 def window_batch(tokens: np.ndarray, windows: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +116,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> list[float]:
     optimizer = adamw_groups(model, args.lr)
     epoch_length = windows - (windows % args.global_batch_size if args.drop_last else 0)
     steps_per_epoch = -(-epoch_length // args.global_batch_size)
-    scheduler = warmup_cosine(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
+    scheduler = warmup_cosine_schedule(optimizer, args.warmup_steps, args.epochs * steps_per_epoch)
     step_times: list[float] = []
     step = 0
     ddp_model.train()

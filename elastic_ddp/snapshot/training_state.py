@@ -22,9 +22,10 @@ import contextlib
 import math
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -98,8 +99,11 @@ class ExtraState:
 
     Saved as `{name: obj.state_dict()}`, so it must be plain data (tensors, numbers, strings, lists,
     dicts) that `torch.load(weights_only=True)` reads back. A snapshot written without extra state
-    restores into a run that has none; one that lacks a name this run has is incompatible.
+    (before it existed, or by a run without any) holds `ABSENT_STATE`: it restores into a run that
+    has none; one that lacks a name this run has is incompatible.
     """
+
+    ABSENT_STATE: ClassVar[Mapping[str, Any]] = MappingProxyType({})  # a snapshot without this component holds it
 
     def __init__(self, objects: dict[str, Stateful] | None = None) -> None:
         self.objects = dict(objects or {})
@@ -162,15 +166,15 @@ class TrainingState:
     def load_state_dicts(self, states: dict[str, Any]) -> None:
         """Load every component; a component the snapshot lacks, or whose state does not fit this
         run's (torch's ValueError: another number of parameter groups), is an IncompatibleSnapshotError."""
-        # Snapshots written before extra state existed, or by a run without it, have none to give.
-        missing = sorted(set(self.components()) - states.keys() - ({"extra_state"} if not self.extra_state else set()))
+        # A component that a snapshot may lack says what that means (`ABSENT_STATE`); the others must be there.
+        components = self.components()
+        missing = sorted(name for name, component in components.items()
+                         if name not in states and not hasattr(component, "ABSENT_STATE"))
         if missing:
             raise IncompatibleSnapshotError(f"the snapshot holds no state for {', '.join(missing)}")
-        for name, component in self.components().items():
-            if name not in states:
-                continue
+        for name, component in components.items():
             try:
-                component.load_state_dict(states[name])
+                component.load_state_dict(states.get(name, getattr(component, "ABSENT_STATE", None)))
             except ValueError as exc:
                 hint = (" (its parameter groups come from --decay_norms_and_biases, or from the optimizer you "
                         "passed: keep them as the run started)") if name == "optimizer" else ""

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks import bare_ddp, run_all, snapshot_sweep
+from benchmarks import baseline_schedule, run_all, snapshot_sweep
 from benchmarks.measure import emit_result, parse_results, steady_state_cpu_ms_per_step, steady_state_samples_per_second
 from benchmarks.table import Row, format_cell, parse_cell, render_markdown
 from elastic_ddp.training.state_builder import warmup_cosine_schedule
@@ -49,7 +49,7 @@ def test_ratio_is_paired_per_repetition_and_targets_are_judged():
     assert "| recovery | left out of --quick |" in table
 
 
-def test_the_baseline_uses_the_same_learning_rate_schedule():
+def test_the_baselines_use_the_same_learning_rate_schedule():
     def rates(schedule_factory):
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
         schedule = schedule_factory(optimizer, 5, 40)
@@ -60,7 +60,7 @@ def test_the_baseline_uses_the_same_learning_rate_schedule():
             schedule.step()
         return rates
 
-    assert rates(bare_ddp.warmup_cosine_schedule) == rates(warmup_cosine_schedule)
+    assert rates(baseline_schedule.warmup_cosine_schedule) == rates(warmup_cosine_schedule)
 
 
 def test_wide_mlp_widths_give_the_snapshot_sizes_asked_for():

@@ -14,6 +14,7 @@ import torch
 
 from elastic_ddp import ElasticRun, LoopContractError, load_snapshot
 from elastic_ddp.config import TrainingConfig
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError
 from elastic_ddp.workload.data import SyntheticImageDataset
 from elastic_ddp.workload.losses import per_sample_cross_entropy
 from elastic_ddp.workload.models import build_model
@@ -249,3 +250,17 @@ def test_leaving_the_loop_early_makes_its_last_step_durable(tmp_path):
     resumed = new_run(config)
     plain_loop(resumed)
     assert resumed.global_step == 12
+
+
+def test_a_snapshot_without_extra_state_restores_into_a_run_without_any_and_is_refused_by_one_with_some(tmp_path):
+    plain = new_run(small_config(tmp_path / "plain"))
+    written_before_extra_state = {name: state for name, state in plain.state.state_dicts().items()
+                                  if name != "extra_state"}
+    plain.state.load_state_dicts(written_before_extra_state)
+    model = build_model("mlp", 0)
+    with_ema = ElasticRun(model, SyntheticImageDataset(96), small_config(tmp_path / "ema"),
+                          extra_state={"ema": WeightAverage(model)})
+    with pytest.raises(IncompatibleSnapshotError, match="the snapshot holds no extra state named ema"):
+        with_ema.state.load_state_dicts(written_before_extra_state)
+    with pytest.raises(IncompatibleSnapshotError, match="the snapshot holds no state for sampler"):
+        plain.state.load_state_dicts({n: s for n, s in written_before_extra_state.items() if n != "sampler"})
