@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ def _damaging_send(transport, rank, step, path, entry):
     transport.send(rank, header, bytes(data))
 
 
-def _node(rank: int, world_size: int, run: str, directories: list[str], faults: str, crash: int) -> None:
+def _node(rank: int, world_size: int, run: str, directories: list[str], faults: str, crash: int,
+          store: str) -> None:
     """Rank `rank` alone on node `rank`, its checkpoint directory `directories[rank]`: trains (until an
     injected crash after step `crash`, when not 0), then writes its full model to `run/model-RANK.pt`."""
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
@@ -67,7 +69,6 @@ def _node(rank: int, world_size: int, run: str, directories: list[str], faults: 
             return checksum(path)
 
         steps.file_checksum = counted
-    store = Path(run) / f"store-{world_size}-{Path(directories[0]).name}"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         trainer = make_trainer(_config(Path(run), directories[rank], rank), after_step=crash_at(crash) if crash else None)
@@ -82,9 +83,16 @@ def _node(rank: int, world_size: int, run: str, directories: list[str], faults: 
         dist.destroy_process_group()
 
 
+def _fresh_store(run: Path) -> str:
+    """A rendezvous file no earlier group used: a FileStore file left by the last group (its last
+    user may still be closing it) hands the next group that group's stale addresses."""
+    return str(run / f"store-{uuid.uuid4().hex}")
+
+
 def _run(run: Path, directories: list[Path], faults: str = "", crash: int = 0) -> None:
     multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(_node, args=(len(directories), str(run), [str(d) for d in directories], faults, crash),
+    mp.start_processes(_node, args=(len(directories), str(run), [str(d) for d in directories], faults, crash,
+                                    _fresh_store(run)),
                        nprocs=len(directories), start_method="forkserver", join=True)
 
 
@@ -178,7 +186,7 @@ def test_a_full_disk_and_a_damaged_copy_are_refused_and_training_goes_on(tmp_pat
         ".metadata", "__0_0.distcp", "checksums.json", "trainer.snap"]
 
 
-def _agree_node(rank: int, run: str, directories: list[str]) -> None:
+def _agree_node(rank: int, run: str, directories: list[str], store: str) -> None:
     """Rank `rank` of len(`directories`), each a node with its own directory: `agree` alone, each
     file checksum this rank computes recorded; writes {choice, last_replicated, refused, read} to
     `run/agreed-RANK.json`."""
@@ -190,7 +198,7 @@ def _agree_node(rank: int, run: str, directories: list[str]) -> None:
     read: list[str] = []
     checksum = steps.file_checksum
     steps.file_checksum = lambda path: read.append(f"{path.parent.name}/{path.name}") or checksum(path)
-    dist.init_process_group("gloo", init_method=f"file://{run}/agree-store", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         local = SimpleNamespace(context=SimpleNamespace(rank=rank, world_size=world_size), root=Path(directories[rank]),
                                 layout=SimpleNamespace(directory_of=list(range(world_size))), group=None,
@@ -204,7 +212,7 @@ def _agree_node(rank: int, run: str, directories: list[str]) -> None:
 
 
 def _agree(run: Path, directories: list[Path]) -> list[dict]:
-    mp.start_processes(_agree_node, args=(str(run), [str(d) for d in directories]), nprocs=len(directories),
+    mp.start_processes(_agree_node, args=(str(run), [str(d) for d in directories], _fresh_store(run)), nprocs=len(directories),
                        start_method="forkserver", join=True)
     return [json.loads((run / f"agreed-{rank}.json").read_text()) for rank in range(len(directories))]
 
@@ -242,7 +250,6 @@ def test_a_restore_that_the_memory_state_wins_reads_no_durable_file(tmp_path):
     directories = [tmp_path / "ck0", tmp_path / "ck1"]
     _run(tmp_path, directories, crash=7)
     assert [step for step, _ in steps.committed_steps(directories[0])] == [6, 4, 3]
-    (tmp_path / "store-2-ck0").unlink(missing_ok=True)  # the first run's rendezvous file (_node)
     _run(tmp_path, directories, faults="count checksums")
     restore = _events(directories[0], "restore")[-1]
     assert (restore["global_step"], restore["source"], restore["lost_steps"]) == (7, "memory", 0), restore
