@@ -125,8 +125,9 @@ def warn_if_agent_store_shared() -> None:
     With the shared store, workers restarted after a re-rendezvous read the previous round's gloo
     addresses (pytorch/pytorch#135712). Our backends (`--rdzv_backend=elastic-c10d`, `etcd-v3`)
     never share it, and with torch's `c10d` the plugin turns sharing off for `-m elastic_ddp.train`
-    (elastic_ddp/agent/rendezvous/plugin.py); this fires for a script of your own on torch's `c10d`, or
-    when something turned sharing back on.
+    and for scripts that import elastic_ddp (elastic_ddp/agent/rendezvous/plugin.py); this fires for
+    a module of your own (`-m my_project.train`) on torch's `c10d`, or when something turned sharing
+    back on.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         logger.warning(

@@ -69,7 +69,8 @@ def torchrun_command(
     """The argv of one torchrun agent, with the shipped rendezvous defaults unless overridden.
 
     Pass `rdzv_conf=None`, `monitor_interval=None` and `launcher=STOCK_LAUNCHER` to get stock
-    torchrun behaviour.
+    torchrun behaviour. A `module` that ends in `.py` is a script's path (torchrun runs it as a
+    file, as a user's `torchrun ... train.py` does); any other, a module (`-m`).
     """
     rdzv_backend = switched_backend(rdzv_backend)  # the tests' switch, unset: as given
     command = [
@@ -85,8 +86,8 @@ def torchrun_command(
         command.append(f"--rdzv_conf={rdzv_conf}")
     if monitor_interval is not None:
         command.append(f"--monitor_interval={monitor_interval}")
-    command += ["-m", module, *training_args]
-    return command
+    command += [module] if module.endswith(".py") else ["-m", module]
+    return [*command, *training_args]
 
 
 def signal_tree(root_pid: int, sig: int) -> list[int]:
@@ -286,8 +287,9 @@ class LocalJob:
         command = self.command
         own_options = [*([f"--local_addr={local_addr}"] if local_addr is not None else []), *agent_args]
         if own_options:
-            module_at = command.index("-m", 3)  # torchrun's own options end where the training module begins
-            command = [*command[:module_at], *own_options, *command[module_at:]]
+            # torchrun's own options (each `--key=value`) end where the training module or script begins
+            target_at = next(at for at in range(3, len(command)) if not command[at].startswith("--"))
+            command = [*command[:target_at], *own_options, *command[target_at:]]
         if self.per_node_checkpoint_dirs:  # the last --checkpoint_dir on the command line wins
             command = [*command, "--checkpoint_dir", str(self.node_checkpoint_dir(name))]
         command = [*command, "--memory_dir", str(self.node_memory_dir(name))]

@@ -1,7 +1,9 @@
 """Elasticity with real torchrun agents as separate nodes on 127.0.0.1, real gloo, real SIGKILLs.
 
 These run stock torchrun (`torch.distributed.run`), the path the README promises; the chaos tests
-run the same promises through `elastic_ddp.agent.launcher`.
+run the same promises through `elastic_ddp.agent.launcher`. The default path exactly as a user types
+it (torch's `c10d`, torch's defaults, no store opt-out), with a kill and a join, is
+tests/cluster/test_own_loop.py's DDP job.
 
 Each test asserts the final global step and that the audit log shows every sample of every epoch
 exactly once in the surviving trajectory. The jobs are held (elastic_ddp/chaos/held_train.py) until the
@@ -16,7 +18,7 @@ import pytest
 from elastic_ddp import load_snapshot
 from elastic_ddp.chaos.held_train import run_to
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob
-from tests.support.cluster import assert_exactly_once, hold_settings, node_logs, pause_at, release, world_reached
+from tests.support.cluster import assert_exactly_once, hold_settings, node_logs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -59,30 +61,3 @@ def test_the_whole_job_killed_and_relaunched_resumes_without_redoing_work(local_
     assert restores[-1]["global_step"] == newest_before_relaunch
     assert_finished_exactly_once(relaunched)
 
-
-def test_plain_torchrun_environment_survives_a_kill_and_a_rejoin(local_jobs, tmp_path):
-    """The default path: stock torchrun with torch's c10d and two workers per node, started without
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE in its environment, only elastic_ddp installed. A node is
-    killed (world 4 -> 2, a verified restore), then a node added mid-run grows the world (2 -> 4) and
-    both nodes finish. Without the plugin's fix, the agent-shared TCPStore makes restarted workers
-    hang in init_process_group (findings.md, trap 2)."""
-    hold = tmp_path / "hold"
-    job = local_jobs(launcher=STOCK_LAUNCHER, training_args=TRAINING_ARGS, nproc_per_node=2,
-                     agent_env={"OMP_NUM_THREADS": "1"}, **hold_settings(hold))
-    host = job.add_node("host")
-    other = job.add_node("other")
-    world_reached(job, 4)
-    job.wait_for_step(10, timeout=90)
-    other.kill()
-    shrunk = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 2, 90, "restore in world 2")
-    assert shrunk["previous_world_size"] == 4 and shrunk["verified"]
-    # The join must land mid-run however slowly the joiner starts (CUDA workers on an H200 took
-    # longer than the held steps left): the group waits a few steps on until it is stopped for it.
-    pause_at(hold, shrunk["global_step"] + 3)
-    rejoined = job.add_node("rejoined")
-    grown = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 4, 90, "rejoin in world 4")
-    release(hold)
-    assert grown["previous_world_size"] == 2 and grown["global_step"] < STEPS
-    assert host.wait(timeout=180) == 0 and rejoined.wait(timeout=60) == 0, node_logs(job)
-    assert "shares its rendezvous TCPStore" not in node_logs(job)
-    assert_finished_exactly_once(job)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -91,15 +92,29 @@ def test_a_node_that_has_not_come_back_is_waited_for(store_port):
     leave(nodes)
 
 
+OWN_LOOP_SCRIPT = str(Path(__file__).resolve().parents[2] / "docs" / "examples" / "gpt_own_loop.py")
+
+
 @pytest.mark.parametrize("argv, ours", [
     (["--nnodes=1:4", "--rdzv_backend=c10d", "-m", "elastic_ddp.train", "--epochs", "1"], True),
     (["--nnodes", "2", "--module", "elastic_ddp.chaos.held_train"], True),
-    (["--nnodes=1:4", "train.py", "--model", "elastic_ddp.x"], False),
+    (["--nnodes=1:4", "--rdzv_backend=c10d", OWN_LOOP_SCRIPT, "--epochs", "1"], True),
+    (["--nnodes=1:4", "--no-python", OWN_LOOP_SCRIPT], False),
+    (["--nnodes=1:4", "train.py", "--model", "elastic_ddp.x"], False),  # (no such file)
     (["--nnodes=1:4", "-m", "my_project.train"], False),
     (["-q", "tests/unit"], False),
 ])
 def test_the_plugin_recognises_our_trainer_in_torchrun_arguments(argv, ours):
     assert trains_with_elastic_ddp(argv) is ours
+
+
+def test_a_script_counts_as_ours_only_when_a_line_imports_elastic_ddp(tmp_path):
+    script = tmp_path / "train.py"
+    for text, ours in [("import torch\nfrom elastic_ddp import ElasticRun\n", True), ("import elastic_ddp\n", True),
+                       ("  import elastic_ddp.train as t\n", True), ("# see elastic_ddp\nimport elastic_ddpx\n", False),
+                       ("\xff\xfe binary", False)]:
+        script.write_text(text, encoding="latin-1")
+        assert trains_with_elastic_ddp(["--nnodes=1:2", str(script)]) is ours, text
 
 
 def fresh_interpreter(argv: list[str]) -> str:

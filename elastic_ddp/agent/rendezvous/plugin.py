@@ -9,12 +9,13 @@ load is only logged as a warning by torch.
 
 One exception, for users of torch's own `--rdzv_backend=c10d` with our trainer: workers that share
 the agent's TCPStore hang or loop on "Connection refused" after a re-rendezvous
-(pytorch/pytorch#135712), so when this agent's training module is elastic_ddp's
-(`-m elastic_ddp.train`, or `elastic_ddp.agent.launcher`'s workers), the plugin gives every worker group
-a store of its own (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, unless the user set it). Our backends
-set it themselves when their rendezvous is created. A script of your own that uses the Trainer
-with torch's c10d gets a warning from the worker instead, naming the fix
-(`elastic_ddp.runtime.distributed.warn_if_agent_store_shared`).
+(pytorch/pytorch#135712), so when this agent trains with elastic_ddp (`-m elastic_ddp.train`,
+`elastic_ddp.agent.launcher`'s workers, or a script of the user's whose source imports elastic_ddp
+at the start of a line: `ElasticRun`'s users), the plugin gives every worker group a store of its
+own (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, unless the user set it). Our backends set it themselves
+when their rendezvous is created. A module of the user's (`-m my_project.train`) is not looked into
+(finding its source would import its package in the agent): its workers warn instead, naming the
+fix (`elastic_ddp.runtime.distributed.warn_if_agent_store_shared`).
 
 Every handler created here counts its rendezvous rounds for the node's metrics endpoint
 (`elastic_ddp.agent.rendezvous_metrics`).
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -39,33 +41,53 @@ from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 
 # The training modules whose workers need a store of their own (prefixes of the module name).
 OUR_TRAINING_MODULES = ("elastic_ddp.",)
+# A training script of the user's that imports elastic_ddp: a statement at the start of a line,
+# looked for in the script's first bytes (an import comes first; a script is not read whole).
+IMPORTS_US = re.compile(rb"^[ \t]*(?:import|from)[ \t]+elastic_ddp\b", re.MULTILINE)
+SCRIPT_BYTES_READ = 1 << 20
 
 
-def _our_torchrun_arguments(argv: Sequence[str]):
-    """torchrun's parsed arguments `argv` when they run an elastic_ddp training module (`-m` or
-    `--run-path`), else None."""
-    if not any(argument.startswith(OUR_TRAINING_MODULES) for argument in argv):
-        return None  # cheap, and spares other programs that load torch's registry a parse of their argv
+def _torchrun_arguments(argv: Sequence[str]):
+    """torchrun's parsed arguments `argv` when they may run elastic_ddp (a module of ours, or a
+    script), else None: other programs that load torch's registry are spared a parse of their argv."""
+    if not any(argument.startswith(OUR_TRAINING_MODULES) or argument.endswith(".py") for argument in argv):
+        return None
     try:
         from torch.distributed.run import parse_args
 
         with contextlib.redirect_stderr(io.StringIO()):
-            args = parse_args(list(argv))
+            return parse_args(list(argv))
     except BaseException:  # noqa: BLE001 - not torchrun's arguments (argparse exits): not our job to decide
         return None
-    ours = bool(args.module or args.run_path) and args.training_script.startswith(OUR_TRAINING_MODULES)
-    return args if ours else None
+
+
+def script_imports_elastic_ddp(path: str) -> bool:
+    """Whether the script at `path` imports elastic_ddp at the start of a line in its first
+    SCRIPT_BYTES_READ bytes; False for a file that cannot be read."""
+    try:
+        with open(path, "rb") as script:
+            return IMPORTS_US.search(script.read(SCRIPT_BYTES_READ)) is not None
+    except OSError:
+        return False
 
 
 def trains_with_elastic_ddp(argv: Sequence[str]) -> bool:
-    """Whether torchrun arguments `argv` run an elastic_ddp training module (`-m elastic_ddp.train`)."""
-    return _our_torchrun_arguments(argv) is not None
+    """Whether torchrun arguments `argv` run elastic_ddp: one of its training modules
+    (`-m elastic_ddp.train`), or a script that imports it."""
+    args = _torchrun_arguments(argv)
+    if args is None or args.no_python:
+        return False
+    if args.module:
+        return args.training_script.startswith(OUR_TRAINING_MODULES)
+    return script_imports_elastic_ddp(args.training_script)
 
 
 def training_module(argv: Sequence[str]) -> str | None:
     """The module that torchrun arguments `argv` run with `-m`, when it is one of elastic_ddp's."""
-    args = _our_torchrun_arguments(argv)
-    return args.training_script if args is not None and args.module and not args.no_python else None
+    args = _torchrun_arguments(argv)
+    if args is None or not args.module or args.no_python:
+        return None
+    return args.training_script if args.training_script.startswith(OUR_TRAINING_MODULES) else None
 
 
 def give_our_workers_their_own_store(argv: Sequence[str] | None = None) -> None:
