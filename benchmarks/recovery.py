@@ -15,7 +15,7 @@ SIGSTOPs that new node and waits for the first step of the group that goes on wi
 
 Five settings are measured in the same run, interleaved, on the same machine:
 - `ours`: what launch/node.sh ships: `python -m elastic_ddp.agent.launcher` (torchrun with workers forked
-  from a warm fork server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
+  by a warm-worker server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
   `MONITOR_INTERVAL_S` of elastic_ddp.agent.rendezvous.defaults; memory copies and the watchdog on (the
   defaults);
 - `plain`: plain torchrun (`python -m torch.distributed.run`) with `--rdzv_backend=elastic-c10d`

@@ -13,7 +13,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
 from elastic_ddp.testbed.local_cluster import (

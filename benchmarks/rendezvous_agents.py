@@ -34,10 +34,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from elastic_ddp.agent.rendezvous.boards.c10d import create_keyed_c10d_handler
+from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
-from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
 # timeout), instead of polling through the shipped 300 s and holding up the next measurement.

@@ -27,10 +27,10 @@ the round closed and the last agent returned (`rendezvous_agents.MILESTONES`). `
 look (torch's `c10d` keeps its own 1 s look at a forming round). Every backend runs with the
 shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5; the join timeout is the
 phase's, 60 s, so that agents of a phase that timed out give up too). `etcd-v3` is the keyed
-rendezvous (a key per node and one closing write per round, `agent/rendezvous/keyed_handler.py`),
+rendezvous (a key per node and one closing write per round, `agent/rendezvous/handler.py`),
 whose writes are its arrivals, closes, lease grants and liveness keys, its lost writes the closes
 that lost their comparison, and its heartbeat operations the refreshes of its node lease;
-`elastic-c10d` is the same algorithm in the TCPStore (`agent/rendezvous/keyed_c10d.py`), whose
+`elastic-c10d` is the same algorithm in the TCPStore (`agent/rendezvous/boards/c10d.py`), whose
 reads are its store requests that change nothing (check, get, a counter read), writes its slot
 `add`s and `set`s, registration and close, heartbeat operations its heartbeat writes. `--backends
 c10d` (torch's own handler, same timing; its reads and writes are those of its one state, a

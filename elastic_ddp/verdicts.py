@@ -3,9 +3,9 @@
 A worker whose peer watchdog (elastic_ddp/runtime/watchdog.py) found peers silent sends, just
 before it ends with `SILENT_PEER_EXIT_CODE`, which nodes they were: their `GROUP_RANK`s, the ranks
 of their nodes in the round that started this worker. Its agent's keyed rendezvous reads it when it
-enters the next round, or at torchrun's monitor polls before (elastic_ddp/agent/rendezvous/
-keyed_silence.py), and takes it as one of two pieces of evidence that a member is not alive; the
-other is its own probe of that node's beacon.
+enters the next round, or at torchrun's monitor polls before (elastic_ddp/agent/rendezvous/silence.py),
+and takes it as one of two pieces of evidence that a member is not alive; the other is its own
+probe of that node's beacon.
 
 Both sides find the address without talking to each other: it is made from what the worker's
 environment holds and the agent's handler made itself when the round formed, the run id, rank 0's
@@ -60,7 +60,7 @@ from collections.abc import Iterable, Mapping
 # A verdict names a few node ranks; 64 KiB holds over 8000 of them.
 MAX_VERDICT_BYTES = 64 * 1024
 # Seconds before its watchdog's deadline a worker names a peer as suspect: more than the agent's
-# monitor poll (0.1 s) plus a beacon's answer bound (agent/rendezvous/keyed_silence.py, 0.3 s).
+# monitor poll (0.1 s) plus a beacon's answer bound (agent/rendezvous/silence.py, 0.3 s).
 SUSPECT_LEAD_S = 0.5
 # How long a send waits for room in a full queue: a verdict, three of the agent's polls (each drains
 # the queue); a suspicion, which its watchdog's thread sends on its way, a fraction of its lead.

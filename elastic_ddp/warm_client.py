@@ -5,14 +5,16 @@ and the trainer again after every failure (seconds: docs/operations.md). When th
 ours (`elastic-c10d`, `etcd-v3`), the agent runs a warm-worker server that has imported them once
 (elastic_ddp/agent/warm_workers.py) and puts its address in `ELASTIC_DDP_WARM_WORKERS`, which the
 workers inherit. The first lines of `elastic_ddp.train` (and `elastic_ddp.chaos.held_train`) then call
-`become_warm_worker` before any other import: this process, the one torchrun started and watches,
-becomes a thin client. It sends the server its argv, working directory, `sys.path`, environment and
-its stdin/stdout/stderr (SCM_RIGHTS); the server forks a child that runs the module as `__main__`
-in their place. The client forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the child's
-process group (torchrun signals the client's group, which the child is not in), and ends as the
-child ended: with its exit code, or killed by the same signal, so torchrun sees what it would have
-seen. When the client dies (SIGKILL included), its connection closes and the child kills its own
-process group: a worker killed by torchrun is gone, as a cold one would be.
+`become_warm_worker` before any other import, and so does `elastic_ddp.warm_start` for any module
+(`python -m elastic_ddp.agent.launcher` starts the server itself and every worker through it): this
+process, the one torchrun started and watches, becomes a thin client. It sends the server its argv,
+working directory, `sys.path`, environment and its stdin/stdout/stderr (SCM_RIGHTS); the server
+forks a child that runs the module as `__main__` in their place. The client forwards SIGTERM,
+SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the child's process group (torchrun signals the client's
+group, which the child is not in), and ends as the child ended: with its exit code, or killed by
+the same signal, so torchrun sees what it would have seen. When the client dies (SIGKILL included),
+its connection closes and the child kills its own process group: a worker killed by torchrun is
+gone, as a cold one would be.
 
 Only the agent's own workers and its own server can speak (docs/operations.md, "Security"). The
 agent puts a 256-bit key beside the address (`@name#KEY`, torchrun passes the variable to its
@@ -52,8 +54,8 @@ import sys
 # hex digits) in the workers' environment, or OFF.
 VARIABLE = "ELASTIC_DDP_WARM_WORKERS"
 OFF = "0"
-# The modules whose first lines call `become_warm_worker`: the agent starts a server for no other.
-WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train")
+# The modules whose first lines call `become_warm_worker`: the rendezvous plugin starts a server for no other.
+WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train", "elastic_ddp.warm_start")
 # What the server runs as (`python -m SERVER_MODULE`): its children, the warm workers, show this in `ps`.
 SERVER_MODULE = "elastic_ddp.agent.warm_workers"
 # A request (argv, cwd, sys.path, the environment) larger than this is refused: no real one is near it.

@@ -17,8 +17,9 @@
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.1]
 #   LAUNCHER        the agent program: elastic_ddp.agent.launcher (torchrun whose workers are forked
-#                   warm from a fork server: restarts 2-3 s faster, see docs/benchmarks-history.md; its
-#                   workers end with the agent; it runs c10d as elastic-c10d) or
+#                   warm by the agent's warm-worker server, for any backend and -m module: restarts
+#                   2-3 s faster, see docs/operations.md "Warm workers"; its workers end with the
+#                   agent; it runs c10d as elastic-c10d) or
 #                   torch.distributed.run (plain torchrun)                [elastic_ddp.agent.launcher]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]

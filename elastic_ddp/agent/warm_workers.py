@@ -1,20 +1,22 @@
-"""The warm-worker server: plain torchrun's workers forked from a process that has imported torch once.
+"""The warm-worker server: torchrun's workers forked from a process that has imported torch once.
 
-When torchrun creates an `elastic-c10d` or `etcd-v3` rendezvous handler for a job whose training
-module is one of `warm_client.WARM_MODULES` (`-m elastic_ddp.train`), the plugin calls
-`start_warm_worker_server()` in the agent: it binds a listening socket in Linux's abstract namespace
-(`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with the processes that hold it), draws a
-256-bit key, starts `python -m elastic_ddp.agent.warm_workers FD` (no shell) with that socket, and
-puts the address and the key in the agent's `ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun
-starts inherits (and the server, which takes it out of its own environment). The server imports the
-launcher's preload modules (`ELASTIC_DDP_PRELOAD`, default torch, torch._dynamo, torch.optim and
-the trainer) while the agent is in its first rendezvous; a worker that connects before that is done
-waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the
-server accepts, closes a connection of another uid unread, proves it holds the key and has the
-client prove it (a nonce each way, HMAC-SHA256; warm_client's docstring), all within
-`HANDSHAKE_TIMEOUT_S` and without blocking on any client, and only then forks. It relays each
-child's exit status to its client when the child ends (pidfds in one selector: one thread, as a
-process that forks must be).
+Two callers start it in the agent, and one agent runs one server at most: `python -m
+elastic_ddp.agent.launcher` at its start, for any `-m MODULE` (its workers run `python -m
+elastic_ddp.warm_start MODULE`), and, for plain torchrun, the rendezvous plugin when torchrun creates
+an `elastic-c10d` or `etcd-v3` handler for a job whose training module is one of
+`warm_client.WARM_MODULES` (`-m elastic_ddp.train`). `start_warm_worker_server()` binds a listening
+socket in Linux's abstract namespace (`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with
+the processes that hold it), draws a 256-bit key, starts `python -m elastic_ddp.agent.warm_workers
+FD` (no shell) with that socket, and puts the address and the key in the agent's
+`ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun starts inherits (and the server, which takes
+it out of its own environment). The server imports the preload modules (`ELASTIC_DDP_PRELOAD`,
+comma-separated; default `PRELOAD`: torch, torch._dynamo, torch.optim and the trainer) while the
+agent is in its first rendezvous; a worker that connects before that is done waits in the socket's
+backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
+connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
+way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
+any client, and only then forks. It relays each child's exit status to its client when the child
+ends (pidfds in one selector: one thread, as a process that forks must be).
 
 The child: a session of its own (`setsid`), ended by the kernel if the server ends
 (PR_SET_PDEATHSIG); it reads the request within `REQUEST_TIMEOUT_S` (argv, cwd, sys.path, the
@@ -37,13 +39,18 @@ one request (the client starts cold and says why); at most `MAX_HANDSHAKES` conn
 their proof (a new one pushes out the oldest). Each kind of refusal is logged at most once per
 `LOG_INTERVAL_S`; nothing of a request is logged (the environment holds secrets).
 
+Limits: the preload modules must not start threads or initialise CUDA when imported (torch does
+neither): the server forks. OpenMP reads OMP_NUM_THREADS when torch is imported, in the server: each
+child applies the OMP_NUM_THREADS of its client's environment with `torch.set_num_threads`.
+
 Turn it off with `--rdzv_conf ...,warm_workers=0` or `ELASTIC_DDP_WARM_WORKERS=0` in the agent's
-environment; `python -m elastic_ddp.agent.launcher` turns it off itself (its own fork server).
+environment.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import hmac
 import importlib
@@ -61,7 +68,6 @@ import threading
 import time
 import traceback
 
-from elastic_ddp.agent.launcher import end_with_the_parent, preload_modules, set_torch_threads_from_environment
 from elastic_ddp.warm_client import (
     CLIENT_LABEL,
     EXITED,
@@ -85,6 +91,8 @@ from elastic_ddp.warm_client import (
     variable_value,
 )
 
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "elastic_ddp.training.trainer")
+PRELOAD_VARIABLE = "ELASTIC_DDP_PRELOAD"
 ADDRESS_PREFIX = "elastic_ddp-warm-"
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 REQUEST_TIMEOUT_S = 10  # from the fork to the whole request read (an alarm: SIGALRM ends the child)
@@ -96,6 +104,7 @@ MAX_CHILDREN = 256  # running workers; a node runs nproc_per_node of them
 LOG_INTERVAL_S = 10.0  # at most one line per kind of refusal in this time
 ACCEPT_PAUSE_S = 0.1  # after a failed accept (EMFILE): the connection waits in the backlog, the server does not spin
 BAD_REQUEST_EXIT_CODE = 2
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _GO = b"g"  # the server watches the child (its pidfd is open): it may start
 _LOG = "elastic_ddp.agent.warm_workers: "
 
@@ -450,6 +459,35 @@ def _run_as_main(module: str) -> int:
             except (OSError, ValueError):
                 pass
     return code
+
+
+def end_with_the_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent `parent_pid` ends (PR_SET_PDEATHSIG), and
+    exit at once if it has already ended (the parent changed). The parent is the thread that started
+    this process: start it from a thread that lives as long as the parent does (the main thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        sys.stderr.write(f"{_LOG}prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this process may "
+                         "outlive its parent\n")
+    elif os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def set_torch_threads_from_environment() -> None:
+    """Apply the OMP_NUM_THREADS of this worker's environment to torch, which was imported before the
+    fork with the server's environment (OpenMP reads it at that import). Nothing to do when torch was
+    not preloaded: its own import reads this environment."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def preload_modules() -> list[str]:
+    """The modules the server imports before it forks: `ELASTIC_DDP_PRELOAD` (comma-separated) or PRELOAD."""
+    preload = os.environ.get(PRELOAD_VARIABLE)
+    return [m for m in preload.split(",") if m] if preload is not None else list(PRELOAD)
 
 
 def main(argv: list[str]) -> None:

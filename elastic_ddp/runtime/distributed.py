@@ -97,9 +97,9 @@ class DistributedContext:
 
 def agent_pid() -> int:
     """The pid of the torchrun agent that started this worker (this process's parent, or its
-    grandparent when the worker was forked from a multiprocessing fork server, as
-    `python -m elastic_ddp.agent.launcher` does, or from the agent's warm-worker server,
-    elastic_ddp/warm_client.py). Without /proc (not Linux) the parent is the answer."""
+    grandparent when the worker was forked from the agent's warm-worker server,
+    elastic_ddp/warm_client.py, or from a multiprocessing fork server: torchrun's `--run-path` with
+    `--start-method forkserver`). Without /proc (not Linux) the parent is the answer."""
     parent = os.getppid()
     parent_command = command_line(parent)
     if b"multiprocessing.forkserver" in parent_command or WARM_SERVER_MODULE.encode() in parent_command:
@@ -218,7 +218,7 @@ def exit_worker(exit_code: int) -> NoReturn:
     2-worker run) or hangs, and torchrun reports a failed worker group although training finished.
     Python `atexit` handlers do not run; logging is shut down (flushed) first.
 
-    In a worker that multiprocessing started (`elastic_ddp.agent.launcher` forks them) it raises
+    In a worker that multiprocessing started (torchrun's `--run-path` entry points) it raises
     SystemExit instead: torchrun's wrapper there turns `SystemExit(0)` into the return value it
     waits for, and multiprocessing already ends such a process with `os._exit`.
     """

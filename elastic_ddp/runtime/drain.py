@@ -132,8 +132,8 @@ class DrainSignal:
         done. The signal asked this process to end (torchrun sends it when it stops a worker group
         for a restart or a join); the drain only deferred it to a step boundary. With the default
         handler the process ends here; a handler the caller had installed runs, as it would have.
-        Without this a worker SIGTERMed during its last steps outlived the signal: a warm worker
-        (elastic_ddp.agent.launcher) then waits for its agent to collect its result while the agent
+        Without this a worker SIGTERMed during its last steps outlived the signal: a callable worker
+        (torchrun's `--run-path`) then waits for its agent to collect its result while the agent
         waits for it to exit, until the agent's shutdown timeout (30 s) SIGKILLs it.
         """
         if self.requested:

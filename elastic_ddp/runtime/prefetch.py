@@ -8,8 +8,8 @@ daemon thread as soon as the worker has imported torch, so that it runs while th
 waits for its peers in `init_process_group` and for the restore; when the optimizer needs the
 module, it waits for the import in progress (Python's per-module import locks) or finds it done.
 
-Workers forked by `elastic_ddp.agent.launcher` have torch._dynamo already (the fork server imported
-it): nothing to do there. A failure of the background import is ignored: the optimizer's own
+Workers forked warm by the agent's warm-worker server have torch._dynamo already (the server
+imported it): nothing to do there. A failure of the background import is ignored: the optimizer's own
 import then runs as it would have.
 """
 

@@ -29,7 +29,7 @@ With a `verdict_address`, it first sends there which nodes were silent (`elastic
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
 node's torchrun agent: its keyed rendezvous then leaves such a node out of the next round as soon
 as the node's beacon does not answer either, instead of waiting for its lease to expire
-(elastic_ddp/agent/rendezvous/keyed_silence.py); it names them as suspects `SUSPECT_LEAD_S` before.
+(elastic_ddp/agent/rendezvous/silence.py); it names them as suspects `SUSPECT_LEAD_S` before.
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
 gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 

@@ -32,8 +32,8 @@ def load_snapshot(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     store = SnapshotStore(checkpoint_dir)  # a directory or an object-store URL (sharded runs: directories only)
     found = store.latest_valid(accept=snapshot_from_bytes)
     single = None if found is None else public_dict(snapshot_from_bytes(found[1], store.describe(found[0].file)))
-    root = Path(checkpoint_dir)
-    sharded = newest_that_verifies(root, fingerprint=None)
+    root = store.storage.local_directory  # None: an object store, where sharded runs never write
+    sharded = None if root is None else newest_that_verifies(root, fingerprint=None)
     if sharded is not None and (single is None or sharded[2] >= single["global_step"]):
         return _read_sharded_step(root / sharded[0])
     if single is None:

@@ -30,16 +30,15 @@ import torch
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
 from elastic_ddp.snapshot.exchange.schedule import SnapshotSchedule
-from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
-from elastic_ddp.snapshot.memory_copies import HEADROOM, KeptCopy, MemoryTier, scope_token, state_bytes
+from elastic_ddp.snapshot.memory_copies import HEADROOM, KeptCopy, open_memory_tier, state_bytes
 from elastic_ddp.snapshot.staging import StagingBuffers, settled_device_work
 from elastic_ddp.snapshot.training_state import Snapshot, TrainingState, capture_rng_state, seed_rng_for_step
 
@@ -65,28 +64,11 @@ class SnapshotSession:
             self.writer = SnapshotWriter(self.store, on_written=self._written, on_failed=self._failed,
                                          asynchronous=config.snapshot_async, write_timeout_s=config.snapshot_timeout_s)
         self.replication = Replication()  # the real one is agreed on in start()
-        self.memory = self._memory_tier() if config.memory_copies else None
+        self.memory = (open_memory_tier(config.memory_dir, self.store.storage, context, fingerprint)
+                       if config.memory_copies else None)
         self.schedule = SnapshotSchedule.from_config(config)
         self._kept_in_memory: int | None = None  # the step this worker kept in memory
         self._restored: tuple[int, int] | None = None  # (step, incarnation that committed it) restored
-
-    def _memory_tier(self) -> MemoryTier | None:
-        try:
-            token = scope_token(self.store.storage)
-        except (OSError, SnapshotError) as exc:
-            logger.error("memory copies are off for this worker group: no scope token in %s (%s)",
-                         self.config.checkpoint_dir, exc)
-            return None
-        memory = MemoryTier(self.config.memory_dir, self.context.run_id, self.store.describe(), self.fingerprint,
-                            token)
-        first_of_node = self.context.local_rank == 0
-        try:  # under torchrun the copies belong to the node's agent; alone, to this process
-            memory.open(remove_abandoned=first_of_node,
-                        agent_pid=agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
-        except (OSError, SnapshotError) as exc:
-            (logger.error if first_of_node else logger.info)("memory copies are off for this worker group: %s", exc)
-            return None
-        return memory
 
     def _warn_if_no_room(self, state: TrainingState) -> None:
         """Local rank 0: say at the start when the memory directory cannot hold one copy of `state`

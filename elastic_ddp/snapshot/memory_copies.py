@@ -31,9 +31,20 @@ file lock and the first one writes; the others find its copy of the same (step, 
 check its header and trailer (a torn or foreign one is replaced, not reused) and are done. A rank
 that waited `LOCK_WAIT_S` for the lock (its holder frozen) writes a copy of its own.
 
-Trust and cleaning: where the copies live, who may own that directory, and when another run's
-abandoned copies are removed (snapshot/memory_directory.py). A copy is read as untrusted bytes
-all the same (its own checksum, weights_only=True, the fingerprint and scope).
+Opening: both sessions (DDP and sharded) open the node's memory directory with `open_memory_tier`
+at the start of a worker group. /dev/shm is shared by every user of the machine: opening refuses,
+with one error naming the path and the fix, a memory directory any of whose ancestors belongs to
+another user than root or us, or that others could write without a sticky bit; the run's directory
+is created private (0700) and used only while it belongs to this user alone. Its name holds the
+scope token, which only readers of the checkpoint directory know: another user cannot squat it
+from what `ps` shows. A copy is read as untrusted bytes all the same (its own checksum,
+weights_only=True, the fingerprint and scope).
+
+Cleaning: at each start a node's local rank 0 removes the copies of this user's other runs in the
+memory directory whose torchrun agent has ended (each run's directory records its agent) and that
+nobody touched for `ABANDONED_AFTER_S` (a day): a run cancelled or failed for good. The current
+run's copies are never removed there; another run relaunched after more than a day loses only its
+memory copy (it resumes from its snapshot files).
 
 Limits: a copy is written at memory speed (about 1-2 GB/s on one core), while torchrun waits for
 the worker (it SIGKILLs it 30 s after SIGTERM: a state that takes longer to write is not kept, and
@@ -57,6 +68,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -65,8 +77,8 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.runtime.procfs import process_is_alive
-from elastic_ddp.snapshot import memory_directory
+from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
+from elastic_ddp.runtime.procfs import process_is_alive, read_stat
 from elastic_ddp.snapshot.files.backends import StorageBackend
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, NonFiniteStateError, SnapshotError
 from elastic_ddp.snapshot.files.file_layout import HEAD_BYTES, TRAILER_BYTES, Seal, read_seal
@@ -86,6 +98,9 @@ LOCK_NAME = ".lock"
 KEEP = 2  # copies per node: the newest, and the one before it in case the newest is refused
 HEADROOM = 1.1  # free space a copy needs, relative to the state's size
 LOCK_WAIT_S = 10.0  # how long a rank waits for a sibling that is writing the node's copy
+RUN_DIRECTORY_PATTERN = re.compile(r"^elastic_ddp-[0-9a-f]{20}$")  # not the metrics' elastic_ddp-metrics-*
+AGENT_NAME = "agent"  # "<pid> <start ticks>" of the torchrun agent of the run's latest worker group here
+ABANDONED_AFTER_S = 24 * 3600  # another run's copies, untouched this long with its agent gone, are removed
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,126 @@ def state_bytes(states: Any) -> int:
     return 0
 
 
+def open_memory_tier(memory_dir: str, checkpoint_storage: StorageBackend, context: DistributedContext,
+                     fingerprint: dict[str, Any]) -> MemoryTier | None:
+    """This node's memory copies of the run, opened at the start of a worker group (by both sessions).
+
+    Reads the checkpoint directory's scope token (created on first use), checks the memory
+    directory and creates this run's private directory in it (`MemoryTier.open`), owned by the
+    node's torchrun agent (without torchrun: by this process); the node's local rank 0 also removes
+    other runs' abandoned copies. None when this node cannot keep memory copies in this worker group
+    (no scope token; a memory directory that is not safe or not writable): every rank of the node
+    logs why, its local rank 0 as an error, the others at INFO (the same directory: they would only
+    repeat it).
+    """
+    first_of_node = context.local_rank == 0
+    report = logger.error if first_of_node else logger.info
+    location = checkpoint_storage.describe("").rstrip("/")
+    try:
+        token = scope_token(checkpoint_storage)
+    except (OSError, SnapshotError) as exc:
+        report("memory copies are off on this node for this worker group: no scope token in %s (%s)", location, exc)
+        return None
+    tier = MemoryTier(memory_dir, context.run_id, location, fingerprint, token)
+    try:
+        tier.open(remove_abandoned=first_of_node,
+                  agent_pid=agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
+    except (OSError, SnapshotError) as exc:
+        report("memory copies are off on this node for this worker group: %s", exc)
+        return None
+    return tier
+
+
+def _make_private_run_directory(root: Path, directory: Path) -> None:
+    """Create the run directory as 0700; refuse one that is not this user's alone, or a root
+    in which others could replace it."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_ancestors(root)
+    _check_parent(root)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    _check_private(directory)
+
+
+def _check_ancestors(root: Path) -> None:
+    """SnapshotError when another user than root or us could replace `root` or a directory above
+    it: one that belongs to them, or that others may write to without a sticky bit."""
+    for directory in [root.resolve(), *root.resolve().parents]:
+        info = os.stat(directory)
+        if info.st_uid not in (0, os.getuid()):
+            raise SnapshotError(f"--memory_dir {root}: {directory} belongs to uid {info.st_uid}, who could replace "
+                                "the memory copies; choose a --memory_dir under directories of root or yours "
+                                "(the default /dev/shm is)")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX and directory != root.resolve():
+            raise SnapshotError(f"--memory_dir {root}: {directory} is writable by others and not sticky (mode "
+                                f"{stat.filemode(info.st_mode)}); choose a --memory_dir under directories that "
+                                "only root or you can write")
+
+
+def _check_private(directory: Path) -> None:
+    """SnapshotError unless `directory` is a real directory of this user that only it can write."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise SnapshotError(f"{directory} is not a private directory of this user (owner uid {info.st_uid}, "
+                            f"mode {stat.filemode(info.st_mode)}): remove it if you did not create it, or choose "
+                            "another --memory_dir")
+
+
+def _check_parent(directory: Path) -> None:
+    """SnapshotError when others could replace `directory`'s entries (writable by all, not sticky)."""
+    mode = os.stat(directory).st_mode
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        raise SnapshotError(f"{directory} is writable by every user and not sticky (mode {stat.filemode(mode)}); "
+                            "choose another --memory_dir")
+
+
+def _record_agent(directory: Path, agent_pid: int) -> None:
+    """Record `agent_pid` (the node's torchrun agent, with its start time) as the owner of `directory`."""
+    process = read_stat(agent_pid)
+    temporary = directory / f".{AGENT_NAME}.tmp-{os.getpid()}"
+    temporary.write_text(f"{agent_pid} {process.start_ticks if process is not None else 0}\n")
+    os.replace(temporary, directory / AGENT_NAME)
+
+
+def _remove_abandoned_runs(root: Path, this_run: Path) -> None:
+    """Remove this user's other runs' directories whose agent has ended and that nobody
+    touched for ABANDONED_AFTER_S; never this run's, never what is not plainly ours."""
+    now = time.time()
+    for name in os.listdir(root):
+        directory = root / name
+        if directory == this_run or not RUN_DIRECTORY_PATTERN.match(name):
+            continue
+        try:
+            _check_private(directory)
+            if _agent_runs(directory / AGENT_NAME):
+                continue
+            touched = max([_modified_time(directory),
+                           *(_modified_time(directory / entry) for entry in os.listdir(directory))])
+        except (OSError, SnapshotError):
+            continue
+        if now - touched > ABANDONED_AFTER_S:
+            shutil.rmtree(directory, ignore_errors=True)
+            logger.info("removed the memory copies of an abandoned run: %s (its torchrun agent has ended, "
+                        "untouched for %.1f days)", directory, (now - touched) / 86400)
+
+
+def _agent_runs(record: Path) -> bool:
+    """Whether the agent recorded in `record` ("<pid> <start ticks>") still runs; False without one."""
+    try:
+        pid, ticks = (int(field) for field in record.read_text().split())
+    except (OSError, ValueError):
+        return False
+    process = read_stat(pid)
+    return process is not None and process.state != "Z" and process.start_ticks == ticks
+
+
+def _modified_time(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # pruned by a sibling meanwhile
+        return 0.0
+
+
 class MemoryTier:
     """This node's memory copies of one run (see the module docstring).
 
@@ -157,11 +292,11 @@ class MemoryTier:
 
         SnapshotError (one line: the path and the fix) when the directory is not safe to use.
         """
-        memory_directory.make_private_run_directory(self.root, self.directory)
+        _make_private_run_directory(self.root, self.directory)
         if agent_pid is not None:
-            memory_directory.record_agent(self.directory, agent_pid)
+            _record_agent(self.directory, agent_pid)
         if remove_abandoned:
-            memory_directory.remove_abandoned_runs(self.root, self.directory)
+            _remove_abandoned_runs(self.root, self.directory)
 
     def free_bytes(self) -> int:
         """The free space of the memory directory."""
@@ -189,7 +324,7 @@ class MemoryTier:
                 logger.error("%s: not kept in memory (a restart resumes from the last finite state)", exc)
             return None
         try:
-            memory_directory.make_private_run_directory(self.root, self.directory)
+            _make_private_run_directory(self.root, self.directory)
             with self._node_lock():
                 existing = self._same_copy(snapshot.global_step, snapshot.incarnation)
                 if existing is not None:
@@ -277,7 +412,7 @@ class MemoryTier:
             return []
         found = [(self.directory / name, int(match.group(1)), int(match.group(2) or 0))
                  for name in names if (match := COPY_PATTERN.match(name))]
-        return sorted(found, key=lambda item: (item[1], item[2], memory_directory.modified_time(item[0])), reverse=True)
+        return sorted(found, key=lambda item: (item[1], item[2], _modified_time(item[0])), reverse=True)
 
     def _prune(self) -> None:
         for path, _, _ in self._files()[KEEP:]:
@@ -299,8 +434,8 @@ class MemoryTier:
         if not self.directory.is_dir():
             return None
         try:
-            memory_directory.check_parent(self.root)
-            memory_directory.check_private(self.directory)
+            _check_parent(self.root)
+            _check_private(self.directory)
         except SnapshotError as exc:
             logger.warning("memory copies not used: %s", exc)
             return None

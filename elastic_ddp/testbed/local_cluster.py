@@ -38,7 +38,7 @@ from elastic_ddp.testbed.rdzv_switch import switched_backend
 
 # The backends whose store lives in the first node's agent (torch's, and ours built on it).
 C10D_BACKENDS = ("c10d", "elastic-c10d")
-# The agent program: torchrun with workers forked from a warm fork server and dead-node probes
+# The agent program: torchrun with workers forked by a warm-worker server and dead-node probes
 # (elastic_ddp/agent/launcher.py); STOCK_LAUNCHER is plain torchrun.
 LAUNCHER = "elastic_ddp.agent.launcher"
 STOCK_LAUNCHER = "torch.distributed.run"

@@ -14,7 +14,7 @@ machine, the kill lands mid-epoch and the node is back before the job ends.
 The first worker group holds all three nodes, however loaded the machine: the job's largest size
 is three nodes, at which torch's rendezvous completes a round at once, and its last call is long
 (`FIRST_GROUP_WAIT_S`), so that a first round that reached one or two nodes waits for the agents
-still starting (three fork servers importing torch on two cores can hold one back for seconds)
+still starting (three warm-worker servers importing torch on two cores can hold one back for seconds)
 instead of forming without them. Later rounds never wait for that last call: the round after the
 kill completes as soon as both survivors are back (the dead node's agent is found exited: prompt
 completion, docs/operations.md), and the one with the restarted node reaches three nodes.

@@ -1,4 +1,4 @@
-"""The contract of the keyed rendezvous's board (`keyed_handler.RoundBoard`), written once and run
+"""The contract of the keyed rendezvous's board (`handler.RoundBoard`), written once and run
 against every board on a real server: `EtcdRoundBoard` on an etcd member, `StoreRoundBoard` on a
 `torch.distributed.TCPStore` (as torch's `RendezvousBackendTestMixin` runs against each backend).
 
@@ -21,14 +21,14 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
-from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
-from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
-from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, RoundBoard
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord, node_name
+from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard
+from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
+from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd.options import EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd.store import EtcdV3Store
+from elastic_ddp.agent.rendezvous.handler import BoardView, RoundBoard
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -160,7 +160,7 @@ class BoardContract:
 
     def test_a_close_written_again_changes_nothing(self, make_board) -> None:
         """What a retried request does when the first one landed and its answer was lost (etcd's
-        connection retries; etcd_connection, "Limits"): the record stays as first written, and a
+        connection retries; etcd.connection, "Limits"): the record stays as first written, and a
         close of another record with the same token still loses. Whether the second call reports
         True (c10d: compare_set finds its own value) or False (etcd: the revision moved) is not
         part of the contract; the handler only logs it."""

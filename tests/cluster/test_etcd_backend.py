@@ -1,4 +1,4 @@
-"""The keyed rendezvous's board in etcd (`keyed_etcd.EtcdRoundBoard`) against a real etcd: where a
+"""The keyed rendezvous's board in etcd (`boards.etcd.EtcdRoundBoard`) against a real etcd: where a
 run's keys live, the record's lifetime on the run lease, and an etcd that cannot be reached. (The
 contract every board keeps, closing writes included: tests/cluster/test_board_contract.py; the
 rounds themselves: tests/cluster/test_keyed_rendezvous.py.)
@@ -19,9 +19,9 @@ from elastic_ddp.agent.rendezvous import (
     EtcdV3Store,
     create_keyed_etcd_v3_handler,
 )
-from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord, decode_record
+from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, decode_record
 from elastic_ddp.testbed.local_cluster import free_port, wait_for
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ def test_fresh_interpreter_registers_etcd_v3_and_loads_etcd3_only_when_used() ->
         "print('etcd-v3' in registry._registry, 'elastic-c10d' in registry._registry, 'etcd3' in sys.modules)\n"
         "import elastic_ddp.agent.rendezvous\n"
         "print('etcd3' in sys.modules)\n"
-        "import elastic_ddp.agent.rendezvous.etcd_client\n"
+        "import elastic_ddp.agent.rendezvous.etcd.client\n"
         "from google.protobuf.internal import api_implementation\n"
         "print(api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n")
     assert result.returncode == 0, result.stderr
@@ -61,7 +61,7 @@ def test_fresh_interpreter_registers_etcd_v3_and_loads_etcd3_only_when_used() ->
 
 
 def test_protobuf_loaded_first_gives_a_clear_import_error() -> None:
-    result = run_python("from google.protobuf import descriptor_pb2\nimport elastic_ddp.agent.rendezvous.etcd_client\n")
+    result = run_python("from google.protobuf import descriptor_pb2\nimport elastic_ddp.agent.rendezvous.etcd.client\n")
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("ImportError:") and "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in last_line

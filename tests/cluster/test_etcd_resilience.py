@@ -1,5 +1,5 @@
 """etcd going away and coming back, a cluster losing its leader, auth and TLS: all against real etcd,
-through the keyed rendezvous's etcd board and handler (`keyed_etcd`) and the agents' store.
+through the keyed rendezvous's etcd board and handler (`boards.etcd`) and the agents' store.
 
 torch's agent dies on any exception from the rendezvous backend (it polls num_nodes_waiting()
 every monitor interval), so an outage of a few seconds must be invisible to the caller.
@@ -26,9 +26,9 @@ from elastic_ddp.agent.rendezvous import (
     EtcdV3Store,
     create_keyed_etcd_v3_handler,
 )
-from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
+from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
 
 if TYPE_CHECKING:

@@ -33,9 +33,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import Background, assert_one_world, rendezvous_together
 

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.runtime.procfs import process_is_alive
 from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.runtime.procfs import process_is_alive
+from elastic_ddp.testbed.local_cluster import wait_for
+from tests.support.cluster import assert_workers_started_warm
 
 
 @pytest.mark.slow
@@ -32,12 +33,12 @@ def test_a_warm_worker_trains_reports_its_rank_and_exits_like_a_cold_one(local_j
     assert start["world_size"] == 2 and {r["agent_pid"] for r in start["ranks"]} == {node.pid}
     assert any(e["event"] == "startup" for e in events)
     assert any(e["event"] == "finished" and e["global_step"] == 8 for e in events)
-    assert "start_method: forkserver" not in node.log_text()  # no worker failed
+    assert_workers_started_warm(job, node, starts=2)  # through elastic_ddp.warm_start, by the agent's server
 
 
 def test_the_launcher_shows_torchruns_help():
-    result = subprocess.run([sys.executable, "-m", "elastic_ddp.agent.launcher", "--help"], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "elastic_ddp.agent.launcher", "--help"], check=False,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--rdzv-endpoint" in result.stdout
 
 
@@ -45,8 +46,8 @@ def test_the_launcher_shows_torchruns_help():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victims", ["agent", "agent and its children"])
 def test_warm_workers_end_with_their_agent(local_jobs, victims):
-    # The workers are the fork server's children, not the agent's: they must not train on, unseen,
-    # after their node was killed the way plain torchrun's nodes are (getting-started.md).
+    # The workers are the warm-worker server's children, not the agent's: they must not train on,
+    # unseen, after their node was killed the way plain torchrun's nodes are (getting-started.md).
     args = ["--model", "mlp", "--epochs", "100", "--dataset_size", "512", "--global_batch_size", "64",
             "--log_interval", "1", "--min_step_time_s", "0.05"]  # 800 steps: 40 s at least, killed after 3
     job = local_jobs(args, nnodes="1", nproc_per_node=2)
@@ -55,8 +56,9 @@ def test_warm_workers_end_with_their_agent(local_jobs, victims):
     start = next(e for e in read_events(job.event_log) if e["event"] == "start")
     workers = [rank["pid"] for rank in start["ranks"]]
     assert len(workers) == 2 and all(process_is_alive(pid) for pid in workers)
-    assert not set(workers) & set(int(c) for c in subprocess.run(
-        ["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()), "workers are not forked"
+    assert not set(workers) & {int(c) for c in subprocess.run(
+        ["pgrep", "-P", str(node.pid)], check=False, capture_output=True, text=True).stdout.split()}, \
+        "workers are not forked"
     if victims == "agent and its children":
         subprocess.run(["bash", "-c", 'kill -KILL $(pgrep -P "$1") "$1"', "kill-node", str(node.pid)], check=True,
                        timeout=30)

@@ -19,9 +19,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.liveness import Answer, probe
 from elastic_ddp.testbed.local_cluster import free_port
 from tests.support.cluster import hold_settings, node_logs

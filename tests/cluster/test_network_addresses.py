@@ -89,7 +89,7 @@ def test_a_node_that_cannot_reach_the_endpoint_says_so_within_seconds(local_jobs
     bed = network_bed(["n0", "n1"])
     bed.apply(NetworkFault.parse("partition n0"))
     endpoint = f"{bed.address('n0')}:{RDZV_PORT}"
-    read_timeout_s = 5  # the first probe gives up after 2 s (c10d_store.PROBE_TIMEOUT_S): the warning comes first
+    read_timeout_s = 5  # the first probe gives up after 2 s (c10d.store.PROBE_TIMEOUT_S): the warning comes first
     job = local_jobs(["--model", "mlp"], nnodes="1:2", rdzv_backend="elastic-c10d", rdzv_endpoint=endpoint,
                      launcher=STOCK_LAUNCHER, rdzv_conf=f"{RDZV_CONF},read_timeout={read_timeout_s}")
     started = time.monotonic()

@@ -95,7 +95,7 @@ def test_nodes_reach_each_other_over_the_bridge_until_partitioned_and_leave_noth
 # the endpoint as the store watch does after a heal, and prints both outcomes.
 _PROBE_AFTER_HEAL = """
 import socket, sys, threading
-from elastic_ddp.agent.rendezvous import c10d_store
+from elastic_ddp.agent.rendezvous.c10d import store as c10d_store
 host, port = sys.argv[1], int(sys.argv[2])
 def connect():
     try:
@@ -127,7 +127,7 @@ def test_the_endpoint_probe_answers_just_after_a_heal_although_the_kernel_fails_
     """The likely reason why a node whose partition had just healed stopped once in CI
     (test_network_partition; its log was not kept): the kernel fails every packet queued on an address
     resolution (ARP) whose requests went out during the partition, after the link is back, with
-    EHOSTUNREACH. The store watch's probe (c10d_store.unanswered) connects again then. n1's
+    EHOSTUNREACH. The store watch's probe (c10d.store.unanswered) connects again then. n1's
     resolution is made one request, failing 1.5 s later, so that the heal falls inside it
     whatever the machine's speed (the kernel's default: three requests a second apart)."""
     bed = network_bed(["n0", "n1"])

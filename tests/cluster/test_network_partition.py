@@ -7,7 +7,7 @@ store, rank 0's snapshot replica target is partitioned (its switch port down: it
 nothing is refused) in the middle of a transfer to it, for longer than the peer watchdog's bound.
 The nodes get the README's flags alone (tests/support/network.py).
 Then three nodes, n0 (the store's node) partitioned: the others stop in a stated bound with one
-line naming the endpoint, and a relaunch without n0 resumes (elastic_ddp/agent/rendezvous/store_watch.py).
+line naming the endpoint, and a relaunch without n0 resumes (elastic_ddp/agent/rendezvous/c10d/watch.py).
 
     .venv/bin/python -m pytest tests/cluster/test_network_partition.py -q -s
 """
@@ -136,7 +136,7 @@ def test_a_partitioned_replica_target_is_left_behind_never_trains_alone_and_rejo
 
 
 # The bound on the other nodes stopping once the store's node is cut off (docs/failure-semantics.md):
-# 5 s of silence (the heartbeat expiry) and a 2 s probe (elastic_ddp/agent/rendezvous/store_watch.py),
+# 5 s of silence (the heartbeat expiry) and a 2 s probe (elastic_ddp/agent/rendezvous/c10d/watch.py),
 # then torchrun's 30 s shutdown timeout for a worker blocked in a collective; 5 s to spare.
 STORE_LOST_BOUND_S = 5 + 2 + 30 + 5
 

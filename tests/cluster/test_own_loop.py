@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from tests.support.cluster import assert_exactly_once, node_logs, world_reached

@@ -52,7 +52,7 @@ def run_on_a_terminal(argv: list[str], timeout: float) -> tuple[int, str]:
 
 def read_scalar_steps(board) -> dict[str, list[int]]:
     """The steps of each scalar in `board`, read in another process: TensorBoard's protobuf must
-    not be imported into this one, where etcd3 needs its own (elastic_ddp/agent/rendezvous/etcd_client.py)."""
+    not be imported into this one, where etcd3 needs its own (elastic_ddp/agent/rendezvous/etcd/client.py)."""
     reader = textwrap.dedent(f"""
         import json
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.plugin import trains_with_elastic_ddp
 from elastic_ddp.testbed.local_cluster import free_port
 from tests.support.rendezvous import rendezvous_together

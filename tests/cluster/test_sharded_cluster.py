@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import compare_runs, run_reference
 from elastic_ddp.runlog.metrics_node import read_endpoint
 from elastic_ddp.runlog.reader import read_events

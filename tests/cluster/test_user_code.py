@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elastic_ddp import load_snapshot
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from elastic_ddp.training.evaluation import evaluate
 from elastic_ddp.workload.losses import per_sample_cross_entropy

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from elastic_ddp.agent.rendezvous.keyed_c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs
 from elastic_ddp.chaos.held_train import pace
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, LocalJob, wait_for

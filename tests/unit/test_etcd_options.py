@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import EtcdV3Options
-from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, EtcdTlsError
+from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection, EtcdTlsError
 
 pytestmark = pytest.mark.timeout(60)
 

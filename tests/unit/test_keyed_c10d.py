@@ -1,4 +1,4 @@
-"""The keyed rendezvous in a real TCPStore (`keyed_c10d`): handlers of one process, one store.
+"""The keyed rendezvous in a real TCPStore (`boards.c10d`): handlers of one process, one store.
 
 Each handler has a store client of its own, as each agent has; threads stand in for the agents.
 """
@@ -20,14 +20,14 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic_ddp.agent.rendezvous import c10d_store
-from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard, create_keyed_c10d_handler
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
+from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard, create_keyed_c10d_handler
+from elastic_ddp.agent.rendezvous.c10d import store as c10d_store
+from elastic_ddp.agent.rendezvous.c10d.watch import StoreWatch
+from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory, etcd_v3_handler_factory
-from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import ranks_by_node
 

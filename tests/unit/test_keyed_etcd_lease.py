@@ -1,5 +1,5 @@
-"""The keyed rendezvous's node lease and reads on etcd (`keyed_etcd.EtcdRoundBoard`,
-`etcd_connection.keep_alive`).
+"""The keyed rendezvous's node lease and reads on etcd (`boards.etcd.EtcdRoundBoard`,
+`etcd.connection.keep_alive`).
 
 etcd's Lease and KV services are served here by an in-process gRPC server (`_Etcd`: leases, and
 transactions of puts, deletes and range reads of a key or a prefix with a revision comparison; no
@@ -22,12 +22,12 @@ import grpc
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.etcd_client import etcdrpc
-from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection
-from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
-from elastic_ddp.agent.rendezvous.keyed_etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
+from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
+from elastic_ddp.agent.rendezvous.etcd.client import etcdrpc
+from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection
+from elastic_ddp.agent.rendezvous.etcd.options import EtcdV3Options
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,10 +219,11 @@ def test_a_view_sends_the_round_record_only_when_it_changed(etcd, board) -> None
 def test_the_agents_store_of_the_keyed_rendezvous_looks_at_least_every_50_ms(etcd, monkeypatch) -> None:
     """Members read rank 0's address from the store when they see a new round, often before rank 0
     wrote it; at the store's 250 ms back-off they saw it up to 250 ms late (64 agents)."""
-    from elastic_ddp.agent.rendezvous import etcd_store, keyed_etcd
+    from elastic_ddp.agent.rendezvous.boards import etcd as etcd_board
+    from elastic_ddp.agent.rendezvous.etcd import store as etcd_store
 
-    monkeypatch.setattr(keyed_etcd.EtcdRoundBoard, "view", lambda self, round_number: None)  # no Range here
-    handler = keyed_etcd.create_keyed_etcd_v3_handler(RendezvousParameters(
+    monkeypatch.setattr(etcd_board.EtcdRoundBoard, "view", lambda self, round_number: None)  # no Range here
+    handler = etcd_board.create_keyed_etcd_v3_handler(RendezvousParameters(
         "etcd-v3", f"127.0.0.1:{etcd.port}", "run", 1, 2, local_addr="127.0.0.1"))
     pauses: list[float] = []
     monkeypatch.setattr(etcd_store, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append))

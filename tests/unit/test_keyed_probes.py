@@ -1,4 +1,4 @@
-"""The keyed rendezvous's dead-node probes (`keyed_probes.ExitWitness`) on real beacons in this process,
+"""The keyed rendezvous's dead-node probes (`probes.ExitWitness`) on real beacons in this process,
 and their `--rdzv_conf` switch (the probes on real agents: tests/cluster/test_liveness.py)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import logging
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.state import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,7 +42,7 @@ def test_an_exited_member_is_found_at_every_ask_and_logged_once_as_a_warning(cap
     reached(here, node, other.port)
     assert here.exited(ports) == set()  # alive: accepts
     other.close()  # its process "exits": the beacon refuses
-    with caplog.at_level(logging.INFO, logger="elastic_ddp.agent.rendezvous.keyed_probes"):
+    with caplog.at_level(logging.INFO, logger="elastic_ddp.agent.rendezvous.probes"):
         assert here.exited(ports) == {node}
         assert here.exited(ports) == {node}  # the closer asks again at its next poll
     said = [record for record in caplog.records if EVICTION_LOG in record.getMessage()]

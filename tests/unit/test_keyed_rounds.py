@@ -11,8 +11,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.agent_setup import keyed_node
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
-from elastic_ddp.agent.rendezvous.keyed_state import (
+from elastic_ddp.agent.rendezvous.plugin import take_algorithm
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
     decode_alive,
@@ -22,7 +23,6 @@ from elastic_ddp.agent.rendezvous.keyed_state import (
     encode_arrival,
     node_name,
 )
-from elastic_ddp.agent.rendezvous.plugin import take_algorithm
 
 A, B, C, D = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(4))
 

@@ -1,4 +1,4 @@
-"""Silent members of the keyed rendezvous (`keyed_silence`): the beacon's answer, the workers' verdict
+"""Silent members of the keyed rendezvous (`silence`): the beacon's answer, the workers' verdict
 file, and handlers on a real TCPStore (threads stand in for the agents, real beacons and sockets for
 their ports; a socket that listens but never accepts stands in for a frozen agent's, whose kernel
 still completes the handshake)."""
@@ -16,13 +16,13 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-from elastic_ddp.agent.rendezvous.keyed_c10d import StoreRoundBoard
-from elastic_ddp.agent.rendezvous.keyed_handler import KeyedRendezvousHandler
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_silence import Reply, ask
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
+from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard
+from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
 from elastic_ddp.agent.rendezvous.liveness import Beacon
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.silence import Reply, ask
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.verdicts import (
     MAX_VERDICT_BYTES,

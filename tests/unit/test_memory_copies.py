@@ -24,7 +24,7 @@ from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.files.backends import open_storage
 from elastic_ddp.snapshot.files.errors import SnapshotError
-from elastic_ddp.snapshot.memory_copies import SCOPE_TOKEN_NAME, MemoryTier, scope_token
+from elastic_ddp.snapshot.memory_copies import SCOPE_TOKEN_NAME, MemoryTier, open_memory_tier, scope_token
 from elastic_ddp.snapshot.training_state import Snapshot
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.workload.sampler import ElasticSampler
@@ -119,6 +119,27 @@ def test_the_scope_token_is_created_once_and_checked(tmp_path):
     (tmp_path / "ck" / SCOPE_TOKEN_NAME).write_bytes(b"\xff" * 10_000)
     with pytest.raises(SnapshotError, match="is not a scope token"):
         scope_token(storage)
+
+
+@pytest.mark.parametrize(("local_rank", "level"), [(0, logging.ERROR), (1, logging.INFO)])
+def test_a_node_that_cannot_keep_copies_says_why_in_one_line_an_error_on_its_local_rank_0(tmp_path, caplog,
+                                                                                          local_rank, level):
+    """open_memory_tier, how both sessions open the memory directory: an unusable one, or a checkpoint
+    directory without a scope token, turns this node's copies off with one line naming why."""
+    context = DistributedContext(rank=local_rank, local_rank=local_rank, world_size=2, local_world_size=2,
+                                 device=torch.device("cpu"), backend="gloo")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / SCOPE_TOKEN_NAME).write_text("not a token")
+    for memory_dir, checkpoint_dir, why in [(tmp_path / "a-file" / "memory", tmp_path / "other-ck", "Not a directory"),
+                                            (tmp_path / "memory", tmp_path / "ck", "no scope token in")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="elastic_ddp.snapshot.memory_copies"):
+            assert open_memory_tier(str(memory_dir), open_storage(str(checkpoint_dir)), context, FINGERPRINT) is None
+        [line] = [record for record in caplog.records if "memory copies are off on this node" in record.getMessage()]
+        assert line.levelno == level and why in line.getMessage()
+    opened = open_memory_tier(str(tmp_path / "memory"), open_storage(str(tmp_path / "other-ck")), context, FINGERPRINT)
+    assert opened is not None and oct(opened.directory.stat().st_mode & 0o777) == "0o700"
 
 
 # ------------------------------------------------------------------------------- in the trainer

@@ -1,5 +1,5 @@
 """This node's addresses (elastic_ddp/agent/rendezvous/addresses.py) and the c10d store's host and
-reachability (c10d_store.py), without a network of several hosts: the interface table read from
+reachability (c10d/store.py), without a network of several hosts: the interface table read from
 the C library against the stdlib's and iproute2's view of it, the decisions on tables given here.
 tests/cluster/test_network_addresses.py runs them across network namespaces.
 """
@@ -19,8 +19,7 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_ddp.agent.launcher import local_addr_argument
-from elastic_ddp.agent.rendezvous import addresses, c10d_store
+from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.addresses import (
     holds,
     interface_addresses,
@@ -29,6 +28,7 @@ from elastic_ddp.agent.rendezvous.addresses import (
     loopback_problem,
     worker_interface_environment,
 )
+from elastic_ddp.agent.rendezvous.c10d import store as c10d_store
 
 ip = ipaddress.ip_address
 # A table of a machine with a loopback, one link with an IPv4 and an IPv6 address, and a second link.
@@ -210,16 +210,6 @@ def test_no_route_for_the_whole_probe_is_no_answer_named_by_its_reason(monkeypat
     assert len(calls) > 2 and time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--nnodes=2", "--local_addr=10.0.0.5", "-m", "elastic_ddp.train"], "10.0.0.5"),
-    (["--local-addr", "10.0.0.5", "--nnodes", "2", "-m", "elastic_ddp.train"], "10.0.0.5"),
-    (["--nnodes=2", "-m", "elastic_ddp.train", "--local_addr=10.0.0.9"], None),  # the training script's own
-    (["--nnodes=2", "-m", "elastic_ddp.train"], None),
-])
-def test_the_launcher_reads_local_addr_among_torchruns_options(argv, expected):
-    assert local_addr_argument(argv) == expected
-
-
 def test_torchs_own_rule_is_there_for_machines_without_a_table():
     """The one private torch name this uses (elastic_ddp/agent/rendezvous/torch_internals.py)."""
     from elastic_ddp.agent.rendezvous.torch_internals import matches_machine_hostname
@@ -230,7 +220,7 @@ def test_torchs_own_rule_is_there_for_machines_without_a_table():
 _SECOND_AGENT = """
 import logging, sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store
+from elastic_ddp.agent.rendezvous.c10d.store import create_tcp_store
 logging.basicConfig(level=logging.INFO)
 conf = dict(item.split("=") for item in sys.argv[2:])
 store = create_tcp_store(RendezvousParameters("elastic-c10d", sys.argv[1], "run", 1, 2, read_timeout="5", **conf))

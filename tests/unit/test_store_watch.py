@@ -1,4 +1,4 @@
-"""A rendezvous store that goes silent (elastic_ddp/agent/rendezvous/store_watch.py): the store's node
+"""A rendezvous store that goes silent (elastic_ddp/agent/rendezvous/c10d/watch.py): the store's node
 cut off while other nodes answer stops this node with one line; this node cut off waits and goes on.
 Requests here block on an event as a TCPStore request blocks on a blackholed connection;
 tests/cluster/test_network_partition.py does it with real partitions.
@@ -12,10 +12,10 @@ import threading
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic_ddp.agent.rendezvous import c10d_store
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
-from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
+from elastic_ddp.agent.rendezvous.c10d import store as c10d_store
+from elastic_ddp.agent.rendezvous.c10d.watch import StoreWatch
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.state import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
 
 SILENCE_S = 0.05
@@ -62,7 +62,7 @@ def test_the_store_node_cut_off_while_others_answer_stops_this_node_with_one_lin
 
 
 def test_this_node_cut_off_waits_and_goes_on_when_the_store_answers(endpoint_silent, caplog):
-    caplog.set_level(logging.WARNING, logger="elastic_ddp.agent.rendezvous.store_watch")
+    caplog.set_level(logging.WARNING, logger="elastic_ddp.agent.rendezvous.c10d.watch")
     watch = StoreWatch("10.0.0.1", 29400, SILENCE_S)
     judged = threading.Event()
     watch.peers_answer = lambda: judged.set() or False
@@ -110,7 +110,7 @@ def test_a_slow_store_whose_machine_answers_is_waited_for(monkeypatch):
 
 
 def test_other_nodes_answer_once_reached():
-    """What `peers_answer` is on elastic-c10d: `keyed_probes.ExitWitness.any_answers`."""
+    """What `peers_answer` is on elastic-c10d: `probes.ExitWitness.any_answers`."""
     here, other = ExitWitness(), ExitWitness()
     node = NodeDesc("127.0.0.1", 2, 0)
     assert not here.any_answers()  # nobody reached yet

@@ -243,6 +243,58 @@ def test_without_a_server_the_worker_starts_cold():
     assert "no warm-worker server answered" in err
 
 
+# A module of the user's, for elastic_ddp.warm_start: it reports what it was given, and exits with its last argument.
+TOOL = """
+import json, os, sys
+with open(os.environ["TOOL_REPORT"], "w") as report:
+    json.dump({"argv": sys.argv, "name": __name__, "pid": os.getpid(), "torch": "torch" in sys.modules,
+               "main": sys.modules["__main__"].__dict__ is globals()}, report)
+sys.exit(int(sys.argv[-1]))
+"""
+TOOL_ARGS = ["--epochs", "1", "-m", "x", "--", "3"]
+
+
+def run_tool(tmp_path: Path, variable: str | None, *launch: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python LAUNCH my_tool TOOL_ARGS` in `tmp_path`, where the tool lives, as torchrun starts a worker."""
+    (tmp_path / "my_tool.py").write_text(TOOL)
+    report = tmp_path / "report.json"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "TOOL_REPORT": str(report), "PYTHONPATH": str(REPO)}
+    env.pop(VARIABLE, None)
+    if variable is not None:
+        env[VARIABLE] = variable
+    done = subprocess.run([sys.executable, *launch, "my_tool", *TOOL_ARGS], check=False, cwd=tmp_path, env=env,
+                          text=True, capture_output=True, timeout=BOUND_S)
+    return done, json.loads(report.read_text())
+
+
+def test_warm_start_runs_any_module_forked_warm_as_python_m_would(agent, tmp_path):
+    """`python -m elastic_ddp.warm_start my_tool ARGS` (the launcher's workers): forked by the server, the
+    module sees the argv, `__name__` and `__main__` that `python -m my_tool ARGS` gives it."""
+    cold, expected = run_tool(tmp_path, None, "-m")
+    warm, given = run_tool(tmp_path, agent.variable, "-m", "elastic_ddp.warm_start")
+    assert cold.returncode == warm.returncode == 3, warm.stderr
+    assert expected["argv"] == [str(tmp_path / "my_tool.py"), *TOOL_ARGS] and expected["name"] == "__main__"
+    assert {key: given[key] for key in ("argv", "name", "main")} == {key: expected[key] for key in ("argv", "name", "main")}
+    assert given["pid"] != expected["pid"] and "forked warm by the server" in warm.stderr, warm.stderr
+
+
+@pytest.mark.parametrize("variable", [None, "0", "@elastic_ddp-warm-nobody-listens#" + "00" * 32])
+def test_warm_start_without_a_server_runs_the_module_cold_in_its_own_process(tmp_path, variable):
+    done, given = run_tool(tmp_path, variable, "-m", "elastic_ddp.warm_start")
+    assert done.returncode == 3, done.stderr
+    assert given["argv"] == [str(tmp_path / "my_tool.py"), *TOOL_ARGS] and given["name"] == "__main__" and given["main"]
+    assert not given["torch"]  # the client imports no torch, whichever way it runs
+    said = "no warm-worker server answered" in done.stderr and "starting my_tool cold" in done.stderr
+    assert said is (variable not in (None, "0")), done.stderr
+
+
+def test_warm_start_needs_a_module():
+    done = subprocess.run([sys.executable, "-m", "elastic_ddp.warm_start"], check=False, cwd=REPO, text=True,
+                          capture_output=True, timeout=BOUND_S)
+    assert done.returncode == 1 and done.stderr == "usage: python -m elastic_ddp.warm_start MODULE [ARGS...]\n"
+
+
 def test_the_agent_ending_ends_the_server(own_agent):
     server = own_agent.server_pid()
     own_agent.process.kill()
@@ -479,7 +531,8 @@ def test_rdzv_conf_warm_workers_is_checked_and_taken_out():
 @pytest.mark.parametrize(("argv", "variable"), [
     (["--nnodes=2", "-m", "my_project.train"], None),  # not a module that asks for a warm worker
     (["--nnodes=2", "--no-python", "elastic_ddp.train"], None),
-    (["--nnodes=2", "-m", "elastic_ddp.train"], "0"),  # turned off (or the launcher's own fork server)
+    (["--nnodes=2", "-m", "elastic_ddp.train"], "0"),  # turned off
+    (["--nnodes=2", "-m", "elastic_ddp.train"], "@elastic_ddp-warm-1-2#" + "00" * 32),  # the launcher's, running
 ])
 def test_no_server_is_started_where_none_would_be_used(monkeypatch, argv, variable):
     if variable is None:

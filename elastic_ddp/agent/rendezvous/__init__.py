@@ -6,15 +6,21 @@ elastic_ddp is installed `--rdzv_backend=etcd-v3` and `--rdzv_backend=elastic-c1
     torchrun --nnodes=1:4 --nproc_per_node=8 --rdzv_backend=etcd-v3 \\
         --rdzv_endpoint=etcd1:2379,etcd2:2379,etcd3:2379 --rdzv_id=job42 -m elastic_ddp.train ...
 
-Modules: `plugin` (the entry points; imports nothing heavy), `defaults` (the torchrun settings we
-ship), `agent_setup` (what every handler does to its agent before the first round), the keyed
-rendezvous (`keyed_handler` the algorithm, `keyed_rounds` its rules, `keyed_state` its nodes and records,
-`keyed_probes` and `keyed_silence` who has exited or gone silent, on the beacons of `liveness`),
-its two boards (`keyed_c10d` in a TCPStore, hosted as `c10d_store` says and watched by
-`store_watch`; `keyed_etcd` in etcd), `addresses` (which interface and address a node uses),
-`torch_internals` (the one private torch name used), and for etcd: `etcd_options` (the
---rdzv_conf keys), `etcd_client` (imports etcd3 around its protobuf problem), `etcd_connection`
-(failover, retries, TLS, auth, lease), `etcd_store` (the agents' c10d store). See docs/etcd.md.
+Modules and rooms:
+
+- `plugin`: the entry points (imports nothing heavy); `defaults`: the torchrun settings we ship;
+  `agent_setup`: what every handler does to its agent before the first round.
+- The rendezvous: `handler` (the algorithm), `rounds` (its rules), `state` (its nodes and
+  records), `probes` and `silence` (who has exited or gone silent, on the beacons of `liveness`).
+- `boards/`: where a round's keys live, one board per holder: `boards.etcd` in etcd,
+  `boards.c10d` in a TCPStore.
+- `c10d/`: the elastic-c10d TCPStore: `c10d.store` (which node hosts it, reaching it),
+  `c10d.watch` (a store that went silent).
+- `etcd/`: `etcd.options` (the --rdzv_conf keys), `etcd.client` (imports etcd3 around its
+  protobuf problem), `etcd.connection` (failover, retries, TLS, auth, lease), `etcd.store` (the
+  agents' c10d store). See docs/etcd.md.
+- `addresses`: which interface and address a node uses; `torch_internals`: the one private torch
+  name used.
 
 The names below are imported on first use, so that `import elastic_ddp.agent.rendezvous.plugin` (which
 every torchrun agent of the environment does) loads neither etcd3 nor protobuf.
@@ -26,11 +32,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EtcdAuthenticationError": "etcd_connection", "EtcdConnection": "etcd_connection",
-    "EtcdTlsError": "etcd_connection", "EtcdUnavailableError": "etcd_connection",
-    "EtcdV3Options": "etcd_options", "Secret": "etcd_options", "EtcdV3Store": "etcd_store",
-    "KeyedRendezvousHandler": "keyed_handler", "create_keyed_c10d_handler": "keyed_c10d",
-    "create_keyed_etcd_v3_handler": "keyed_etcd",
+    "EtcdAuthenticationError": "etcd.connection", "EtcdConnection": "etcd.connection",
+    "EtcdTlsError": "etcd.connection", "EtcdUnavailableError": "etcd.connection",
+    "EtcdV3Options": "etcd.options", "Secret": "etcd.options", "EtcdV3Store": "etcd.store",
+    "KeyedRendezvousHandler": "handler", "create_keyed_c10d_handler": "boards.c10d",
+    "create_keyed_etcd_v3_handler": "boards.etcd",
 }
 __all__ = tuple(sorted(_EXPORTS))
 

@@ -6,7 +6,7 @@ on a second interface): which node hosts the c10d store (`_matches_machine_hostn
 address gloo advertises to its peers. Our backends decide both from the machine's interfaces:
 
 - `holds(host)`: whether an interface of this machine holds an address `host` resolves to (the
-  node that does hosts the c10d store at `--rdzv_endpoint`, `rendezvous.c10d_store`);
+  node that does hosts the c10d store at `--rdzv_endpoint`, `rendezvous.c10d.store`);
 - `interface_holding(host)`: the interface that holds this node's published address
   (`--local_addr`, else its FQDN, as torch names the node), which `worker_interface_environment`
   names to the workers' gloo and NCCL (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`) unless the user

@@ -30,8 +30,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()  # the handlers of this process, numbered as torch numbers its own

@@ -18,16 +18,16 @@ node this agent never reached (killed within about a second of the round forming
 agent without probes), and a frozen agent (SIGSTOP), whose kernel still accepts connections. So a
 probe can only make a dead node leave sooner; it cannot evict a live agent. (A frozen or cut-off
 node leaves sooner on another piece of evidence, its workers' watchdog verdict and a beacon that
-does not answer: `keyed_silence`.)
+does not answer: `silence`.)
 
 A verdict is about one agent process, not about its name: torch names a node by its address, pid
 and a counter, and a container restarted in place runs torchrun as PID 1 at the same address again,
 the same name (docs/failure-semantics.md, "A node restarted with the same identity"). Its new beacon
 listens on another port, which the probing agent has not reached, so it is never judged by its
-predecessor's refusal (`keyed_probes`).
+predecessor's refusal (`probes`).
 
 This module is the evidence only (the beacon, one probe, the `probe_dead_nodes` switch); who is
-probed and when is the keyed rendezvous's (`keyed_probes`, `keyed_silence`).
+probed and when is the keyed rendezvous's (`probes`, `silence`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Beacon:
     by the address torch gives it (`--local_addr`, else the FQDN), which may be any of them. It
     reads nothing. The answer comes from this thread, which does nothing else: the kernel completes
     a connection to a frozen process's port too, so only the answer says that the process runs
-    (`keyed_silence`). The socket is not inherited by child processes (Python's
+    (`silence`). The socket is not inherited by child processes (Python's
     default), so workers that outlive their agent do not keep it open.
     """
 

@@ -21,7 +21,7 @@ Every handler created here counts its rendezvous rounds for the node's metrics e
 (`elastic_ddp.agent.rendezvous_metrics`).
 
 `etcd-v3` and `elastic-c10d` run the keyed rendezvous: each node writes keys of its own and one
-write closes a round (`keyed_handler`; in etcd `keyed_etcd`, in the TCPStore `keyed_c10d`).
+write closes a round (`handler`; in etcd `boards.etcd`, in the TCPStore `boards.c10d`).
 `--rdzv_conf algorithm=keyed` names it; the other value of earlier versions, the dynamic algorithm
 (torch's `DynamicRendezvousHandler` with our additions), is refused with one line that says it was
 removed (`take_algorithm`). torch's own `--rdzv_backend=c10d` is torch's and stays its dynamic
@@ -135,8 +135,8 @@ def take_warm_workers(params) -> bool:
 
 def start_warm_workers(params, argv: Sequence[str] | None = None) -> None:
     """Start this agent's warm-worker server (elastic_ddp.agent.warm_workers) when its workers run a
-    module that asks for one and `warm_workers` is not 0; the launcher has turned it off in its own
-    environment (its fork server), as `ELASTIC_DDP_WARM_WORKERS=0` does."""
+    module that asks for one and `warm_workers` is not 0. None starts where `ELASTIC_DDP_WARM_WORKERS`
+    is set: `0`, or a server runs already (`python -m elastic_ddp.agent.launcher` starts one first)."""
     if not take_warm_workers(params):
         return
     from elastic_ddp.warm_client import WARM_MODULES
@@ -152,7 +152,7 @@ def etcd_v3_handler_factory() -> Callable:
     give_our_workers_their_own_store()
 
     def create_etcd_v3_handler(params):
-        from elastic_ddp.agent.rendezvous.keyed_etcd import create_keyed_etcd_v3_handler
+        from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)
@@ -163,11 +163,11 @@ def etcd_v3_handler_factory() -> Callable:
 
 
 def elastic_c10d_handler_factory() -> Callable:
-    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`keyed_c10d`)."""
+    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`boards.c10d`)."""
     give_our_workers_their_own_store()
 
     def create_elastic_c10d_handler(params):
-        from elastic_ddp.agent.rendezvous.keyed_c10d import create_keyed_c10d_handler
+        from elastic_ddp.agent.rendezvous.boards.c10d import create_keyed_c10d_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)

@@ -44,7 +44,12 @@ TEMPORARY_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
 def open_storage(location: str | os.PathLike) -> StorageBackend:
     """The storage for a `--checkpoint_dir` value: a local path, `file://` URL or fsspec URL.
 
-    Raises ValueError when the URL's protocol cannot be used here (fsspec or its driver missing).
+    The one way the checkpoint directory is opened: the DDP session's `SnapshotStore`, the sharded
+    session (its step directories, node-local probe, memory scope token) and `load_snapshot` all
+    hold what this returns. It touches nothing; `make_location` creates a local directory with the
+    process's umask. Not guaranteed: a private directory (its mode and owner are not checked; the
+    memory directory's are, `memory_copies.open_memory_tier`). Raises ValueError when the URL's
+    protocol cannot be used here (fsspec or its driver missing).
     """
     # A file:// URL too: fsspec's local pipe_file writes in place; rename is the local atomic primitive.
     directory = local_path(location)

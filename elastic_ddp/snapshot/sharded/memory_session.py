@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from torch.utils._pytree import tree_map
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.memory_copies import MemoryTier
 from elastic_ddp.snapshot.sharded.divergence import local_shards
 from elastic_ddp.snapshot.sharded.memory_checkpoint import PartWriter
 from elastic_ddp.snapshot.sharded.memory_restore import (
@@ -39,7 +39,7 @@ from elastic_ddp.snapshot.sharded.memory_restore import (
     agree_on_memory_state,
     load_memory_state,
 )
-from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory, make_copy, node_directory
+from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory, make_copy
 from elastic_ddp.snapshot.training_state import TrainingState, non_finite_tensors
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,12 @@ LoadRest = Callable[[TrainingState, MemoryState, int], Any]
 class MemoryCopies:
     """This rank's memory copies of the sharded state (see the module docstring)."""
 
-    def __init__(self, memory_dir: str, root: Path, context: DistributedContext, events: EventLog,
-                 fingerprint: dict[str, Any]):
+    def __init__(self, tier: MemoryTier | None, context: DistributedContext, events: EventLog):
+        """`tier`: this node's memory directory (`memory_copies.open_memory_tier`). None: it cannot be
+        used, and the parts are still taken and exchanged (collectives that every rank joins), but
+        this node writes none of them."""
         self.context, self.events = context, events
-        self.memory = ShardMemory(context, node_directory(memory_dir, root, context, fingerprint))
+        self.memory = ShardMemory(context, None if tier is None else tier.directory)
         self.writer = PartWriter()
         self._diverged_step: int | None = None  # the first step whose part was not kept (logged once)
 

@@ -51,18 +51,18 @@ import os
 import re
 import secrets
 import struct
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
-from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.files.checksum import new_hasher
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
-from elastic_ddp.snapshot.memory_copies import MemoryTier, scope_token
-from elastic_ddp.snapshot.sharded.part_exchange import every_rank, exchange_part
 from elastic_ddp.snapshot.sharded.ring import node_of_each_rank, ring_partners, warn_if_not_spread
 
 logger = logging.getLogger(__name__)
@@ -161,19 +161,60 @@ def make_copy(step: int, incarnation: int, context: DistributedContext, index: b
                      checksum_of(index, data), checksum_of(plain) if plain else "", finite)
 
 
-def node_directory(memory_dir: str, checkpoint_dir: Path, context: DistributedContext,
-                   fingerprint: dict[str, Any]) -> Path | None:
-    """This run's private directory in `memory_dir` (the one snapshot/memory_copies.py's copies use),
-    or None (logged) when it cannot be used."""
-    try:
-        token = scope_token(LocalDirectoryStorage(checkpoint_dir))
-        tier = MemoryTier(memory_dir, context.run_id, str(checkpoint_dir), fingerprint, token)
-        tier.open(remove_abandoned=context.local_rank == 0,
-                  agent_pid=agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid())
-    except (OSError, SnapshotError) as exc:
-        logger.error("memory copies of shards are not written to a node directory: %s", exc)
-        return None
-    return tier.directory
+def exchange_part(head: bytes, data: bytes | memoryview, send_to: int, receive_from: int, device: torch.device,
+                  spare: memoryview | None = None) -> tuple[memoryview, memoryview]:
+    """Send a part to `send_to` and receive `receive_from`'s, point to point over the default group.
+
+    The part goes as it was taken, `head` (`ShardCopy.head`) then `data`: two frames after their
+    sizes, with no joined copy of its bytes. The data received lands in `spare` when that has its
+    size (on the CPU), else in a new buffer. Returns the (head, data) received: only bytes, which
+    the caller checks (`ShardCopy.from_head_and_data`: header, sizes, checksum). SnapshotError when
+    the sender announces sizes far beyond this rank's part."""
+    sizes_out = torch.tensor([len(head), len(data)], dtype=torch.int64, device=device)
+    sizes_in = torch.zeros(2, dtype=torch.int64, device=device)
+    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, sizes_out, send_to),
+                                  dist.P2POp(dist.irecv, sizes_in, receive_from)]))
+    head_size, data_size = (int(size) for size in sizes_in.tolist())
+    if not (0 < head_size <= 4 * len(head) + 2**26 and 0 <= data_size <= 4 * len(data) + 2**26):
+        raise SnapshotError(f"rank {receive_from} announced a part of {head_size} + {data_size} bytes; this rank's is "
+                            f"{len(head)} + {len(data)}")
+    head_in = _receive_pair(_as_tensor(head, device), send_to, torch.empty(head_size, dtype=torch.uint8, device=device),
+                            receive_from)
+    reuse = spare is not None and device.type == "cpu" and spare.nbytes == data_size and data_size > 0
+    data_in = torch.frombuffer(spare, dtype=torch.uint8) if reuse else torch.empty(data_size, dtype=torch.uint8,
+                                                                                   device=device)
+    data_in = _receive_pair(_as_tensor(data, device), send_to, data_in, receive_from)
+    # `spare` itself, not a view made anew: views of views would chain step after step
+    return memoryview(head_in.cpu().numpy()), spare if reuse else memoryview(data_in.cpu().numpy())
+
+
+def _as_tensor(raw: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    if not len(raw):
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    with warnings.catch_warnings():  # "the given buffer is not writable": it is only read (sent)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=torch.uint8).to(device)
+
+
+def _receive_pair(out: torch.Tensor, send_to: int, into: torch.Tensor, receive_from: int) -> torch.Tensor:
+    """Send `out` and receive `into` (empty tensors are neither sent nor received)."""
+    operations = ([dist.P2POp(dist.isend, out, send_to)] if out.numel() else []) + \
+                 ([dist.P2POp(dist.irecv, into, receive_from)] if into.numel() else [])
+    if operations:
+        _wait(dist.batch_isend_irecv(operations))
+    return into
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def every_rank(flag: bool, context: DistributedContext) -> bool:
+    """Whether `flag` holds on every rank (collective: an all-reduce, a barrier too)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=context.collective_device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 class ShardMemory:
@@ -209,7 +250,7 @@ class ShardMemory:
             self._complete = copy.key if copy.finite else None
         else:
             head, data = exchange_part(copy.head(), copy.data, *self.partners, self.context.collective_device,
-                                   self._take_spare("held"))
+                                       self._take_spare("held"))
             held = ShardCopy.from_head_and_data(head, data, f"the part sent by rank {self.partners[1]}")
             if held.finite:
                 self.held = self._kept(self.held, held, "held")

@@ -49,7 +49,7 @@ from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.replica_transfer import SEND_DEADLINE, verdict_deadline
 from elastic_ddp.snapshot.exchange.replication import SIDE_GROUP_TIMEOUT, shared_places
 from elastic_ddp.snapshot.exchange.transport import ProcessGroupTransport
-from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage, fsync_path
+from elastic_ddp.snapshot.files.backends import StorageBackend, fsync_path
 from elastic_ddp.snapshot.sharded import file_frames
 from elastic_ddp.snapshot.sharded import step_directories as steps
 from elastic_ddp.snapshot.sharded.ring import node_of_each_rank, ring_partners
@@ -107,13 +107,14 @@ class NodeLocalSteps:
         self.last_replicated_step: int | None = None  # never pruned (set by a restore and by each commit)
 
     @classmethod
-    def start(cls, root: Path, context: DistributedContext, events: EventLog, replicas: int, keep_last: int,
-              incarnation: int) -> NodeLocalSteps | None:
-        """The node-local steps of this worker group, or None when every rank's directory is one place
-        (shared storage: step_directories' plain commit). A collective."""
+    def start(cls, storage: StorageBackend, context: DistributedContext, events: EventLog, replicas: int,
+              keep_last: int, incarnation: int) -> NodeLocalSteps | None:
+        """The node-local steps of this worker group in `storage` (the checkpoint directory, local), or
+        None when every rank's directory is one place (shared storage: step_directories' plain
+        commit). A collective."""
         if not context.in_process_group or context.world_size < 2:
             return None
-        directory_of, _ = shared_places(LocalDirectoryStorage(root), context)
+        directory_of, _ = shared_places(storage, context)
         if len(set(directory_of)) == 1:
             return None
         nodes = node_of_each_rank(context)
@@ -131,7 +132,7 @@ class NodeLocalSteps:
             if replicas > 1:
                 logger.warning("--snapshot_replicas %d: sharded snapshots keep one copy of each file on another "
                                "node", replicas)
-        return cls(root, context, events, layout, group, keep_last, incarnation)
+        return cls(storage.local_directory, context, events, layout, group, keep_last, incarnation)
 
     def commit(self, step: int, temporary: Path) -> tuple[Path, str, int]:
         """Checksum this rank's files, copy every file to its holders, commit each directory (every

@@ -51,14 +51,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.locations import local_path
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, RestoredSnapshot
 from elastic_ddp.snapshot.exchange.rng_gather import gather_rng_states
 from elastic_ddp.snapshot.exchange.schedule import SnapshotSchedule
+from elastic_ddp.snapshot.files.backends import open_storage
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
+from elastic_ddp.snapshot.memory_copies import open_memory_tier
 from elastic_ddp.snapshot.serialization import (
     check_compatible,
     snapshot_from_bytes,
@@ -92,7 +93,8 @@ class ShardedSnapshotSession:
                  fingerprint: dict[str, Any], incarnation: int):
         self.config, self.context, self.events = config, context, events
         self.fingerprint, self.incarnation = fingerprint, incarnation
-        self.root = local_path(config.checkpoint_dir)
+        self.storage = open_storage(config.checkpoint_dir)
+        self.root = self.storage.local_directory  # a directory: TrainingConfig refuses a URL with --sharding fsdp
         self.schedule = SnapshotSchedule.from_config(config)
         self.last_durable_step: int | None = None
         self.memory: MemoryCopies | None = None
@@ -103,11 +105,12 @@ class ShardedSnapshotSession:
         self._hook: Any = None  # the optimizer step hook (`_after_optimizer_step`)
 
     def start(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.local = NodeLocalSteps.start(self.root, self.context, self.events, self.config.snapshot_replicas,
+        self.storage.make_location()
+        self.local = NodeLocalSteps.start(self.storage, self.context, self.events, self.config.snapshot_replicas,
                                           self.config.keep_last, self.incarnation)
         if self.config.memory_copies:
-            self.memory = MemoryCopies(self.config.memory_dir, self.root, self.context, self.events, self.fingerprint)
+            tier = open_memory_tier(self.config.memory_dir, self.storage, self.context, self.fingerprint)
+            self.memory = MemoryCopies(tier, self.context, self.events)
 
     # ------------------------------------------------------------------------------- restore
 

@@ -8,7 +8,8 @@ one). `newest_step` lists the committed directories only: no durable step is new
 memory state needs to be weighed against. `newest_that_verifies` checks the steps newest first
 (every file's size and checksum against the manifest, `.metadata` through the safe reader,
 `trainer.snap` loaded and fitted to this run) and stops at the first that passes; each one refused
-is logged with its reason.
+is logged with its reason. Two readers share it: the sharded session's restore and, outside any
+job, `load_snapshot` (loading.py: any run's steps, no process group).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The keyed rendezvous's board in the c10d TCPStore (`StoreRoundBoard`), and
 `create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds.
 
-Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `c10d_store` says):
+Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `c10d.store` says):
 
     latest                    a hint: the number of the last closed round (set by its closer)
-    round/<n>                 round n's record (`keyed_state.RoundRecord`, JSON), written once, by its closer
+    round/<n>                 round n's record (`state.RoundRecord`, JSON), written once, by its closer
     closed                    a counter, above 0 once `set_closed` was called
     arrivals/<n>/count        a counter: `add` hands each node arriving at round n a slot of its own
-    arrivals/<n>/<slot>       the node in that slot (`keyed_state.encode_arrival`)
+    arrivals/<n>/<slot>       the node in that slot (`state.encode_arrival`)
     alive/<node>              the node's heartbeat: its name, beacon port and wall-clock time
 
 Arriving is one atomic `add` and one `set` of the node's own slot; closing round n is one
@@ -25,15 +25,15 @@ connection of its own), and a reader counts a node dead when that time is older 
 `keep_alive_interval x keep_alive_max_attempt` by its own clock, or the node left (`leave` writes
 time 0). The nodes' clocks must agree to well within that (5 s shipped), as with torch. Arrivals of
 dead nodes are skipped, so a closer killed while it waits is replaced by the next live arrival
-after the expiry; dead-node probes (`keyed_probes`) find a killed member sooner.
+after the expiry; dead-node probes (`probes`) find a killed member sooner.
 
-Every value read is decoded by `keyed_state` (JSON, schema checked); a record that does not decode
+Every value read is decoded by `state` (JSON, schema checked); a record that does not decode
 raises `RendezvousStateError`, an arrival or heartbeat that does not counts as no node. `counts`
-counts this board's requests by kind, for the benchmarks, as `keyed_etcd`'s.
+counts this board's requests by kind, for the benchmarks, as `boards.etcd`'s.
 
 Not guaranteed: the keys of past rounds stay in the store (about 100 bytes per node per round).
 A store whose node is cut off while other nodes' beacons answer stops this node with one line
-after `keep_alive_interval x keep_alive_max_attempt` seconds without an answer (`store_watch`); the
+after `keep_alive_interval x keep_alive_max_attempt` seconds without an answer (`c10d.watch`); the
 heartbeat thread's own requests are not watched.
 """
 
@@ -50,11 +50,12 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, Rendezvou
 
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent
-from elastic_ddp.agent.rendezvous.c10d_store import create_tcp_store, endpoint_of, hosts_store
-from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import (
+from elastic_ddp.agent.rendezvous.c10d.store import create_tcp_store, endpoint_of, hosts_store
+from elastic_ddp.agent.rendezvous.c10d.watch import StoreWatch
+from elastic_ddp.agent.rendezvous.handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
     decode_arrival,
@@ -64,7 +65,6 @@ from elastic_ddp.agent.rendezvous.keyed_state import (
     encode_arrival,
     node_name,
 )
-from elastic_ddp.agent.rendezvous.store_watch import StoreWatch
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ SLOT_WAIT_S = 1.0
 
 
 class StoreRoundBoard:
-    """A `keyed_handler.RoundBoard` in a c10d store (module docstring). Thread-safe."""
+    """A `handler.RoundBoard` in a c10d store (module docstring). Thread-safe."""
 
     name = BACKEND_NAME
 
@@ -220,7 +220,7 @@ class StoreRoundBoard:
         text = bytes(value).decode("ascii", errors="replace")
         if not (text.isdigit() and len(text) < 19):
             raise RendezvousStateError(f"{self._base}{key} holds {text[:40]!r}, not a whole number: not the keyed "
-                                       "rendezvous's (elastic_ddp.agent.rendezvous.keyed_c10d)")
+                                       "rendezvous's (elastic_ddp.agent.rendezvous.boards.c10d)")
         return int(text)
 
     def _record(self, number: int) -> RoundRecord:
@@ -228,7 +228,7 @@ class StoreRoundBoard:
         record = decode_record(self._get_many([key])[0])
         if record is None or record.round != number:
             raise RendezvousStateError(f"the round record at {self._base}{key} is not valid (schema: "
-                                       "elastic_ddp.agent.rendezvous.keyed_state)")
+                                       "elastic_ddp.agent.rendezvous.state)")
         return record
 
     def _refresh_latest(self) -> RoundRecord | None:
@@ -301,12 +301,12 @@ class StoreRoundBoard:
         return self._add("closed", 0) > 0
 
 
-# The --rdzv_conf keys of the c10d-store board (c10d_store: where the store is and how long a read may take).
+# The --rdzv_conf keys of the c10d-store board (c10d.store: where the store is and how long a read may take).
 C10D_KEYS = frozenset({"store_type", "is_host", "read_timeout"})
 
 
 def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous in the elastic-c10d TCPStore (`keyed_handler`).
+    """The keyed rendezvous in the elastic-c10d TCPStore (`handler`).
 
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.

@@ -1,7 +1,7 @@
 """Silent members: a frozen or cut-off member leaves the next keyed round on two pieces of evidence,
 not when its lease expires.
 
-A killed agent's beacon refuses connections (`keyed_probes`), but a frozen one (SIGSTOP, a hung
+A killed agent's beacon refuses connections (`probes`), but a frozen one (SIGSTOP, a hung
 machine) and one behind a network partition refuse nothing: they held the next round up until their
 lease expired (`keep_alive_interval x keep_alive_max_attempt`, 5 s shipped, counted from their last
 refresh), although the survivors' workers had already named them. Here a member of the last round
@@ -14,7 +14,7 @@ that has not arrived counts as not alive once both of these hold:
    `ANSWER_S`; asked when the verdict comes, or up to `FRESH_S` before it, when the workers named
    the member as *suspect* (`SUSPECT_LEAD_S`, 0.5 s, before their watchdog's deadline: the answer
    is then in by the time the verdict comes). Its beacon must have accepted a connection
-   from this agent before, at the address and port asked now (`keyed_probes.ExitWitness`): a node
+   from this agent before, at the address and port asked now (`probes.ExitWitness`): a node
    this agent never reached (a firewall, `probe_dead_nodes=0`) is never judged by a silence.
 
 A connection alone proves nothing: the kernel completes the handshake into a frozen process's
@@ -27,7 +27,7 @@ A node wrongly left out (its beacon's answer lost while its workers were silent)
 its own workers find the others silent and end, its agent arrives at the next round, the members
 see it waiting (`num_nodes_waiting`) and restart, and the round after takes it in, as any joining
 node. The cost is one more restart, never a second world: the rule that no live member may be
-missing (`keyed_rounds.may_close`) is only given these two pieces of evidence in place of the lease.
+missing (`rounds.may_close`) is only given these two pieces of evidence in place of the lease.
 
 The verdict and the suspicions are looked for while the workers train too, at each of torchrun's
 monitor polls (one `recv` that peeks), so that the beacons are asked before the worker that wrote
@@ -48,9 +48,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness, Ports
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
+from elastic_ddp.agent.rendezvous.probes import ExitWitness, Ports
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.verdicts import SUSPECT_LEAD_S, VerdictInbox, verdict_address
 
 logger = logging.getLogger(__name__)

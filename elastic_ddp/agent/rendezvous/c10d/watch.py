@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic_ddp.agent.rendezvous import c10d_store
+from elastic_ddp.agent.rendezvous.c10d import store
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class StoreWatch:
         # looked like the store's node cut off and stopped a node that was about to rejoin. This
         # way a heal in between makes the endpoint answer, and the node waits on.
         peers_answer = self.peers_answer()
-        reason = c10d_store.unanswered(self.host, self.port)
+        reason = store.unanswered(self.host, self.port)
         if reason is None:
             return  # the endpoint's machine answers: a slow store, torch's read timeout applies
         if peers_answer:

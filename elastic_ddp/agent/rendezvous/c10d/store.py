@@ -140,7 +140,7 @@ def unanswered(host: str, port: int) -> str | None:
     resolution (ARP, NDP) whose last request went out before a link came back, up to a second after
     the link is back, and a new connect resolves afresh. Taken at once, that failure makes a node
     whose partition has just healed read the endpoint as cut off while its peers answer, and stop
-    (`store_watch`; tests/cluster/test_network_faults.py replays it).
+    (`c10d.watch`; tests/cluster/test_network_faults.py replays it).
     """
     deadline = time.monotonic() + PROBE_TIMEOUT_S
     while True:

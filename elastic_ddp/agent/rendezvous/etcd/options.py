@@ -219,7 +219,7 @@ _warned_open: set[tuple[str, ...]] = set()
 def _warn_if_open(protocol: str, user: str | None, endpoints: tuple[tuple[str, int], ...]) -> None:
     """Warn, once per endpoint set, when etcd on another host is reached over plain http without a
     user. Then anyone who can reach etcd can rewrite the rendezvous: who is in a round, in which
-    rank, and where the workers meet (nothing read there is executed: `keyed_state`)."""
+    rank, and where the workers meet (nothing read there is executed: `state`)."""
     if protocol != "http" or user is not None:
         return
     remote = tuple(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -10,12 +10,12 @@ when
 
 Here the "before" is taken once per round: when a node joins a round, a background thread reads the
 liveness keys once (one range read) and probes each fellow member's beacon once. When that node
-later closes a round (`keyed_handler`), only the members of the last round that are still alive
+later closes a round (`handler`), only the members of the last round that are still alive
 by their lease but have not arrived are probed again. So a node costs one read per round and, in
 connections, one per fellow member per round plus one per suspect; none of it touches etcd's writes.
 
 A probe that times out or cannot resolve says nothing here (the lease decides, unless this node's
-workers named the node silent: `keyed_silence` asks its beacon for an answer); a node restarted under
+workers named the node silent: `silence` asks its beacon for an answer); a node restarted under
 the same name publishes a new port, which this agent has not reached, so it is never judged by its
 predecessor's refusal. `probe_dead_nodes=0` in `--rdzv_conf` turns the probes off (no beacon).
 """
@@ -27,8 +27,8 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc
 from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, probe
+from elastic_ddp.agent.rendezvous.state import NodeDesc
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class ExitWitness:
 
     def any_answers(self) -> bool:
         """Whether a beacon reached before answers a probe now (accepts or refuses: its machine is
-        reachable); tells a cut-off network from a cut-off store node (`store_watch`)."""
+        reachable); tells a cut-off network from a cut-off store node (`c10d.watch`)."""
         with self._lock:
             addresses = list(self._reached.values())
         return any(probe(address) is not Answer.UNKNOWN for address in addresses)

@@ -17,7 +17,7 @@ its own: hundreds of threads a second with hundreds of agents (docs/benchmarks-h
 
 Limits: an operation whose request reached etcd but whose answer was lost (a deadline exceeded
 mid-commit) is retried too, so a write may be applied twice; callers make their writes
-idempotent or check (see `keyed_etcd.EtcdRoundBoard.close_round`, `EtcdV3Store.add`). A single
+idempotent or check (see `boards.etcd.EtcdRoundBoard.close_round`, `EtcdV3Store.add`). A single
 attempt may take `read_timeout`, so an operation can last up to `retry_timeout + read_timeout`.
 """
 
@@ -34,8 +34,8 @@ import grpc
 import tenacity
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, Etcd3Exception, etcd3, etcdrpc
-from elastic_ddp.agent.rendezvous.etcd_options import EtcdV3Options
+from elastic_ddp.agent.rendezvous.etcd.client import Etcd3Client, Etcd3Exception, etcd3, etcdrpc
+from elastic_ddp.agent.rendezvous.etcd.options import EtcdV3Options
 
 logger = logging.getLogger(__name__)
 

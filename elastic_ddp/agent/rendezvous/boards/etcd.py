@@ -3,10 +3,10 @@ what `--rdzv_backend=etcd-v3` builds.
 
 Keys of run `R`, under `<key_prefix>/R/keyed/`:
 
-    record                    the last closed round (`keyed_state.RoundRecord`, JSON), on the closer's run lease
+    record                    the last closed round (`state.RoundRecord`, JSON), on the closer's run lease
     closed                    present once `set_closed` was called
-    arrivals/<round>/<node>   a node's arrival at a round (`keyed_state.encode_arrival`), on its node lease
-    alive/<node>              the node's liveness and beacon port (`keyed_probes`), on its node lease
+    arrivals/<round>/<node>   a node's arrival at a round (`state.encode_arrival`), on its node lease
+    alive/<node>              the node's liveness and beacon port (`probes`), on its node lease
 
 Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
 (`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval` over the connection's
@@ -44,14 +44,14 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent, warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
-from elastic_ddp.agent.rendezvous.etcd_client import Etcd3Client, etcdrpc
-from elastic_ddp.agent.rendezvous.etcd_connection import EtcdConnection, is_lease_not_found
-from elastic_ddp.agent.rendezvous.etcd_options import ETCD_KEYS, EtcdV3Options, run_key
-from elastic_ddp.agent.rendezvous.etcd_store import EtcdV3Store
-from elastic_ddp.agent.rendezvous.keyed_handler import BoardView, KeyedRendezvousHandler
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings
-from elastic_ddp.agent.rendezvous.keyed_state import (
+from elastic_ddp.agent.rendezvous.etcd.client import Etcd3Client, etcdrpc
+from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection, is_lease_not_found
+from elastic_ddp.agent.rendezvous.etcd.options import ETCD_KEYS, EtcdV3Options, run_key
+from elastic_ddp.agent.rendezvous.etcd.store import EtcdV3Store
+from elastic_ddp.agent.rendezvous.handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
     decode_alive,
@@ -86,7 +86,7 @@ class _NodeLeaseLost(RendezvousConnectionError):
 
 
 class EtcdRoundBoard:
-    """A `keyed_handler.RoundBoard` in etcd (module docstring). Thread-safe."""
+    """A `handler.RoundBoard` in etcd (module docstring). Thread-safe."""
 
     name = "etcd-v3"
 
@@ -240,7 +240,7 @@ class EtcdRoundBoard:
             record = decode_record(record_kvs.kvs[0].value)
             if record is None:
                 raise RendezvousStateError(f"the round record at {key} is not valid (schema: "
-                                           "elastic_ddp.agent.rendezvous.keyed_state)")
+                                           "elastic_ddp.agent.rendezvous.state)")
             token = record_kvs.kvs[0].mod_revision
             self._known = (token, record)
         else:
@@ -293,10 +293,10 @@ class EtcdRoundBoard:
 
 
 def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous on etcd v3 (`keyed_handler`).
+    """The keyed rendezvous on etcd v3 (`handler`).
 
     Raises ValueError for a bad `--rdzv_endpoint`/`--rdzv_conf` value before connecting, and a
-    `RendezvousConnectionError` when etcd cannot be reached (see `etcd_connection`).
+    `RendezvousConnectionError` when etcd cannot be reached (see `etcd.connection`).
     """
     settings = prepare_keyed_agent(params, ETCD_KEYS)
     options = EtcdV3Options.from_params(params)

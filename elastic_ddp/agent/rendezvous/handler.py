@@ -1,5 +1,5 @@
 """The keyed rendezvous: torchrun's `RendezvousHandler` at a cost per node that does not grow with
-the number of nodes. What etcd-v3 (`keyed_etcd`) and elastic-c10d (in the TCPStore: `keyed_c10d`,
+the number of nodes. What etcd-v3 (`boards.etcd`) and elastic-c10d (in the TCPStore: `boards.c10d`,
 where leases are heartbeat times and the closing write a `compare_set` of the round's own key)
 run. What follows says it for etcd.
 
@@ -15,7 +15,7 @@ Here each node writes only keys of its own, and one write closes a round:
    the number of arrivals with the earliest one: a constant number of reads per second, each of
    constant size, whatever the number of nodes.
 3. **Close.** The earliest arrival is the *closer*. It reads the arrivals and, when the completion
-   rule holds (`keyed_rounds.may_close`: at least min_nodes in; no live member of the last round
+   rule holds (`rounds.may_close`: at least min_nodes in; no live member of the last round
    missing; then at once with max_nodes, at once with prompt completion after a first round, else
    after a last call of `last_call_timeout` with no new arrival), writes the new round record with
    one conditional write (etcd: a transaction comparing the record's revision with the one it read).
@@ -26,11 +26,11 @@ Here each node writes only keys of its own, and one write closes a round:
 
 Dead nodes: a node's keys live on its lease, refreshed every `keep_alive_interval`; a killed node's
 lease expires after `keep_alive_interval x keep_alive_max_attempt` (5 s shipped) and its liveness
-key goes, so the closer stops waiting for it. Sooner, with dead-node probes (`keyed_probes`, on
+key goes, so the closer stops waiting for it. Sooner, with dead-node probes (`probes`, on
 unless `probe_dead_nodes=0`): the closer probes the beacon of a missing member it reached before,
 and a refusal (the agent process has exited) counts as dead. A frozen or cut-off member refuses
 nothing; it counts as dead once this node's workers' watchdog named it and its beacon does not
-answer within 0.3 s either (`keyed_silence`). `shutdown` revokes the lease at once.
+answer within 0.3 s either (`silence`). `shutdown` revokes the lease at once.
 `num_nodes_waiting` counts the arrivals at the next round (one keys-only read), except when the
 round is full and only spares wait. `set_closed` writes a closed flag that every waiting node sees
 at its next read and every later `next_rendezvous` raises on.
@@ -66,10 +66,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
-from elastic_ddp.agent.rendezvous.keyed_probes import ExitWitness
-from elastic_ddp.agent.rendezvous.keyed_rounds import KeyedSettings, closed_round, may_close, waiting_count
-from elastic_ddp.agent.rendezvous.keyed_silence import SilenceJudge
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord, node_name
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.silence import SilenceJudge
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class BoardView:
 
 
 class RoundBoard(Protocol):
-    """Where the nodes of one run meet: a backend (etcd-v3: `keyed_etcd`; a c10d store: `keyed_c10d`). Thread-safe.
+    """Where the nodes of one run meet: a backend (etcd-v3: `boards.etcd`; a c10d store: `boards.c10d`). Thread-safe.
     tests/cluster/test_board_contract.py holds every board to the promises below."""
 
     name: str  # the backend's name (`get_backend`)
@@ -230,7 +230,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         """See base class. 0 before this node's first round. Spares beyond a full round count once a
         member of it is no longer alive (torch moves them to its wait list then): the survivors
         restart for the spare, whether or not their workers noticed the loss. Liveness is read
-        only then, while spares wait. Also looks for this node's workers' verdict (`keyed_silence`)."""
+        only then, while spares wait. Also looks for this node's workers' verdict (`silence`)."""
         if self._round is None:
             return 0
         try:

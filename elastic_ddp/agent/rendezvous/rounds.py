@@ -1,6 +1,6 @@
 """The keyed rendezvous's rules, as pure functions: when a round may close, and who is in it.
 
-No I/O here; `keyed_handler` reads the board and asks these. See `keyed_handler` for the
+No I/O here; `handler` reads the board and asks these. See `handler` for the
 algorithm as a whole.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS, conf_switch
-from elastic_ddp.agent.rendezvous.keyed_state import NodeDesc, RoundRecord
 from elastic_ddp.agent.rendezvous.liveness import probes_enabled
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 
 # The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"

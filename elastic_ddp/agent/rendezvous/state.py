@@ -1,11 +1,11 @@
-"""What the keyed rendezvous (`keyed_handler`) keeps in its backend: small records, plain JSON, about
+"""What the keyed rendezvous (`handler`) keeps in its backend: small records, plain JSON, about
 its nodes (`NodeDesc`, defined here).
 
 - An **arrival**, one per node and round, in a key of the node's own: the node (`NodeDesc`:
   address, pid, local id). Written once by the node itself; never changed by another.
 - A **liveness** value, one per node, in a key of the node's own: its name and, with dead-node
-  probes on, its beacon port (`keyed_probes`); in a store without leases (c10d) also the time the
-  node last wrote it (a heartbeat, `keyed_c10d`).
+  probes on, its beacon port (`probes`); in a store without leases (c10d) also the time the
+  node last wrote it (a heartbeat, `boards.c10d`).
 - A **round record**, one per run (c10d: one per round), written only by the node that closes a round: the round's
   number, its members in rank order and its spares (the redundancy list: nodes that arrived beyond
   `max_nodes`, waiting for a place).
@@ -33,7 +33,7 @@ MAX_ADDR_CHARS = 255  # a DNS name is at most 253 characters
 class NodeDesc:
     """A node of the keyed rendezvous: one rendezvous handler of one torchrun agent, identified as
     torch's dynamic rendezvous identifies its nodes (`agent_setup.keyed_node` makes this process's).
-    Ordered by its fields in this order: a round's ranks follow it (`keyed_rounds.closed_round`).
+    Ordered by its fields in this order: a round's ranks follow it (`rounds.closed_round`).
     Prints as its `node_name`, as torch's prints in torch's logs.
 
     Not guaranteed: unique across restarts in place. A container that restarts torchrun as PID 1
