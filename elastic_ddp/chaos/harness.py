@@ -337,8 +337,9 @@ class ChaosHarness:
 
 
 def _kill_process_tree(pid: int) -> None:
-    """SIGKILL `pid` and its descendants, one by one: a worker forked by elastic_ddp.agent.launcher
-    shares its agent's process group, so a group kill would take the whole node down."""
+    """SIGKILL `pid` and its descendants, one by one, never by process group: a worker's group depends
+    on how it started (torchrun's child, or forked into a session of its own by the warm-worker
+    server), and a group kill of the wrong one takes more than the worker."""
     for member in process_tree(pid):
         try:
             os.kill(member, signal.SIGKILL)
