@@ -6,7 +6,9 @@ The DDP job is the README's plain-torchrun path: stock torchrun, torch's own `c1
 `--rdzv_conf` its start-up warning names (defaults.RDZV_CONF), and no TORCH_DISABLE_SHARE_RDZV_TCP_STORE in the agents'
 environment (without the plugin's fix, the agent-shared TCPStore makes restarted workers hang in
 init_process_group: findings.md, trap 2). The fsdp job runs our keyed `elastic-c10d` with torch's
-defaults for `--rdzv_conf` and `--monitor_interval`.
+defaults for `--rdzv_conf` and `--monitor_interval`. (A whole job killed and relaunched:
+tests/cluster/test_chaos.py, the c10d store host's loss; etcd-v3's kill and join:
+tests/cluster/test_etcd_e2e.py.)
 
 Snapshot files are written only at epoch ends, so a restore that loses nothing can only come from
 the survivors' memory copies; exactly once is read from the audit log, equivalence against the
