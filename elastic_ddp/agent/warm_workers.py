@@ -11,8 +11,10 @@ FD` (no shell) with that socket, and puts the address and the key in the agent's
 `ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun starts inherits (and the server, which takes
 it out of its own environment). The server imports the preload modules (`ELASTIC_DDP_PRELOAD`,
 comma-separated; default `PRELOAD`: torch, torch._dynamo, torch.optim and the trainer) while the
-agent is in its first rendezvous; a worker that connects before that is done waits in the socket's
-backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
+agent imports torch and creates its rendezvous handler, then writes READY_BYTE to the agent's
+readiness pipe: both callers wait for it (at most READY_WAIT_S) before the agent enters its first
+rendezvous, so that a node joining a running job does not stop the running nodes for its imports.
+A worker that connects before the imports are done (the wait timed out) waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
 connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
 way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
 any client, and only then forks. It relays each child's exit status to its client when the child
@@ -59,6 +61,7 @@ import os
 import re
 import runpy
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -67,6 +70,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 from elastic_ddp.warm_client import (
     CLIENT_LABEL,
@@ -98,6 +102,10 @@ MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 REQUEST_TIMEOUT_S = 10  # from the fork to the whole request read (an alarm: SIGALRM ends the child)
 PARENT_CHECK_S = 1.0
 BACKLOG = 64  # connections waiting while the server imports: every worker of a node at once
+READY_BYTE = b"R"  # what the server writes to the agent's readiness pipe once its preloads are imported
+# At most this long, an agent waits for its server's imports before it enters the rendezvous
+# (launcher.py, plugin.ready_handler); then it goes on, and its first workers wait in the backlog.
+READY_WAIT_S = 60.0
 HANDSHAKE_TIMEOUT_S = 5.0  # from the accept to the client's proof; a real client sends it at once
 MAX_HANDSHAKES = BACKLOG  # connections waiting for their proof; one more pushes out the oldest
 MAX_CHILDREN = 256  # running workers; a node runs nproc_per_node of them
@@ -109,23 +117,48 @@ _GO = b"g"  # the server watches the child (its pidfd is open): it may start
 _LOG = "elastic_ddp.agent.warm_workers: "
 
 
-def start_warm_worker_server() -> str | None:
+@dataclass(frozen=True)
+class StartedServer:
+    """A warm-worker server this agent started: its address, and with `announce_ready`, the read end
+    of a pipe that becomes readable when the server has its preload modules (or has ended)."""
+
+    address: str
+    ready: int | None = None
+
+    def wait_until_ready(self, timeout_s: float) -> bool:
+        """Block until the server has its preload modules, at most `timeout_s`; whether it said so
+        (False: the time ran out, the server ended first, or no pipe was asked for). Closes the pipe."""
+        if self.ready is None:
+            return False
+        try:
+            readable, _, _ = select.select([self.ready], [], [], timeout_s)
+            return bool(readable) and os.read(self.ready, 1) == READY_BYTE
+        finally:
+            os.close(self.ready)
+
+
+def start_warm_worker_server(announce_ready: bool = False) -> StartedServer | None:
     """Start the server for this agent's workers and name it, with its key, in
-    `ELASTIC_DDP_WARM_WORKERS`; its address, or None when that variable is already set (`0`: turned
-    off; or a server runs)."""
+    `ELASTIC_DDP_WARM_WORKERS`; None when that variable is already set (`0`: turned off; or a server
+    runs) or off Linux. With `announce_ready`, the server writes READY_BYTE to a pipe once its
+    preloads are imported (`StartedServer.wait_until_ready`)."""
     if os.environ.get(VARIABLE) or not sys.platform.startswith("linux"):
         return None
     name = f"{ADDRESS_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     value = variable_value(name, secrets.token_bytes(KEY_BYTES))
+    ready_read, ready_write = os.pipe() if announce_ready else (None, None)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(b"\0" + name.encode())
         listener.listen(BACKLOG)
+        passed = (listener.fileno(),) if ready_write is None else (listener.fileno(), ready_write)
         # The agent keeps no copy of the socket: when the server is gone, connecting is refused at once.
-        subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(listener.fileno()), str(os.getpid())],
-                         pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+        subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *map(str, (*passed[:1], os.getpid(), *passed[1:]))],
+                         pass_fds=passed, stdin=subprocess.DEVNULL, start_new_session=True,
                          env={**os.environ, VARIABLE: value})
+    if ready_write is not None:
+        os.close(ready_write)  # the server holds the only write end: its end is EOF here
     os.environ[VARIABLE] = value
-    return "@" + name
+    return StartedServer("@" + name, ready_read)
 
 
 class _Handshake:
@@ -491,6 +524,7 @@ def preload_modules() -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    """`python -m elastic_ddp.agent.warm_workers LISTENER_FD AGENT_PID [READY_FD]`."""
     agent_pid = int(argv[1])  # not getppid(): the agent may have ended already (a bad flag)
     end_with_the_parent(agent_pid)
     _, key = parse_variable(os.environ.pop(VARIABLE, ""))  # the children's environment is their client's
@@ -502,6 +536,9 @@ def main(argv: list[str]) -> None:
         except ImportError as exc:
             sys.stderr.write(f"{_LOG}could not preload {module} ({exc}); workers will import it themselves\n")
     sys.stderr.write(f"{_LOG}ready in {time.monotonic() - started:.1f} s (agent {agent_pid})\n")
+    if len(argv) > 2:  # the agent waits on this pipe (start_warm_worker_server(announce_ready=True))
+        os.write(int(argv[2]), READY_BYTE)
+        os.close(int(argv[2]))
     WarmWorkerServer(listener, agent_pid, key).serve()
 
 

@@ -545,3 +545,36 @@ def test_no_server_is_started_where_none_would_be_used(monkeypatch, argv, variab
 
 if __name__ == "__main__":
     target(*sys.argv[1:])
+
+
+READY_AGENT = ("import sys\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
+               "server = start_warm_worker_server(announce_ready=True)\n"
+               "print(server.wait_until_ready(float(sys.argv[1])), flush=True)\nsys.stdin.read()\n")
+
+
+@pytest.mark.parametrize(("preload", "said_ready"), [("elastic_ddp.runtime.procfs", "True"),
+                                                     ("no_such_module_here", "True")])
+def test_the_launchers_agent_waits_until_its_server_has_its_imports(preload, said_ready):
+    """A preload that imports, or one that fails (the server goes on and says why): either way the
+    server says it is ready on the pipe, and the agent's wait returns True well within its bound."""
+    env = {**os.environ, "ELASTIC_DDP_PRELOAD": preload}
+    env.pop(VARIABLE, None)
+    agent = subprocess.Popen([sys.executable, "-c", READY_AGENT, str(BOUND_S)], cwd=REPO, env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert agent.stdout.readline().strip() == said_ready
+    finally:
+        agent.stdin.close()
+        agent.wait(timeout=BOUND_S)
+
+
+def test_a_server_that_ends_before_its_imports_ends_the_agents_wait_at_once():
+    """The pipe's write end lives only in the server: a server that dies unready is EOF, not a hang."""
+    from elastic_ddp.agent.warm_workers import StartedServer
+
+    read_end, write_end = os.pipe()
+    os.close(write_end)  # as a server that ended before it wrote
+    started = time.monotonic()
+    assert StartedServer("@x", read_end).wait_until_ready(BOUND_S) is False
+    assert time.monotonic() - started < BOUND_S / 2
+    assert StartedServer("@x").wait_until_ready(BOUND_S) is False  # no pipe asked for

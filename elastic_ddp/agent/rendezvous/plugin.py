@@ -133,18 +133,32 @@ def take_warm_workers(params) -> bool:
     return WARM_WORKERS_VALUES[given]
 
 
-def start_warm_workers(params, argv: Sequence[str] | None = None) -> None:
+def start_warm_workers(params, argv: Sequence[str] | None = None):
     """Start this agent's warm-worker server (elastic_ddp.agent.warm_workers) when its workers run a
-    module that asks for one and `warm_workers` is not 0. None starts where `ELASTIC_DDP_WARM_WORKERS`
-    is set: `0`, or a server runs already (`python -m elastic_ddp.agent.launcher` starts one first)."""
+    module that asks for one and `warm_workers` is not 0; the server (`StartedServer`), or None. None
+    starts where `ELASTIC_DDP_WARM_WORKERS` is set: `0`, or a server runs already
+    (`python -m elastic_ddp.agent.launcher` starts one first)."""
     if not take_warm_workers(params):
-        return
+        return None
     from elastic_ddp.warm_client import WARM_MODULES
 
-    if training_module(sys.argv[1:] if argv is None else argv) in WARM_MODULES:
-        from elastic_ddp.agent.warm_workers import start_warm_worker_server
+    if training_module(sys.argv[1:] if argv is None else argv) not in WARM_MODULES:
+        return None
+    from elastic_ddp.agent.warm_workers import start_warm_worker_server
 
-        start_warm_worker_server()
+    return start_warm_worker_server(announce_ready=True)
+
+
+def ready_handler(handler, server):
+    """`handler`, returned once `server` (None: none was started) has its imports, at most
+    `READY_WAIT_S`: torchrun enters the rendezvous when the factory returns, and a node that joins a
+    running job closes a round that stops the running nodes, which then wait in
+    `init_process_group` for its workers' imports."""
+    if server is not None:
+        from elastic_ddp.agent.warm_workers import READY_WAIT_S
+
+        server.wait_until_ready(READY_WAIT_S)
+    return handler
 
 
 def etcd_v3_handler_factory() -> Callable:
@@ -156,8 +170,8 @@ def etcd_v3_handler_factory() -> Callable:
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)
-        start_warm_workers(params)
-        return count_rounds(create_keyed_etcd_v3_handler(params))
+        server = start_warm_workers(params)  # first: it imports while the handler connects
+        return ready_handler(count_rounds(create_keyed_etcd_v3_handler(params)), server)
 
     return create_etcd_v3_handler
 
@@ -171,7 +185,7 @@ def elastic_c10d_handler_factory() -> Callable:
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)
-        start_warm_workers(params)
-        return count_rounds(create_keyed_c10d_handler(params))
+        server = start_warm_workers(params)  # first: it imports while the handler connects
+        return ready_handler(count_rounds(create_keyed_c10d_handler(params)), server)
 
     return create_elastic_c10d_handler
