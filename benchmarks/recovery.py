@@ -14,12 +14,12 @@ waits for the first step of the group that includes it (world 2 -> 3, below --nn
 SIGSTOPs that new node and waits for the first step of the group that goes on without it.
 
 Five settings are measured in the same run, interleaved, on the same machine:
-- `ours`: what launch/node.sh ships: `python -m elastic_ddp.agent.launcher` (torchrun with workers forked
+- `ours`: `python -m elastic_ddp.agent.launcher` (`LAUNCHER=` of launch/node.sh; torchrun with workers forked
   by a warm-worker server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
   `MONITOR_INTERVAL_S` of elastic_ddp.agent.rendezvous.defaults; memory copies and the watchdog on (the
   defaults);
 - `plain`: plain torchrun (`python -m torch.distributed.run`) with `--rdzv_backend=elastic-c10d`
-  and nothing else: the README's main command;
+  and nothing else: the README's main command, and what launch/node.sh runs;
 - `ours-cold`: plain torchrun with torch's `c10d` and `RDZV_CONF`, the way to run before
   elastic-c10d existed;
 - `stock`: plain torchrun with torch's `c10d` and its defaults (no --rdzv_conf, --monitor_interval

@@ -16,11 +16,11 @@
 #   RDZV_CONF       torchrun --rdzv_conf (timeouts, heartbeats, etcd TLS/auth keys)
 #                   [the shipped timing, see docs/operations.md; for etcd-v3, append its keys]
 #   MONITOR_INTERVAL seconds between the agent's worker checks        [0.1]
-#   LAUNCHER        the agent program: elastic_ddp.agent.launcher (torchrun whose workers are forked
-#                   warm by the agent's warm-worker server, for any backend and -m module: restarts
-#                   2-3 s faster, see docs/operations.md "Warm workers"; its workers end with the
-#                   agent; it runs c10d as elastic-c10d) or
-#                   torch.distributed.run (plain torchrun)                [elastic_ddp.agent.launcher]
+#   LAUNCHER        the agent program: torch.distributed.run (plain torchrun: with elastic-c10d or
+#                   etcd-v3 its workers are forked warm by the warm-worker server that our
+#                   rendezvous plugin starts, docs/operations.md "Warm workers") or
+#                   elastic_ddp.agent.launcher (the same server for any backend and -m module; it
+#                   runs c10d as elastic-c10d)                       [torch.distributed.run]
 #   PYTHON          interpreter with elastic_ddp installed            [.venv/bin/python, else python3]
 #   OMP_NUM_THREADS threads per worker                                 [1]
 set -euo pipefail
@@ -32,7 +32,7 @@ fi
 # Keep these in step with elastic_ddp/agent/rendezvous/defaults.py (tests/cluster/test_launch_recipes.py checks).
 DEFAULT_RDZV_CONF="join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 DEFAULT_MONITOR_INTERVAL=0.1
-DEFAULT_LAUNCHER=elastic_ddp.agent.launcher
+DEFAULT_LAUNCHER=torch.distributed.run
 
 nnodes="${NNODES:-1:4}"
 nproc="${NPROC_PER_NODE:-1}"

@@ -16,7 +16,8 @@ the worker from its warm state and runs MODULE as `python -m MODULE ARGS...` wou
 (elastic_ddp/warm_client.py). Plain torchrun gets the same server from our rendezvous plugin, but
 only with our backends and for the modules of `warm_client.WARM_MODULES`; under the launcher the
 plugin finds the server running and starts none. The agent enters the rendezvous once its server
-has its imports (at most `warm_workers.READY_WAIT_S`), as the plugin's agents do: a node that joins a running job would otherwise close a
+has its imports (at most `warm_workers.READY_WAIT_S`) when it joins a running job (the plugin's
+rendezvous handler waits on the server the launcher started): a node that joins a running job would otherwise close a
 round that stops the running nodes, which then wait in `init_process_group` for its workers'
 imports. Figures: docs/failure-semantics.md ("Recovery speed"). `--rdzv_conf ...,warm_workers=0` or `ELASTIC_DDP_WARM_WORKERS=0` turns this off: torchrun
 then gets `-m MODULE` as given.
@@ -42,7 +43,7 @@ from collections.abc import Sequence
 
 from elastic_ddp import warm_start
 from elastic_ddp.agent.rendezvous.plugin import WARM_WORKERS_KEY
-from elastic_ddp.agent.warm_workers import READY_WAIT_S, start_warm_worker_server
+from elastic_ddp.agent.warm_workers import start_warm_worker_server
 
 # `warm_workers=0` in an `--rdzv_conf` value (`--rdzv_conf=a=1,warm_workers=0` or a separate argument).
 WARM_WORKERS_OFF_CONF = re.compile(rf"(?:^|[=,]){WARM_WORKERS_KEY}=0(?:,|$)")
@@ -100,8 +101,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
     argv = probed_c10d_arguments(argv)
-    if server is not None:
-        server.wait_until_ready(READY_WAIT_S)
     torchrun.main(warm_arguments(argv) if server is not None else argv)
 
 

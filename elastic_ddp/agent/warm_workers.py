@@ -12,8 +12,9 @@ FD` (no shell) with that socket, and puts the address and the key in the agent's
 it out of its own environment). The server imports the preload modules (`ELASTIC_DDP_PRELOAD`,
 comma-separated; default `PRELOAD`: torch, torch._dynamo, torch.optim and the trainer) while the
 agent imports torch and creates its rendezvous handler, then writes READY_BYTE to the agent's
-readiness pipe: both callers wait for it (at most READY_WAIT_S) before the agent enters its first
-rendezvous, so that a node joining a running job does not stop the running nodes for its imports.
+readiness pipe: a node that joins a running job waits for it (at most READY_WAIT_S) before it
+arrives at a round (plugin.ready_handler), so that its round does not stop the running nodes for
+its imports; a job's first round and a member's next ones do not wait.
 A worker that connects before the imports are done (the wait timed out) waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
 connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
 way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
@@ -137,6 +138,16 @@ class StartedServer:
             os.close(self.ready)
 
 
+# The server this process (an agent) started, if any: the launcher starts it before torchrun creates
+# the rendezvous handler that waits on it (plugin.ready_handler).
+_started_here: list[StartedServer] = []
+
+
+def server_started_here() -> StartedServer | None:
+    """The warm-worker server this process started, or None."""
+    return _started_here[-1] if _started_here else None
+
+
 def start_warm_worker_server(announce_ready: bool = False) -> StartedServer | None:
     """Start the server for this agent's workers and name it, with its key, in
     `ELASTIC_DDP_WARM_WORKERS`; None when that variable is already set (`0`: turned off; or a server
@@ -158,7 +169,8 @@ def start_warm_worker_server(announce_ready: bool = False) -> StartedServer | No
     if ready_write is not None:
         os.close(ready_write)  # the server holds the only write end: its end is EOF here
     os.environ[VARIABLE] = value
-    return StartedServer("@" + name, ready_read)
+    _started_here.append(StartedServer("@" + name, ready_read))
+    return _started_here[-1]
 
 
 class _Handshake:

@@ -82,10 +82,14 @@ def test_a_sharded_job_reshards_through_kills_joins_and_a_freeze_at_world_sizes_
         reference = pool.submit(run_reference, tmp_path / "reference", TRAINING_ARGS)
         host = job.add_node("host")
         lost = job.add_node("lost")
-        world_reached(job, 2)
-        job.wait_for_step(6, timeout=90)
+        # The host may train alone first (world 1), the second node joining it when its server is ready.
+        pair_of_two = world_reached(job, 2)
+        job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == pair_of_two["incarnation"]
+                           and e["global_step"] >= 6, 90, "a step in world 2")
+        killed_at = time.time()
         lost.kill()
-        shrunk = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1, 90, "restore in world 1")
+        shrunk = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == 1 and e["time"] > killed_at,
+                                    90, "restore in world 1")
         pause_at(hold, shrunk["global_step"] + 2)  # the joins happen mid-epoch, however fast the job trains
         pair = job.add_node("pair", agent_args=["--nproc_per_node=2"])  # the last one wins
         single = job.add_node("single")

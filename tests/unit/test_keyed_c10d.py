@@ -29,7 +29,7 @@ from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
-from tests.support.rendezvous import ranks_by_node
+from tests.support.rendezvous import Background, ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,3 +222,21 @@ def test_a_key_neither_the_keyed_rendezvous_nor_the_board_reads_is_refused(monke
     with pytest.raises(ValueError, match=rf"^--rdzv_conf {next(iter(other_board))}: not a key of {backend}"):
         create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, **other_board))
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+
+
+def test_only_a_node_joining_a_running_job_waits_to_be_ready_before_it_arrives(server) -> None:
+    """The first round of a job and a member's next round go straight on; a node that finds a round
+    closed without it calls its readiness hook once, before its arrival (plugin.ready_handler)."""
+    chosen = settings(min_nodes=2, max_nodes=3)
+    readied: list[tuple[NodeDesc, list[NodeDesc]]] = []
+    a, b, c = (handler(server, node, chosen) for node in (A, B, C))
+    for node, made in ((A, a), (B, b), (C, c)):
+        made.before_joining_a_running_job(lambda node=node, made=made: readied.append((node, made._board.arrivals(1))))
+    assert ranks_by_node([a, b]) == {A: (0, 2), B: (1, 2)}  # the job's first round
+    assert readied == []
+    joining = Background(c)
+    wait_for(lambda: a.num_nodes_waiting() > 0, 10, "the joiner's arrival, seen by a member")
+    assert ranks_by_node([a, b]) == {A: (0, 3), B: (1, 3)}  # the members' next round: no wait
+    assert (joining.result().rank, joining.result().world_size) == (2, 3)
+    [(node, arrived_before)] = readied
+    assert node == C and C not in arrived_before

@@ -68,9 +68,11 @@ def test_the_server_is_started_before_torch_only_where_it_will_be_used(argv, war
     assert may_run_warm(argv) is warm
 
 
-def test_node_sh_starts_the_launcher_unless_asked_for_plain_torchrun():
+def test_node_sh_starts_plain_torchrun_unless_asked_for_the_launcher():
+    """Plain torchrun with elastic-c10d gets the same warm workers from the plugin (issue 41)."""
     text = (REPO / "launch" / "node.sh").read_text()
-    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.MULTILINE).group(1) == LAUNCHER
+    assert re.search(r"^DEFAULT_LAUNCHER=(\S+)", text, re.MULTILINE).group(1) == STOCK_LAUNCHER
+    assert re.search(r'^backend="\$\{RDZV_BACKEND:-(\S+)\}"', text, re.MULTILINE).group(1) == "elastic-c10d"
     assert f"LAUNCHER: got '$launcher'; expected {LAUNCHER} or {STOCK_LAUNCHER}" in text
 
 

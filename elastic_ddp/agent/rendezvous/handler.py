@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,6 +131,13 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._poll_s = poll_s
         self._round: RoundRecord | None = None  # the last round this node was a member of
         self._verdict_fault_logged = False
+        self._before_joining: Callable[[], object] | None = None
+
+    def before_joining_a_running_job(self, ready: Callable[[], object]) -> None:
+        """Call `ready` (once, blocking) before this node first arrives at a round of a job that runs
+        without it: its round stops the running nodes, so a joiner comes with its warm-worker server's
+        imports done (the plugin). Not called when the job starts, nor for a member's next round."""
+        self._before_joining = ready
 
     @property
     def node(self) -> NodeDesc:
@@ -157,6 +165,9 @@ class KeyedRendezvousHandler(RendezvousHandler):
         first = self._board.view(0)
         if first.closed:
             raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
+        if self._before_joining is not None and first.record is not None and first.record.rank_of(self._node) is None:
+            ready, self._before_joining = self._before_joining, None
+            ready()
         target = first.record.round + 1 if first.record is not None else 0
         self._silence.start(self._board.alive)
         self._board.arrive(target, self._node)

@@ -140,24 +140,23 @@ def start_warm_workers(params, argv: Sequence[str] | None = None):
     (`python -m elastic_ddp.agent.launcher` starts one first)."""
     if not take_warm_workers(params):
         return None
+    from elastic_ddp.agent.warm_workers import server_started_here, start_warm_worker_server
     from elastic_ddp.warm_client import WARM_MODULES
 
     if training_module(sys.argv[1:] if argv is None else argv) not in WARM_MODULES:
-        return None
-    from elastic_ddp.agent.warm_workers import start_warm_worker_server
-
-    return start_warm_worker_server(announce_ready=True)
+        return server_started_here()  # the launcher's, started before torchrun
+    return start_warm_worker_server(announce_ready=True) or server_started_here()
 
 
 def ready_handler(handler, server):
-    """`handler`, returned once `server` (None: none was started) has its imports, at most
-    `READY_WAIT_S`: torchrun enters the rendezvous when the factory returns, and a node that joins a
-    running job closes a round that stops the running nodes, which then wait in
-    `init_process_group` for its workers' imports."""
+    """`handler` (a keyed handler), set to wait until `server` (None: no server) has its imports, at
+    most `READY_WAIT_S`, before it first arrives at a round of a job that runs without this node: that
+    round stops the running nodes, which would then wait in `init_process_group` for its workers'
+    imports. A job's first round and a member's next ones do not wait."""
     if server is not None:
         from elastic_ddp.agent.warm_workers import READY_WAIT_S
 
-        server.wait_until_ready(READY_WAIT_S)
+        handler.before_joining_a_running_job(lambda: server.wait_until_ready(READY_WAIT_S))
     return handler
 
 
@@ -171,7 +170,7 @@ def etcd_v3_handler_factory() -> Callable:
 
         take_algorithm(params)
         server = start_warm_workers(params)  # first: it imports while the handler connects
-        return ready_handler(count_rounds(create_keyed_etcd_v3_handler(params)), server)
+        return count_rounds(ready_handler(create_keyed_etcd_v3_handler(params), server))
 
     return create_etcd_v3_handler
 
@@ -186,6 +185,6 @@ def elastic_c10d_handler_factory() -> Callable:
 
         take_algorithm(params)
         server = start_warm_workers(params)  # first: it imports while the handler connects
-        return ready_handler(count_rounds(create_keyed_c10d_handler(params)), server)
+        return count_rounds(ready_handler(create_keyed_c10d_handler(params), server))
 
     return create_elastic_c10d_handler
