@@ -135,9 +135,10 @@ def take_warm_workers(params) -> bool:
 
 def start_warm_workers(params, argv: Sequence[str] | None = None):
     """Start this agent's warm-worker server (elastic_ddp.agent.warm_workers) when its workers run a
-    module that asks for one and `warm_workers` is not 0; the server (`StartedServer`), or None. None
-    starts where `ELASTIC_DDP_WARM_WORKERS` is set: `0`, or a server runs already
-    (`python -m elastic_ddp.agent.launcher` starts one first)."""
+    module that asks for one and `warm_workers` is not 0. None starts where `ELASTIC_DDP_WARM_WORKERS`
+    is set: `0`, or a server runs already (`python -m elastic_ddp.agent.launcher` starts one first).
+    Returns the server this agent runs (`StartedServer`: the one started now, or the launcher's), or
+    None."""
     if not take_warm_workers(params):
         return None
     from elastic_ddp.agent.warm_workers import server_started_here, start_warm_worker_server
