@@ -71,7 +71,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 from elastic_ddp.warm_client import (
     CLIENT_LABEL,
@@ -118,24 +117,28 @@ _GO = b"g"  # the server watches the child (its pidfd is open): it may start
 _LOG = "elastic_ddp.agent.warm_workers: "
 
 
-@dataclass(frozen=True)
 class StartedServer:
     """A warm-worker server this agent started: its address, and with `announce_ready`, the read end
     of a pipe that becomes readable when the server has its preload modules (or has ended)."""
 
-    address: str
-    ready: int | None = None
+    def __init__(self, address: str, ready: int | None = None):
+        self.address = address
+        self._ready = ready
+        self._said_ready = False
 
     def wait_until_ready(self, timeout_s: float) -> bool:
         """Block until the server has its preload modules, at most `timeout_s`; whether it said so
-        (False: the time ran out, the server ended first, or no pipe was asked for). Closes the pipe."""
-        if self.ready is None:
-            return False
+        (False: the time ran out, the server ended first, or no pipe was asked for). The first call
+        waits and closes the pipe; a later one returns the first one's answer at once."""
+        if self._ready is None:
+            return self._said_ready
         try:
-            readable, _, _ = select.select([self.ready], [], [], timeout_s)
-            return bool(readable) and os.read(self.ready, 1) == READY_BYTE
+            readable, _, _ = select.select([self._ready], [], [], timeout_s)
+            self._said_ready = bool(readable) and os.read(self._ready, 1) == READY_BYTE
         finally:
-            os.close(self.ready)
+            os.close(self._ready)
+            self._ready = None
+        return self._said_ready
 
 
 # The server this process (an agent) started, if any: the launcher starts it before torchrun creates

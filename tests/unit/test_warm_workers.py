@@ -578,3 +578,22 @@ def test_a_server_that_ends_before_its_imports_ends_the_agents_wait_at_once():
     assert StartedServer("@x", read_end).wait_until_ready(BOUND_S) is False
     assert time.monotonic() - started < BOUND_S / 2
     assert StartedServer("@x").wait_until_ready(BOUND_S) is False  # no pipe asked for
+
+
+def test_a_second_wait_answers_as_the_first_and_closes_no_other_descriptor():
+    """The launcher's server is handed to whatever asks (`server_started_here`): a second wait must
+    not close the pipe's number again, which by then may be another file's."""
+    from elastic_ddp.agent.warm_workers import READY_BYTE, StartedServer
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, READY_BYTE)
+    os.close(write_end)
+    server = StartedServer("@x", read_end)
+    assert server.wait_until_ready(BOUND_S) is True
+    reused_read, reused_write = os.pipe()  # may take the closed pipe's number
+    try:
+        assert server.wait_until_ready(BOUND_S) is True
+        os.fstat(reused_read)  # still open
+    finally:
+        os.close(reused_read)
+        os.close(reused_write)

@@ -144,9 +144,10 @@ def start_warm_workers(params, argv: Sequence[str] | None = None):
     from elastic_ddp.agent.warm_workers import server_started_here, start_warm_worker_server
     from elastic_ddp.warm_client import WARM_MODULES
 
-    if training_module(sys.argv[1:] if argv is None else argv) not in WARM_MODULES:
-        return server_started_here()  # the launcher's, started before torchrun
-    return start_warm_worker_server(announce_ready=True) or server_started_here()
+    server = server_started_here()  # the launcher's, started before torchrun
+    if server is None and training_module(sys.argv[1:] if argv is None else argv) in WARM_MODULES:
+        server = start_warm_worker_server(announce_ready=True)
+    return server
 
 
 def ready_handler(handler, server):
