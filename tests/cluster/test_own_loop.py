@@ -91,18 +91,24 @@ def test_a_node_lost_and_one_joining_mid_epoch_cost_the_users_loop_no_step_and_n
         killed_at = time.time()
         lost.kill()
         committed = job.last_step()
-        assert restore_after(job, 2, 4, killed_at)["global_step"] >= committed
+        shrunk = restore_after(job, 2, 4, killed_at)
+        assert shrunk["global_step"] >= committed
         joined_at = time.time()
         joiner = job.add_node("joiner")
-        assert restore_after(job, 4, 2, joined_at)["global_step"] < EPOCHS * STEPS_PER_EPOCH
+        grown = restore_after(job, 4, 2, joined_at)
+        assert grown["global_step"] < EPOCHS * STEPS_PER_EPOCH
         assert host.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
         assert "shares its rendezvous TCPStore" not in node_logs(job)
         reference_dir = reference.result(timeout=180)
 
     assert_exactly_once(job, WINDOWS, EPOCHS, BATCH)
     equivalence = compare_runs(reference_dir, job.checkpoint_dir)
-    assert not equivalence.missing_steps and equivalence.parameter_difference <= PARAMETER_TOLERANCE, \
+    # A step committed just before a rank died may lack its loss (its reduction needed the dead rank):
+    # only the step each restore resumed from, as in test_zero_loss and test_sharded_cluster.
+    assert set(equivalence.missing_steps) <= {shrunk["global_step"], grown["global_step"]}, equivalence.describe()
+    assert equivalence.steps_compared + len(equivalence.missing_steps) == EPOCHS * STEPS_PER_EPOCH, \
         equivalence.describe()
+    assert equivalence.parameter_difference <= PARAMETER_TOLERANCE, equivalence.describe()
     assert equivalence.loss_difference <= DEFAULT_LOSS_TOLERANCE, equivalence.describe()
     final = load_snapshot(job.checkpoint_dir)
     assert final["global_step"] == EPOCHS * STEPS_PER_EPOCH
