@@ -261,7 +261,3 @@ class TestStoreRoundBoard(BoardContract):
         for board in made:  # their heartbeat threads stop before the store does
             board.leave()
 
-    @pytest.mark.xfail(strict=True, reason="finding: the c10d board keeps a node's arrival at an earlier round "
-                                           "(a slot is written once); the handler never reads that round again")
-    def test_arriving_at_a_later_round_drops_the_earlier_arrival(self, make_board) -> None:
-        super().test_arriving_at_a_later_round_drops_the_earlier_arrival(make_board)

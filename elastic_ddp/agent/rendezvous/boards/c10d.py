@@ -7,7 +7,7 @@ Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `
     round/<n>                 round n's record (`state.RoundRecord`, JSON), written once, by its closer
     closed                    a counter, above 0 once `set_closed` was called
     arrivals/<n>/count        a counter: `add` hands each node arriving at round n a slot of its own
-    arrivals/<n>/<slot>       the node in that slot (`state.encode_arrival`)
+    arrivals/<n>/<slot>       the node in that slot (`state.encode_arrival`), or `WITHDRAWN`
     alive/<node>              the node's heartbeat: its name, beacon port and wall-clock time
 
 Arriving is one atomic `add` and one `set` of the node's own slot; closing round n is one
@@ -71,6 +71,8 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "elastic-c10d"
 # Seconds `arrivals` waits for a slot taken but not yet written (the add and the set are two requests).
 SLOT_WAIT_S = 1.0
+# What a node writes into its slot at a round it no longer waits for: not an arrival (`state.decode_arrival`).
+WITHDRAWN = b"withdrawn"
 
 
 
@@ -204,14 +206,22 @@ class StoreRoundBoard:
     # --- rounds ------------------------------------------------------------------------------
 
     def arrive(self, round_number: int, node: NodeDesc) -> None:
-        """See `RoundBoard`: one `add` for a slot, one `set` of it (at most once per round). Not
-        guaranteed: this node's arrival at an earlier round is not dropped (a slot is written once),
-        which the handler never notices, as it never reads a round before the last closed one."""
+        """See `RoundBoard`: one `add` for a slot, one `set` of it (at most once per round).
+
+        This node's arrival at an earlier round that is not known closed is withdrawn: its slot is
+        written again with `WITHDRAWN`, which no reader takes for a node. A reader that read the slot
+        before keeps its node (slots are cached); only the closer of that round could, and a node
+        moves on to a later round once it has seen that round closed, which costs no write."""
         with self._lock:
             if round_number in self._slots:
                 return
             slot = self._add(f"arrivals/{round_number}/count", 1)
             self._set(f"arrivals/{round_number}/{slot}", encode_arrival(node))
+            closed_up_to = self._latest.round if self._latest is not None else -1
+            for earlier in [number for number in self._slots if number < round_number]:
+                if earlier > closed_up_to:
+                    self._set(f"arrivals/{earlier}/{self._slots[earlier]}", WITHDRAWN)
+                del self._slots[earlier]
             self._slots[round_number] = slot
             self._counted.add(round_number)
 

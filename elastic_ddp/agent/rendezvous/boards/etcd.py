@@ -160,6 +160,8 @@ class EtcdRoundBoard:
             try:
                 self._refresh()
             except RendezvousError as exc:  # etcd unreachable beyond the retry budget: try again next tick
+                if self._stop.is_set():  # left meanwhile: the lease is revoked or left to expire
+                    return
                 logger.warning("the keyed rendezvous could not refresh node %s's lease: %s",
                                node_name(self._node) if self._node else "?", exc)
 
