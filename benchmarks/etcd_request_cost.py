@@ -1,4 +1,4 @@
-"""What one request of the keyed rendezvous on etcd-v3 costs: CPU milliseconds in the agent and in etcd.
+"""What one request of the rendezvous on etcd-v3 costs: CPU milliseconds in the agent and in etcd.
 
     python -m benchmarks.etcd_request_cost                 # 500 calls of each, a 64-member round record
     python -m benchmarks.etcd_request_cost --calls 2000 --members 256
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.boards.etcd import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.etcd_server import single_server
 
@@ -39,7 +39,7 @@ def measure(calls: int, members: int) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="etcd-cost-") as directory:
         server = single_server(Path(directory))
         try:
-            handler = create_keyed_etcd_v3_handler(RendezvousParameters(
+            handler = create_etcd_v3_handler(RendezvousParameters(
                 "etcd-v3", server.endpoint, "cost", 1, members + 1, local_addr="127.0.0.1"))
             board = handler._board
             board.start(handler.node, None)

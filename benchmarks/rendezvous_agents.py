@@ -5,13 +5,13 @@ measuring process.
     agent = AgentProcess(context, (backend, endpoint, run_id, max_nodes, is_host))
     agent.wait_built(); agent.start(entering=True); ...; agent.stop(); agent.counts(); agent.kill()
 
-An agent is the handler torchrun builds for the backend (for `elastic-c10d` and `etcd-v3` the keyed
+An agent is the handler torchrun builds for the backend (for `elastic-c10d` and `etcd-v3` elastic_ddp's
 rendezvous, for torch's own `c10d` its real `DynamicRendezvousHandler`), running torchrun's monitor
 loop between rounds. Its processes are forked from a server that
 imported torch and this module once (`agent_processes`): 65 agents start in seconds on 2 cores,
 where 65 interpreters importing torch would take minutes. Each agent publishes its round, whether
 it is in `next_rendezvous` and the waiting count it last saw in shared memory, so the measuring
-process watches a phase without asking anyone; with the keyed rendezvous also when it arrived,
+process watches a phase without asking anyone; with the rendezvous also when it arrived,
 closed a round and returned (`MILESTONES`). `benchmarks.cpu_use.CpuUse` profiles each phase.
 """
 
@@ -34,10 +34,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic_ddp.agent.rendezvous.boards.c10d import create_keyed_c10d_handler
-from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.boards.c10d import create_elastic_c10d_handler
+from elastic_ddp.agent.rendezvous.boards.etcd import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S, SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 
 # An agent still in `next_rendezvous` when its phase times out gives up by then too (its join
 # timeout), instead of polling through the shipped 300 s and holding up the next measurement.
@@ -71,19 +71,19 @@ class CountingBackend(RendezvousBackend):
 
     def take(self) -> tuple[int, int, int, int]:
         """(state reads, state writes, lost state writes, 0) since the last `take`, in
-        `KeyedCounter.take`'s shape (torch has no heartbeat operations apart from state writes)."""
+        `BoardCounter.take`'s shape (torch has no heartbeat operations apart from state writes)."""
         with self._lock:
             counts = (self.reads, self.writes, self.lost_writes, 0)
             self.reads = self.writes = self.lost_writes = 0
         return counts
 
 
-class KeyedCounter:
-    """The keyed rendezvous's requests (`EtcdRoundBoard.counts`, `StoreRoundBoard.counts`) in
+class BoardCounter:
+    """The rendezvous's requests (`EtcdRoundBoard.counts`, `StoreRoundBoard.counts`) in
     `CountingBackend.take`'s shape: reads, writes (arrivals, closes, lease grants or registration,
     liveness), lost closes, lease refreshes or heartbeats."""
 
-    def __init__(self, handler: KeyedRendezvousHandler):
+    def __init__(self, handler: RoundRendezvousHandler):
         self._counts = handler._board.counts
         self._taken = dict(self._counts)
 
@@ -99,13 +99,13 @@ class KeyedCounter:
 class Agent:
     """One agent as torchrun builds it, inside its agent process."""
 
-    handler: DynamicRendezvousHandler | KeyedRendezvousHandler
-    counter: CountingBackend | KeyedCounter
+    handler: DynamicRendezvousHandler | RoundRendezvousHandler
+    counter: CountingBackend | BoardCounter
     round: int = 0
 
     def rendezvous(self) -> None:
         self.handler.next_rendezvous()
-        if isinstance(self.handler, KeyedRendezvousHandler):
+        if isinstance(self.handler, RoundRendezvousHandler):
             self.round = self.handler._round.round
         else:
             self.round = self.handler._state_holder.state.round
@@ -127,14 +127,14 @@ def make_agent(backend: str, endpoint: str, run_id: str, max_nodes: int, is_host
         c10d_backend, store = create_backend(params)
         counter = CountingBackend(c10d_backend)
         return Agent(create_handler(store, counter, params), counter)
-    create = create_keyed_etcd_v3_handler if backend == "etcd-v3" else create_keyed_c10d_handler
+    create = create_etcd_v3_handler if backend == "etcd-v3" else create_elastic_c10d_handler
     handler = create(params)
-    return Agent(handler, KeyedCounter(handler))
+    return Agent(handler, BoardCounter(handler))
 
 
 # Where each agent process publishes what the parent watches (shared memory, written by the agent).
 ROUND, BUSY, WAITING, FAILED = range(4)
-# The keyed rendezvous's milestones in a phase, wall-clock microseconds (0: none yet): the agent's
+# The rendezvous's milestones in a phase, wall-clock microseconds (0: none yet): the agent's
 # last arrival written, a round closed by its write, its return from `next_rendezvous`.
 ARRIVED, CLOSED, RETURNED = range(4, 7)
 MILESTONES = (ARRIVED, CLOSED, RETURNED)
@@ -145,7 +145,7 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def _time_milestones(handler: KeyedRendezvousHandler, status: Any) -> None:
+def _time_milestones(handler: RoundRendezvousHandler, status: Any) -> None:
     """Have `handler`'s board note its arrivals and won closes in `status` (see MILESTONES)."""
     board = handler._board
     arrive, close_round = board.arrive, board.close_round
@@ -181,7 +181,7 @@ def _agent_main(spec: tuple[str, str, str, int, bool], commands: Connection, sta
     node waits; "stop" ends that loop and replies with its error, if any; "counts" replies with the
     state operations since the last "counts"."""
     agent = make_agent(*spec)
-    if isinstance(agent.handler, KeyedRendezvousHandler):
+    if isinstance(agent.handler, RoundRendezvousHandler):
         if poll_s != MONITOR_INTERVAL_S:  # a waiting agent's looks at the round too (torch's c10d keeps its 1 s)
             agent.handler._poll_s = poll_s
         _time_milestones(agent.handler, status)

@@ -3,7 +3,7 @@
     python -m benchmarks.rendezvous_scale                       # 2..64 agents, elastic-c10d and etcd-v3
     python -m benchmarks.rendezvous_scale --agents 8 64 --backends elastic-c10d c10d --repeats 3
 
-Each agent is the handler torchrun builds for the backend (the keyed rendezvous for ours, torch's
+Each agent is the handler torchrun builds for the backend (elastic_ddp's rendezvous for ours, torch's
 real `DynamicRendezvousHandler` for its own `c10d`), in a process of its own
 (`benchmarks.rendezvous_agents`: forked from a server that imported torch once, so that no phase
 times an interpreter start). For each N, three phases, each
@@ -22,11 +22,11 @@ same complete round and nobody waits; `rounds` counts the rounds it took.
 
 Also counted, per agent and phase: reads, writes and wasted writes, and heartbeat operations; and
 the phase's profile: the fraction of the machine's CPUs busy, the CPU seconds of the agents and of
-the local etcd server (`CpuUse`), and for the keyed rendezvous when the last arrival was written,
+the local etcd server (`CpuUse`), and for the rendezvous when the last arrival was written,
 the round closed and the last agent returned (`rendezvous_agents.MILESTONES`). `--poll` slows every
 look (torch's `c10d` keeps its own 1 s look at a forming round). Every backend runs with the
 shipped timing (`RDZV_CONF`: 1 s last call, 1 s heartbeats, expiry after 5; the join timeout is the
-phase's, 60 s, so that agents of a phase that timed out give up too). `etcd-v3` is the keyed
+phase's, 60 s, so that agents of a phase that timed out give up too). `etcd-v3` is elastic_ddp's
 rendezvous (a key per node and one closing write per round, `agent/rendezvous/handler.py`),
 whose writes are its arrivals, closes, lease grants and liveness keys, its lost writes the closes
 that lost their comparison, and its heartbeat operations the refreshes of its node lease;
@@ -79,11 +79,11 @@ AGENT_COUNTS = (2, 4, 8, 16, 32, 64)
 BACKENDS = ("c10d", "elastic-c10d", "etcd-v3")
 DEFAULT_BACKENDS = ("elastic-c10d", "etcd-v3")
 PHASES = ("first", "kill", "join")
-# The goals of our backends (the keyed rendezvous, issue #31): every phase at 64 agents under 3 s,
+# The goals of our backends (our rendezvous, issue #31): every phase at 64 agents under 3 s,
 # growth 8 -> 64 at most 2x; and for every backend at most 4 writes per agent per phase (winning and
 # lost together).
-KEYED_GOAL_SECONDS_AT_64 = 3.0
-KEYED_GOAL_GROWTH = 2.0
+GOAL_SECONDS_AT_64 = 3.0
+GOAL_GROWTH = 2.0
 GOAL_WRITES_PER_AGENT = 4
 
 
@@ -144,7 +144,7 @@ def _phase(name: str, agents: list[AgentProcess], entering: list[AgentProcess],
 
 
 def _milestones(agents: list[AgentProcess], started_us: int) -> dict[str, float]:
-    """The keyed rendezvous's phase, in seconds from its start: the last arrival written, the
+    """The rendezvous's phase, in seconds from its start: the last arrival written, the
     (last) round closed, the last agent back from `next_rendezvous`. None for torch's `c10d`."""
     figures = {}
     for name, slot in (("last_arrival_s", ARRIVED), ("closed_s", CLOSED), ("last_return_s", RETURNED)):
@@ -230,8 +230,8 @@ def measure_with_etcd(backends: list[str], counts: list[int], repeats: int,
 
 def rows(records: list[dict[str, Any]], baseline_agents: int) -> list[Row]:
     """Table rows: per backend and phase, seconds at the largest size against `baseline_agents`
-    (ratio: the growth, goal at most linear, for ours at most KEYED_GOAL_GROWTH), writes per agent,
-    and for ours every phase at 64 agents against KEYED_GOAL_SECONDS_AT_64.
+    (ratio: the growth, goal at most linear, for ours at most GOAL_GROWTH), writes per agent,
+    and for ours every phase at 64 agents against GOAL_SECONDS_AT_64.
     A phase that did not settle within PHASE_TIMEOUT_S, or was not reached since one before it
     did not, counts as infinitely slow."""
     largest = max(record["agents"] for record in records)
@@ -250,15 +250,15 @@ def rows(records: list[dict[str, Any]], baseline_agents: int) -> list[Row]:
             failed = sum(math.isinf(value) for value in at_largest)
             after = "" if phase == PHASES[0] else ", or a phase before it did not"
             note = f"{failed} of {len(at_largest)} did not settle in {PHASE_TIMEOUT_S:g} s{after}" if failed else ""
-            keyed = backend != "c10d"
+            ours = backend != "c10d"
             figure = f"{backend}, {largest} agents, {phase}: s to one complete round"
-            growth = f"<= {KEYED_GOAL_GROWTH:g}" if keyed and linear else linear
+            growth = f"<= {GOAL_GROWTH:g}" if ours and linear else linear
             table.append(Row("rendezvous", figure, at_largest, at_baseline, f"{baseline_agents} agents",
                              paired=False, target=growth, note=note))
             table += _writes_row(records, backend, phase, largest, baseline_agents)
-            if keyed and largest == 64:
+            if ours and largest == 64:
                 table.append(Row("rendezvous", f"{backend}, 64 agents, {phase}: s", at_largest, at_baseline,
-                                 f"{baseline_agents} agents", paired=False, target=f"< {KEYED_GOAL_SECONDS_AT_64:g}",
+                                 f"{baseline_agents} agents", paired=False, target=f"< {GOAL_SECONDS_AT_64:g}",
                                  target_on="elastic", note=note))
     return table
 
@@ -279,7 +279,7 @@ def _writes_row(records: list[dict[str, Any]], backend: str, phase: str, largest
 
 
 def _profile(figures: dict[str, float]) -> str:
-    """The keyed milestones (seconds into the phase), then the CPU figures."""
+    """Our rendezvous's milestones (seconds into the phase), then the CPU figures."""
     named = (("last_arrival_s", "arrived {:.2f} s"), ("closed_s", "closed {:.2f} s"), ("last_return_s", "returned {:.2f} s"),
              ("agent_cpu_s", "agents {:.2f} CPU s"), ("server_cpu_s", "etcd {:.2f} CPU s"))
     return ", ".join([form.format(figures[key]) for key, form in named if key in figures]

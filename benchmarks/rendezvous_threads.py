@@ -6,7 +6,7 @@ agents as threads of one process.
     python -m benchmarks.rendezvous_threads --agents 256 --poll 1     # agents look every 1 s, not every 0.1 s
 
 The phases, the agents and what is counted are those of `benchmarks.rendezvous_scale` (read its
-docstring): each agent is the handler torchrun builds for etcd-v3, the keyed rendezvous
+docstring): each agent is the handler torchrun builds for etcd-v3, elastic_ddp's rendezvous
 (`rendezvous_agents.make_agent`), running torchrun's monitor loop, through a first round, the kill
 of one agent and the join of one, on one local etcd. What differs is that every agent is a thread
 here, so that 256 of them fit on 2 cores (256 agent processes saturated them and the local etcd

@@ -15,7 +15,7 @@ Sections (each module's docstring says exactly what it measures and how):
 - checksums           `benchmarks.checksums`: the snapshot writer (BLAKE3, and sha256 of format 1)
   against the disk's own write + fsync at 100 MB and 1 GB, and each checksum candidate alone.
 - rendezvous          `benchmarks.rendezvous_scale`: 8 and 64 simulated agents through a first round,
-  a kill and a join, on our elastic-c10d and etcd-v3 backends (the keyed rendezvous). The growth
+  a kill and a join, on our elastic-c10d and etcd-v3 backends (our rendezvous). The growth
   from 8 to 64 (goal <= 2x), writes per agent per phase (goal <= 4) and the 64-agent phases (goal
   < 3 s) against their goals.
 - recovery            `benchmarks.recovery`: SIGKILL of a node to the first resumed step, and a new

@@ -2,10 +2,10 @@
 
 A worker whose peer watchdog (elastic_ddp/runtime/watchdog.py) found peers silent sends, just
 before it ends with `SILENT_PEER_EXIT_CODE`, which nodes they were: their `GROUP_RANK`s, the ranks
-of their nodes in the round that started this worker. Its agent's keyed rendezvous reads it when it
-enters the next round, or at torchrun's monitor polls before (elastic_ddp/agent/rendezvous/silence.py),
-and takes it as one of two pieces of evidence that a member is not alive; the other is its own
-probe of that node's beacon.
+of their nodes in the round that started this worker. Its agent's rendezvous (ours, not torch's)
+reads it when it enters the next round, or at torchrun's monitor polls before
+(elastic_ddp/agent/rendezvous/silence.py), and takes it as one of two pieces of evidence that a
+member is not alive; the other is its own probe of that node's beacon.
 
 Both sides find the address without talking to each other: it is made from what the worker's
 environment holds and the agent's handler made itself when the round formed, the run id, rank 0's

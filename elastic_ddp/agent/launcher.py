@@ -25,7 +25,7 @@ then gets `-m MODULE` as given.
 Dead-node probes for `--rdzv_backend=c10d` (elastic_ddp.agent.rendezvous.liveness): a killed node
 leaves the rendezvous as soon as a survivor waits for it, not when its heartbeat expires 5 s later
 (`--rdzv_conf=...,probe_dead_nodes=0` turns them off). The launcher does this by running
-`--rdzv_backend=elastic-c10d` in its place: the keyed rendezvous in the same TCPStore
+`--rdzv_backend=elastic-c10d` in its place: elastic_ddp's rendezvous in the same TCPStore
 (elastic_ddp.agent.rendezvous.boards.c10d).
 
 Nothing else changes: restarts, signals, exit codes and logs are torchrun's, and the process that
@@ -74,7 +74,7 @@ def warm_arguments(argv: Sequence[str]) -> list[str]:
 
 def probed_c10d_arguments(argv: list[str]) -> list[str]:
     """`argv` with torchrun's `--rdzv_backend=c10d` (or `--rdzv-backend c10d`) turned into
-    `elastic-c10d`: the same store, the keyed rendezvous with dead-node probes. The training
+    `elastic-c10d`: the same store, elastic_ddp's rendezvous with dead-node probes. The training
     script's own arguments are left alone."""
     from torch.distributed.run import parse_args
 

@@ -27,9 +27,9 @@ node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out a
 collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
 With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
-node's torchrun agent: its keyed rendezvous then leaves such a node out of the next round as soon
-as the node's beacon does not answer either, instead of waiting for its lease to expire
-(elastic_ddp/agent/rendezvous/silence.py); it names them as suspects `SUSPECT_LEAD_S` before.
+node's torchrun agent: our rendezvous (elastic-c10d, etcd-v3) then leaves such a node out of the
+next round as soon as the node's beacon does not answer either, instead of waiting for its lease
+to expire (elastic_ddp/agent/rendezvous/silence.py); it names them as suspects `SUSPECT_LEAD_S` before.
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
 gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 
@@ -37,7 +37,7 @@ What it never does: judge a peer by how fast it trains. A heartbeat comes from a
 nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
 only; `bound_s` (default `--watchdog_timeout_s`) leaves a wide margin for that (docs/failure-semantics.md,
 "The watchdog"). A rank that leaves training on its own (finished, drained, failed) marks its
-heartbeat `left`, and its peers stop watching it. Heartbeats are keyed by incarnation, so a store
+heartbeat `left`, and its peers stop watching it. Heartbeats are stored per incarnation, so a store
 shared across rounds cannot mix them.
 
 Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
@@ -343,7 +343,7 @@ class PeerWatchdog:
             try:
                 written = send_verdict(self.verdict_address, named)
                 logger.info("peer watchdog: %s", f"node(s) {sorted(named)} named to this node's agent" if written
-                            else "this node's agent reads no verdicts (no keyed rendezvous): none sent")
+                            else "this node's agent reads no verdicts (not elastic_ddp's rendezvous): none sent")
             except OSError as exc:  # the agent then waits for the silent node's lease, as without a verdict
                 logger.warning("peer watchdog: could not send the verdict to this node's agent: %s", exc)
         self.on_silent(reason)

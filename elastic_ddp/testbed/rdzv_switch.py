@@ -2,7 +2,7 @@
 
 `ELASTIC_DDP_TEST_RDZV_BACKEND=elastic-c10d` runs the agents that `torchrun_command` builds (so every
 `LocalJob` and chaos plan) and that asked for torch's own `c10d` on `elastic-c10d` instead (the
-same TCPStore in the same place, `is_host` included, with the keyed rendezvous). Most cluster
+same TCPStore in the same place, `is_host` included, with elastic_ddp's rendezvous). Most cluster
 tests start their agents with `python -m elastic_ddp.agent.launcher`, which does this for `c10d`
 anyway; the switch also covers the tests that run plain torchrun on `c10d`.
 """

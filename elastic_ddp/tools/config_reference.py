@@ -45,7 +45,7 @@ wins) and gives each worker group a store of its own; with torch's `c10d`, pass 
 | setting | value |
 | --- | --- |
 | `--rdzv_conf` | `{rdzv_conf}` |
-| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1` (0 turns each off); `extend_last_call=1` (the only value: the keyed rendezvous refuses 0, and `close_timeout` and `heartbeat_timeout`, which it does not read, and any key neither it nor the board reads); `algorithm=keyed` (the only algorithm: a key per node and one closing write per round, etcd-v3 and elastic-c10d; docs/architecture.md "Rendezvous"); `warm_workers=1` (workers of `-m elastic_ddp.train`, or of any module run as `-m elastic_ddp.warm_start MODULE`, forked from a warm-worker server in the agent; 0: each starts cold, under `elastic_ddp.agent.launcher` too; docs/operations.md "Warm workers") |
+| `--rdzv_conf` keys of our backends | `probe_dead_nodes=1`, `prompt_completion=1` (0 turns each off); `extend_last_call=1` (the only value: our rendezvous refuses 0, and `close_timeout` and `heartbeat_timeout`, which it does not read, and any key neither it nor the board reads); `algorithm=keyed` (the only algorithm: a key per node and one closing write per round, etcd-v3 and elastic-c10d; docs/architecture.md "Rendezvous"); `warm_workers=1` (workers of `-m elastic_ddp.train`, or of any module run as `-m elastic_ddp.warm_start MODULE`, forked from a warm-worker server in the agent; 0: each starts cold, under `elastic_ddp.agent.launcher` too; docs/operations.md "Warm workers") |
 | `--monitor_interval` | `{monitor_interval}` (torchrun's default) |
 {environment}
 """

@@ -1,11 +1,11 @@
-"""The contract of the keyed rendezvous's board (`handler.RoundBoard`), written once and run
+"""The contract of the rendezvous's board (`handler.RoundBoard`), written once and run
 against every board on a real server: `EtcdRoundBoard` on an etcd member, `StoreRoundBoard` on a
 `torch.distributed.TCPStore` (as torch's `RendezvousBackendTestMixin` runs against each backend).
 
 Each board a test makes is one agent: a connection (a store client) and liveness of its own, on one
 run of the server. What the handler relies on is tested here; what one board alone does (etcd's
 key prefix, TTL of the round record, retries; the c10d store's slots and hint) stays in
-tests/cluster/test_etcd_backend.py, tests/unit/test_keyed_etcd_lease.py and tests/unit/test_keyed_c10d.py.
+tests/cluster/test_etcd_backend.py, tests/unit/test_rendezvous_etcd_lease.py and tests/unit/test_rendezvous_c10d.py.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/cluster/test_board_contract.py
 """
@@ -27,7 +27,7 @@ from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection
 from elastic_ddp.agent.rendezvous.etcd.options import EtcdV3Options
 from elastic_ddp.agent.rendezvous.etcd.store import EtcdV3Store
 from elastic_ddp.agent.rendezvous.handler import BoardView, RoundBoard
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 from elastic_ddp.testbed.local_cluster import wait_for
 
@@ -37,8 +37,8 @@ A, B, C = (NodeDesc("127.0.0.1", 1000 + index, 0) for index in range(3))
 PORT = {A: 40001, B: None, C: 40003}  # beacon ports; None: dead-node probes off
 
 # Short liveness, for the expiry contract: c10d heartbeats expire after 0.25 s x 4; etcd's node
-# lease after max(2, that) s (`KeyedSettings.lease_ttl`).
-SETTINGS = KeyedSettings("contract", 1, 3, join_timeout=30, last_call_timeout=0.5, keep_alive_interval=0.25,
+# lease after max(2, that) s (`RendezvousSettings.lease_ttl`).
+SETTINGS = RendezvousSettings("contract", 1, 3, join_timeout=30, last_call_timeout=0.5, keep_alive_interval=0.25,
                          keep_alive_max_attempt=4)
 
 MakeBoard = Callable[..., RoundBoard]

@@ -1,7 +1,7 @@
-"""The keyed rendezvous's board in etcd (`boards.etcd.EtcdRoundBoard`) against a real etcd: where a
+"""The rendezvous's board in etcd (`boards.etcd.EtcdRoundBoard`) against a real etcd: where a
 run's keys live, the record's lifetime on the run lease, and an etcd that cannot be reached. (The
 contract every board keeps, closing writes included: tests/cluster/test_board_contract.py; the
-rounds themselves: tests/cluster/test_keyed_rendezvous.py.)
+rounds themselves: tests/cluster/test_rendezvous_handler.py.)
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from elastic_ddp.agent.rendezvous import (
     EtcdUnavailableError,
     EtcdV3Options,
     EtcdV3Store,
-    create_keyed_etcd_v3_handler,
+    create_etcd_v3_handler,
 )
 from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, decode_record
 from elastic_ddp.testbed.local_cluster import free_port, wait_for
 
@@ -38,14 +38,14 @@ def connect(endpoint: str, run_id: str = "run", **conf: Any) -> EtcdConnection:
 
 
 def board(connection: EtcdConnection, run_id: str) -> EtcdRoundBoard:
-    settings = KeyedSettings(run_id, 1, 2, join_timeout=30, last_call_timeout=0.5, keep_alive_interval=0.5,
+    settings = RendezvousSettings(run_id, 1, 2, join_timeout=30, last_call_timeout=0.5, keep_alive_interval=0.5,
                              keep_alive_max_attempt=4)
     return EtcdRoundBoard(connection, EtcdV3Store(connection, run_id), run_id, settings)
 
 
 def test_an_empty_run_id_is_refused_before_anything_is_written(shared_etcd_server: EtcdServer) -> None:
     with pytest.raises(ValueError, match="run id"):
-        create_keyed_etcd_v3_handler(RendezvousParameters("etcd-v3", shared_etcd_server.endpoint, "", 1, 1))
+        create_etcd_v3_handler(RendezvousParameters("etcd-v3", shared_etcd_server.endpoint, "", 1, 1))
 
 
 def test_the_round_record_is_per_run_under_key_prefix(shared_etcd_server: EtcdServer, run_id: str) -> None:
@@ -54,7 +54,7 @@ def test_the_round_record_is_per_run_under_key_prefix(shared_etcd_server: EtcdSe
     first, second = board(connection, "a"), board(connection, "b")
     assert first.close_round(RoundRecord(0, (A,)), 0)
     assert second.view(1).record is None
-    stored = shared_etcd_server.etcdctl("get", "--print-value-only", f"{prefix}/a/keyed/record").stdout.strip()
+    stored = shared_etcd_server.etcdctl("get", "--print-value-only", f"{prefix}/a/rdzv/record").stdout.strip()
     assert decode_record(stored.encode()) == RoundRecord(0, (A,))  # plain JSON, readable with etcdctl
 
 

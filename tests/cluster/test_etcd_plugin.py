@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
-from elastic_ddp.agent.rendezvous import EtcdUnavailableError, create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous import EtcdUnavailableError, create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 from elastic_ddp.testbed.local_cluster import free_port
 
@@ -82,7 +82,7 @@ def test_registry_builds_a_handler_that_never_shares_the_agent_store(
 @pytest.mark.etcd
 def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_server: EtcdServer,
                                                                    run_id: str) -> None:
-    handler = create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
+    handler = create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
                                                   **FAST_RDZV))
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
@@ -95,7 +95,7 @@ def test_single_node_rendezvous_gives_rank_zero_and_its_own_address(shared_etcd_
 
 @pytest.mark.etcd
 def test_two_nodes_meet_and_agree_on_the_workers_master(shared_etcd_server: EtcdServer, run_id: str) -> None:
-    handlers = [create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2,
+    handlers = [create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, 2, 2,
                                                     local_addr=f"127.0.0.{i + 1}", **FAST_RDZV))
                 for i in range(2)]
     infos: dict[int, Any] = {}
@@ -118,7 +118,7 @@ def test_a_finished_run_id_stays_closed_until_its_keys_are_deleted(shared_etcd_s
     """As docs/etcd.md says: reuse a run id only after `etcdctl del --prefix <key_prefix>/<run_id>/`."""
 
     def handler() -> Any:
-        return create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
+        return create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, local_addr="127.0.0.1",
                                                    **FAST_RDZV))
 
     finished = handler()
@@ -137,7 +137,7 @@ def test_a_finished_run_id_stays_closed_until_its_keys_are_deleted(shared_etcd_s
 def test_unreachable_etcd_at_start_names_every_endpoint_and_the_last_error() -> None:
     endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     with pytest.raises(EtcdUnavailableError) as raised:
-        create_keyed_etcd_v3_handler(params(",".join(endpoints), retry_timeout="1"))
+        create_etcd_v3_handler(params(",".join(endpoints), retry_timeout="1"))
     message = str(raised.value)
     assert all(endpoint in message for endpoint in endpoints)
     assert "Connection refused" in message and "retry_timeout=1s" in message

@@ -1,5 +1,5 @@
 """etcd going away and coming back, a cluster losing its leader, auth and TLS: all against real etcd,
-through the keyed rendezvous's etcd board and handler (`boards.etcd`) and the agents' store.
+through the rendezvous's etcd board and handler (`boards.etcd`) and the agents' store.
 
 torch's agent dies on any exception from the rendezvous backend (it polls num_nodes_waiting()
 every monitor interval), so an outage of a few seconds must be invisible to the caller.
@@ -24,10 +24,10 @@ from elastic_ddp.agent.rendezvous import (
     EtcdUnavailableError,
     EtcdV3Options,
     EtcdV3Store,
-    create_keyed_etcd_v3_handler,
+    create_etcd_v3_handler,
 )
 from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import MONITOR_INTERVAL_S, wait_for
 
@@ -49,7 +49,7 @@ NODE = NodeDesc("127.0.0.1", 1, 0)
 
 
 def round_board(connection: EtcdConnection) -> EtcdRoundBoard:
-    settings = KeyedSettings("run", 1, 1, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
+    settings = RendezvousSettings("run", 1, 1, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
                              keep_alive_max_attempt=5)
     return EtcdRoundBoard(connection, EtcdV3Store(connection, "run"), "run", settings)
 
@@ -108,7 +108,7 @@ def test_operations_ride_out_an_etcd_restart(etcd_server: EtcdServer) -> None:
 
 
 def test_a_handler_polled_like_the_agent_does_survives_an_etcd_restart(etcd_server: EtcdServer) -> None:
-    handler = create_keyed_etcd_v3_handler(params(etcd_server.endpoint, local_addr="127.0.0.1", last_call_timeout="1",
+    handler = create_etcd_v3_handler(params(etcd_server.endpoint, local_addr="127.0.0.1", last_call_timeout="1",
                                                   keep_alive_interval="1", keep_alive_max_attempt="5"))
     assert handler.next_rendezvous().world_size == 1
     outage = threading.Thread(target=etcd_server.restart, kwargs={"down_for": 3.0})
@@ -157,7 +157,7 @@ def test_wrong_password_says_authentication_failed(auth_etcd_server: EtcdServer,
     (tmp_path / "password").write_text("battery staple\n")
     started = time.monotonic()
     with pytest.raises(EtcdAuthenticationError) as raised:
-        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, user="root",
+        create_etcd_v3_handler(params(auth_etcd_server.endpoint, user="root",
                                             password_file=str(tmp_path / "password")))
     assert time.monotonic() - started < 5, "a wrong password is not worth retrying"
     message = str(raised.value)
@@ -167,7 +167,7 @@ def test_wrong_password_says_authentication_failed(auth_etcd_server: EtcdServer,
 
 def test_no_credentials_on_an_auth_etcd_server_says_so(auth_etcd_server: EtcdServer) -> None:
     with pytest.raises(EtcdAuthenticationError, match="requires authentication: set rdzv_conf user="):
-        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint))
+        create_etcd_v3_handler(params(auth_etcd_server.endpoint))
 
 
 def test_a_user_without_permission_on_the_prefix_is_told_what_to_grant(auth_etcd_server: EtcdServer,
@@ -176,7 +176,7 @@ def test_a_user_without_permission_on_the_prefix_is_told_what_to_grant(auth_etcd
     (tmp_path / "password").write_text("builder")
     with pytest.raises(EtcdAuthenticationError, match=r"user 'bob' may not .* grant its role readwrite on the key "
                                                       r"prefix /elastic_ddp/rendezvous/"):
-        create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, user="bob",
+        create_etcd_v3_handler(params(auth_etcd_server.endpoint, user="bob",
                                             password_file=str(tmp_path / "password")))
 
 
@@ -199,7 +199,7 @@ def test_right_password_works_and_logs_in_again_when_etcd_forgets_the_token(
 
 
 def _rendezvous_round_trip(handler_params: RendezvousParameters) -> None:
-    handler = create_keyed_etcd_v3_handler(handler_params)
+    handler = create_etcd_v3_handler(handler_params)
     assert handler.next_rendezvous().rank == 0
     assert handler.shutdown()
 
@@ -214,7 +214,7 @@ def test_tls_with_another_ca_is_refused_clearly(tls_etcd_server: EtcdServer) -> 
     assert tls_etcd_server.tls is not None
     started = time.monotonic()
     with pytest.raises(EtcdTlsError) as raised:
-        create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, protocol="https",
+        create_etcd_v3_handler(params(tls_etcd_server.endpoint, protocol="https",
                                             ca_cert=str(tls_etcd_server.tls.other_ca_cert)))
     assert time.monotonic() - started < 5
     message = str(raised.value)
@@ -224,4 +224,4 @@ def test_tls_with_another_ca_is_refused_clearly(tls_etcd_server: EtcdServer) -> 
 
 def test_plain_client_against_tls_etcd_server_hints_at_https(tls_etcd_server: EtcdServer) -> None:
     with pytest.raises(EtcdUnavailableError, match="if etcd serves TLS, set rdzv_conf protocol=https and ca_cert"):
-        create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, retry_timeout="1"))
+        create_etcd_v3_handler(params(tls_etcd_server.endpoint, retry_timeout="1"))

@@ -3,8 +3,8 @@ heartbeat expires.
 
 Real sockets, real signals, the elastic-c10d handler that torchrun's registry builds, and at the
 end real torchrun agents, whose heartbeats get 60 s to expire: a round that re-forms within the
-test's deadline was re-formed by a probe. The probes in the keyed rendezvous's own rounds, one
-process: tests/unit/test_keyed_probes.py and tests/unit/test_keyed_c10d.py.
+test's deadline was re-formed by a probe. The probes in the rendezvous's own rounds, one
+process: tests/unit/test_rendezvous_probes.py and tests/unit/test_rendezvous_c10d.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.agent.rendezvous.defaults import RDZV_CONF
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.liveness import Answer, probe
 from elastic_ddp.testbed.local_cluster import free_port
 from tests.support.cluster import hold_settings, node_logs
@@ -72,7 +72,7 @@ def test_the_elastic_c10d_backend_comes_from_the_entry_point_and_probes_unless_t
     port = free_port()
     handler = get_rendezvous_handler(RendezvousParameters(
         BACKEND_NAME, f"127.0.0.1:{port}", "launcher", 1, 1, is_host="1", probe_dead_nodes=probe_dead_nodes))
-    assert isinstance(handler, KeyedRendezvousHandler)
+    assert isinstance(handler, RoundRendezvousHandler)
     assert (handler._witness.port is not None) is probes  # a beacon only with the probes on
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()

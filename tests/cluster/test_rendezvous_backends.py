@@ -1,12 +1,13 @@
 """What our backends add to torch's rendezvous, through the handler torchrun's registry builds for
-elastic-c10d (the keyed rendezvous), and what the plugin leaves alone: prompt completion, a last
+elastic-c10d (our rendezvous), and what the plugin leaves alone: prompt completion, a last
 call that still applies without it, a live node waited for, and torch's default for the shared
 store untouched in agents that do not run our trainer.
 
 Handlers run in this process on a real TCPStore (one thread per "agent"); the plugin tests start a
-fresh interpreter, since torch reads the entry points once per process. The same promises of the
-keyed rendezvous, one rule or one board at a time: tests/unit/test_keyed_rounds.py,
-tests/unit/test_keyed_c10d.py and tests/cluster/test_keyed_*.py.
+fresh interpreter, since torch reads the entry points once per process. The same promises of our
+rendezvous, one rule or one board at a time: tests/unit/test_rendezvous_rounds.py,
+tests/unit/test_rendezvous_c10d.py, tests/cluster/test_rendezvous_handler.py and
+tests/cluster/test_rendezvous_torch_cases.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ same address: torch names the new agent exactly as the old one (address, pid, co
 agent is PID 1 of a PID namespace of its own (`unshare --pid --fork --kill-child`, root only) with
 an address of its own (`--local_addr` 127.0.0.x), on real torchrun agents and
 `--rdzv_backend=elastic-c10d`; the dead-node probes must not keep such a node out
-(elastic_ddp.agent.rendezvous.liveness and probes; the rule alone: tests/unit/test_keyed_probes.py).
+(elastic_ddp.agent.rendezvous.liveness and probes; the rule alone: tests/unit/test_rendezvous_probes.py).
 What it checks is read from the agents' logs and their rendezvous figures, not from the rendezvous's
 state.
 """

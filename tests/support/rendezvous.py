@@ -27,7 +27,7 @@ def rendezvous_together(handlers, timeout: float = 90) -> list:
 
 
 def ranks_by_node(handlers, timeout: float = 30) -> dict:
-    """`rendezvous_together` for handlers with a `node` (the keyed ones): node -> (rank, world size),
+    """`rendezvous_together` for handlers with a `node` (ours): node -> (rank, world size),
     or the exception its next_rendezvous raised."""
     results = rendezvous_together(handlers, timeout)
     return {handler.node: result if isinstance(result, BaseException) else (result.rank, result.world_size)

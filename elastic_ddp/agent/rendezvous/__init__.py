@@ -35,8 +35,8 @@ _EXPORTS = {
     "EtcdAuthenticationError": "etcd.connection", "EtcdConnection": "etcd.connection",
     "EtcdTlsError": "etcd.connection", "EtcdUnavailableError": "etcd.connection",
     "EtcdV3Options": "etcd.options", "Secret": "etcd.options", "EtcdV3Store": "etcd.store",
-    "KeyedRendezvousHandler": "handler", "create_keyed_c10d_handler": "boards.c10d",
-    "create_keyed_etcd_v3_handler": "boards.etcd",
+    "RoundRendezvousHandler": "handler", "create_elastic_c10d_handler": "boards.c10d",
+    "create_etcd_v3_handler": "boards.etcd",
 }
 __all__ = tuple(sorted(_EXPORTS))
 

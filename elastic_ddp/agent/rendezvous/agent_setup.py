@@ -1,9 +1,9 @@
 """What every handler of ours does to its torchrun agent before the first round, in one place.
 
-    settings = prepare_keyed_agent(params, BOARD_KEYS)   # both keyed boards (elastic-c10d, etcd-v3)
+    settings = prepare_agent(params, BOARD_KEYS)   # both boards (elastic-c10d, etcd-v3)
 
 - the `--rdzv_conf` keys are checked before anything connects: a bad value is one `ValueError`
-  naming the key, and a key the keyed rendezvous would not read (`UNREAD_KEYS`, or one that
+  naming the key, and a key the rendezvous would not read (`UNREAD_KEYS`, or one that
   neither it nor the board knows) is refused rather than accepted and ignored; the shipped timing
   (`defaults.SHIPPED_RDZV_DEFAULTS`) fills the keys left out;
 - the workers get a store of their own for every round (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, set
@@ -30,20 +30,20 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()  # the handlers of this process, numbered as torch numbers its own
 _local_ids_lock = threading.Lock()  # next() of a count is atomic only under the GIL
 
-# The --rdzv_conf keys every keyed board reads, and `timeout`, which torchrun adds to every one (a
+# The --rdzv_conf keys the handler reads on every board, and `timeout`, which torchrun adds to every one (a
 # join timeout of torch's etcd-v2 backend; `join_timeout` is the one read here).
-KEYED_KEYS = frozenset({"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+HANDLER_KEYS = frozenset({"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
                         "prompt_completion", "probe_dead_nodes", "extend_last_call", "timeout"})
-# Keys that the keyed rendezvous does not read, with what it does instead: torch's dynamic
+# Keys that the rendezvous does not read, with what it does instead: torch's dynamic
 # rendezvous (torch's own `c10d`) reads the first two, and elastic_ddp's former dynamic algorithm read
-# `extend_last_call`; `extend_last_call=1` is what the keyed rendezvous does, so only 0 is refused.
+# `extend_last_call`; `extend_last_call=1` is what the rendezvous does, so only 0 is refused.
 UNREAD_KEYS = {
     "close_timeout": "closing a round or the rendezvous is one write",
     "heartbeat_timeout": "a node counts as dead when its lease ends, after keep_alive_interval x "
@@ -52,19 +52,19 @@ UNREAD_KEYS = {
 }
 
 
-def prepare_keyed_agent(params: RendezvousParameters, board_keys: frozenset[str]) -> KeyedSettings:
-    """The keyed rendezvous's settings from `params`, after the checks and the set-up of the module
+def prepare_agent(params: RendezvousParameters, board_keys: frozenset[str]) -> RendezvousSettings:
+    """The rendezvous's settings from `params`, after the checks and the set-up of the module
     docstring; `board_keys`: the `--rdzv_conf` keys the board itself reads (its connection, its
     store). Call it before connecting: a bad or unknown key raises ValueError and changes nothing."""
     refuse_unread_keys(params)
     refuse_unknown_keys(params, board_keys)
-    settings = KeyedSettings.from_params(params)
+    settings = RendezvousSettings.from_params(params)
     never_share_agent_store()
     name_the_workers_interface(params.local_addr)
     return settings
 
 
-def keyed_node(params: RendezvousParameters) -> NodeDesc:
+def local_node(params: RendezvousParameters) -> NodeDesc:
     """A new node of this process, made as torch's dynamic rendezvous makes its own: `--local_addr`
     (else this host's FQDN), this process's id, and the next number of a per-process counter."""
     with _local_ids_lock:
@@ -74,23 +74,23 @@ def keyed_node(params: RendezvousParameters) -> NodeDesc:
 
 def refuse_unread_keys(params: RendezvousParameters) -> None:
     """ValueError naming the first key of `UNREAD_KEYS` that `params` sets (but
-    `extend_last_call=1`), what the keyed rendezvous does instead, and the fix."""
+    `extend_last_call=1`), what the rendezvous does instead, and the fix."""
     for key, instead in UNREAD_KEYS.items():
         value = params.get(key)
         if value in (None, "") or (key == "extend_last_call" and str(value).strip().lower() in ("1", "true", "yes")):
             continue
-        raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the keyed rendezvous of {params.backend} does "
+        raise ValueError(f"--rdzv_conf {key}: got {value!r}, which the rendezvous of {params.backend} does "
                          f"not read: {instead}; remove the key")
 
 
 def refuse_unknown_keys(params: RendezvousParameters, board_keys: frozenset[str]) -> None:
-    """ValueError naming the first `--rdzv_conf` key that neither the keyed rendezvous nor the board
+    """ValueError naming the first `--rdzv_conf` key that neither the rendezvous nor the board
     reads (a typo such as `last_call_timout` would otherwise leave the shipped value in force
     without a word), with the keys accepted."""
-    known = KEYED_KEYS | board_keys
+    known = HANDLER_KEYS | board_keys
     unknown = sorted(set(params.config) - known - UNREAD_KEYS.keys())
     if unknown:
-        raise ValueError(f"--rdzv_conf {unknown[0]}: not a key of {params.backend} (the keyed rendezvous); expected "
+        raise ValueError(f"--rdzv_conf {unknown[0]}: not a key of {params.backend} (elastic_ddp's rendezvous); expected "
                          f"one of {', '.join(sorted(known - {'timeout'}))}")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 # The rendezvous timing our backends read: a 1 s last call, heartbeats (a lease) every second
 # that expire after five missed ones (keep_alive_max_attempt=2 stops torch's heartbeats altogether:
 # docs/operations.md). torch's own defaults: join 600 s, last call 30 s, heartbeats every 5 s, 3
-# missed. Not `close_timeout`: the keyed rendezvous refuses it (it closes in one write), and torch's
+# missed. Not `close_timeout`: our rendezvous refuses it (it closes in one write), and torch's
 # 30 s only bounds the last write of a job that ends.
 SHIPPED_RDZV_DEFAULTS: dict[str, int] = {
     "join_timeout": 300, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 5,

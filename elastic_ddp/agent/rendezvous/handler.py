@@ -1,7 +1,8 @@
-"""The keyed rendezvous: torchrun's `RendezvousHandler` at a cost per node that does not grow with
-the number of nodes. What etcd-v3 (`boards.etcd`) and elastic-c10d (in the TCPStore: `boards.c10d`,
-where leases are heartbeat times and the closing write a `compare_set` of the round's own key)
-run. What follows says it for etcd.
+"""elastic_ddp's rendezvous (`RoundRendezvousHandler`): torchrun's `RendezvousHandler` at a cost per
+node that does not grow with the number of nodes: nodes arrive at numbered rounds on a board, and
+the first live arrival closes a round by writing its record. What etcd-v3 (`boards.etcd`) and
+elastic-c10d (in the TCPStore: `boards.c10d`, where leases are heartbeat times and the closing
+write a `compare_set` of the round's own key) run. What follows says it for etcd.
 
 torch's dynamic rendezvous keeps one state value that every node changes by compare-and-set:
 three winning writes per node per phase (leave, wait list, join), serialised, so N nodes need
@@ -68,7 +69,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.silence import SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 
@@ -118,10 +119,10 @@ class RoundBoard(Protocol):
     def leave(self) -> None: ...  # liveness off, this node's keys gone
 
 
-class KeyedRendezvousHandler(RendezvousHandler):
+class RoundRendezvousHandler(RendezvousHandler):
     """See the module docstring. One instance per agent; `next_rendezvous` from one thread."""
 
-    def __init__(self, board: RoundBoard, node: NodeDesc, settings: KeyedSettings,
+    def __init__(self, board: RoundBoard, node: NodeDesc, settings: RendezvousSettings,
                  witness: ExitWitness | None = None, poll_s: float = SYNC_POLL_S) -> None:
         self._board = board
         self._witness = witness or ExitWitness(enabled=False)
@@ -144,7 +145,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         return self._node
 
     @property
-    def settings(self) -> KeyedSettings:
+    def settings(self) -> RendezvousSettings:
         return self._settings
 
     def get_backend(self) -> str:
@@ -176,7 +177,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         assert rank is not None
         self._round = record
         self._witness.observe_soon(self._board.alive, [m for m in record.members if m != self._node])
-        logger.info("node %s joined round %d of the keyed rendezvous '%s' as rank %d of %d in %.2f s",
+        logger.info("node %s joined round %d of the rendezvous '%s' as rank %d of %d in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     time.monotonic() - started)
         store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._board.store)
@@ -274,7 +275,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
             self._board.set_closed()
             self._board.leave()
         except RendezvousError as exc:  # the keys then expire with the lease
-            logger.warning("the keyed rendezvous '%s' could not remove node %s's keys: %s", self._settings.run_id,
+            logger.warning("the rendezvous '%s' could not remove node %s's keys: %s", self._settings.run_id,
                            node_name(self._node), exc)
             return False
         return True

@@ -27,7 +27,7 @@ listens on another port, which the probing agent has not reached, so it is never
 predecessor's refusal (`probes`).
 
 This module is the evidence only (the beacon, one probe, the `probe_dead_nodes` switch); who is
-probed and when is the keyed rendezvous's (`probes`, `silence`).
+probed and when is the rendezvous's (`probes`, `silence`).
 """
 
 from __future__ import annotations

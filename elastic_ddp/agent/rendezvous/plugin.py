@@ -20,12 +20,13 @@ fix (`elastic_ddp.runtime.distributed.warn_if_agent_store_shared`).
 Every handler created here counts its rendezvous rounds for the node's metrics endpoint
 (`elastic_ddp.agent.rendezvous_metrics`).
 
-`etcd-v3` and `elastic-c10d` run the keyed rendezvous: each node writes keys of its own and one
+`etcd-v3` and `elastic-c10d` run elastic_ddp's rendezvous: each node writes keys of its own and one
 write closes a round (`handler`; in etcd `boards.etcd`, in the TCPStore `boards.c10d`).
-`--rdzv_conf algorithm=keyed` names it; the other value of earlier versions, the dynamic algorithm
-(torch's `DynamicRendezvousHandler` with our additions), is refused with one line that says it was
-removed (`take_algorithm`). torch's own `--rdzv_backend=c10d` is torch's and stays its dynamic
-rendezvous.
+`--rdzv_conf algorithm=` may be left out; its one value, `keyed` (this rendezvous's earlier name,
+kept so that existing command lines still start), names it. The other value of earlier versions,
+the dynamic algorithm (torch's `DynamicRendezvousHandler` with our additions), is refused with one
+line that says it was removed (`take_algorithm`). torch's own `--rdzv_backend=c10d` is torch's and
+stays its dynamic rendezvous.
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ REMOVED_ALGORITHM = "dynamic"
 
 def take_algorithm(params) -> None:
     """Check the `--rdzv_conf algorithm=` of `params` (`RendezvousParameters`) and remove it from its
-    config, so that the backend's own key check does not see it: leaving it out, or `keyed`, is the
-    keyed rendezvous; anything else raises ValueError naming the key, the value and what is accepted
-    (for `dynamic`, that it was removed)."""
+    config, so that the backend's own key check does not see it: leaving it out, or `keyed` (its
+    earlier name), is the rendezvous; anything else raises ValueError naming the key, the value and
+    what is accepted (for `dynamic`, that it was removed)."""
     chosen = params.config.pop(ALGORITHM_KEY, None)
     if chosen in (None, "", ALGORITHM):
         return
@@ -151,10 +152,10 @@ def start_warm_workers(params, argv: Sequence[str] | None = None):
 
 
 def ready_handler(handler, server):
-    """`handler` (a keyed handler), set to wait until `server` (None: no server) has its imports, at
-    most `READY_WAIT_S`, before it first arrives at a round of a job that runs without this node: that
-    round stops the running nodes, which would then wait in `init_process_group` for its workers'
-    imports. A job's first round and a member's next ones do not wait."""
+    """`handler` (a `RoundRendezvousHandler`), set to wait until `server` (None: no server) has its
+    imports, at most `READY_WAIT_S`, before it first arrives at a round of a job that runs without
+    this node: that round stops the running nodes, which would then wait in `init_process_group` for
+    its workers' imports. A job's first round and a member's next ones do not wait."""
     if server is not None:
         from elastic_ddp.agent.warm_workers import READY_WAIT_S
 
@@ -166,27 +167,27 @@ def etcd_v3_handler_factory() -> Callable:
     """Entry point `etcd-v3`: the factory torchrun calls with its `RendezvousParameters`."""
     give_our_workers_their_own_store()
 
-    def create_etcd_v3_handler(params):
-        from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
+    def create_handler(params):
+        from elastic_ddp.agent.rendezvous.boards.etcd import create_etcd_v3_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)
         server = start_warm_workers(params)  # first: it imports while the handler connects
-        return count_rounds(ready_handler(create_keyed_etcd_v3_handler(params), server))
+        return count_rounds(ready_handler(create_etcd_v3_handler(params), server))
 
-    return create_etcd_v3_handler
+    return create_handler
 
 
 def elastic_c10d_handler_factory() -> Callable:
-    """Entry point `elastic-c10d`: the keyed rendezvous in a TCPStore (`boards.c10d`)."""
+    """Entry point `elastic-c10d`: elastic_ddp's rendezvous in a TCPStore (`boards.c10d`)."""
     give_our_workers_their_own_store()
 
-    def create_elastic_c10d_handler(params):
-        from elastic_ddp.agent.rendezvous.boards.c10d import create_keyed_c10d_handler
+    def create_handler(params):
+        from elastic_ddp.agent.rendezvous.boards.c10d import create_elastic_c10d_handler
         from elastic_ddp.agent.rendezvous_metrics import count_rounds
 
         take_algorithm(params)
         server = start_warm_workers(params)  # first: it imports while the handler connects
-        return count_rounds(ready_handler(create_keyed_c10d_handler(params), server))
+        return count_rounds(ready_handler(create_elastic_c10d_handler(params), server))
 
-    return create_elastic_c10d_handler
+    return create_handler

@@ -1,4 +1,4 @@
-"""Dead-node probes for the keyed rendezvous: a killed member leaves the next round at once, not
+"""Dead-node probes for the rendezvous: a killed member leaves the next round at once, not
 when its lease expires.
 
 The same evidence as `liveness` (read its docstring for the reasoning): every node listens on a
@@ -62,7 +62,7 @@ class ExitWitness:
         if self._beacon is None:
             return
         wanted = list(members)
-        threading.Thread(target=self._observe, args=(read_ports, wanted), name="keyed-rdzv-observe",
+        threading.Thread(target=self._observe, args=(read_ports, wanted), name="rdzv-observe",
                          daemon=True).start()
 
     def _observe(self, read_ports: Callable[[], Ports], members: list[NodeDesc]) -> None:
@@ -100,7 +100,7 @@ class ExitWitness:
                     self._reported.add((node, port))
                 if first:
                     logger.warning("node %s has exited (its beacon refuses connections): left out of the next round "
-                                   "of the keyed rendezvous", node)
+                                   "of the rendezvous", node)
                 found.add(node)
         return found
 

@@ -1,4 +1,4 @@
-"""The keyed rendezvous's rules, as pure functions: when a round may close, and who is in it.
+"""The rendezvous's rules, as pure functions: when a round may close, and who is in it.
 
 No I/O here; `handler` reads the board and asks these. See `handler` for the
 algorithm as a whole.
@@ -24,8 +24,8 @@ def prompt_completion_enabled(params: RendezvousParameters) -> bool:
 
 
 @dataclass(frozen=True)
-class KeyedSettings:
-    """The `--rdzv_conf` settings the keyed rendezvous reads (torch's names and meanings)."""
+class RendezvousSettings:
+    """The `--rdzv_conf` settings the rendezvous reads (torch's names and meanings)."""
 
     run_id: str
     min_nodes: int
@@ -49,7 +49,7 @@ class KeyedSettings:
         return max(2, round(self.keep_alive_interval * self.keep_alive_max_attempt))
 
     @classmethod
-    def from_params(cls, params: RendezvousParameters) -> KeyedSettings:
+    def from_params(cls, params: RendezvousParameters) -> RendezvousSettings:
         """Settings from torchrun's parameters, with `SHIPPED_RDZV_DEFAULTS` for keys left out.
         Raises ValueError naming the `--rdzv_conf` key for a bad value."""
         def number(key: str, kind: type = float) -> float:
@@ -75,7 +75,7 @@ class KeyedSettings:
 
 
 def may_close(arrivals: list[NodeDesc], previous: RoundRecord | None, alive: set[NodeDesc],
-              settings: KeyedSettings, quiet_for: float) -> bool:
+              settings: RendezvousSettings, quiet_for: float) -> bool:
     """Whether the round that `arrivals` (in arrival order) wait for may close now.
 
     Never while fewer than `min_nodes` arrived, nor while a member of the `previous` round is

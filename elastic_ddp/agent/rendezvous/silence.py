@@ -1,4 +1,4 @@
-"""Silent members: a frozen or cut-off member leaves the next keyed round on two pieces of evidence,
+"""Silent members: a frozen or cut-off member leaves the next round on two pieces of evidence,
 not when its lease expires.
 
 A killed agent's beacon refuses connections (`probes`), but a frozen one (SIGSTOP, a hung
@@ -164,7 +164,7 @@ class SilenceJudge:
         elif suspected:
             logger.info("this node's workers suspect node(s) %s: asking their beacons early", suspected)
         if to_ask:
-            probe = threading.Thread(target=self._judge, args=(record, to_ask, read_ports), name="keyed-rdzv-silence",
+            probe = threading.Thread(target=self._judge, args=(record, to_ask, read_ports), name="rdzv-silence",
                                      daemon=True)
             self._probes.append(probe)
             probe.start()
@@ -206,7 +206,7 @@ class SilenceJudge:
 
     def _left_out(self, node: NodeDesc) -> None:
         logger.warning("node %s is silent (this node's workers found it silent, and its beacon did not answer "
-                       "within %g s): left out of the next round of the keyed rendezvous", node, self._answer_s)
+                       "within %g s): left out of the next round of the rendezvous", node, self._answer_s)
 
     def silent(self, last: RoundRecord | None) -> set[NodeDesc]:
         """The members of `last` (the last closed round, as read now) found silent so far; none

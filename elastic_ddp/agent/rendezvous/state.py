@@ -1,4 +1,4 @@
-"""What the keyed rendezvous (`handler`) keeps in its backend: small records, plain JSON, about
+"""What the rendezvous (`handler`) keeps in its backend: small records, plain JSON, about
 its nodes (`NodeDesc`, defined here).
 
 - An **arrival**, one per node and round, in a key of the node's own: the node (`NodeDesc`:
@@ -31,8 +31,8 @@ MAX_ADDR_CHARS = 255  # a DNS name is at most 253 characters
 
 @dataclass(frozen=True, order=True)
 class NodeDesc:
-    """A node of the keyed rendezvous: one rendezvous handler of one torchrun agent, identified as
-    torch's dynamic rendezvous identifies its nodes (`agent_setup.keyed_node` makes this process's).
+    """A node of the rendezvous: one rendezvous handler of one torchrun agent, identified as
+    torch's dynamic rendezvous identifies its nodes (`agent_setup.local_node` makes this process's).
     Ordered by its fields in this order: a round's ranks follow it (`rounds.closed_round`).
     Prints as its `node_name`, as torch's prints in torch's logs.
 

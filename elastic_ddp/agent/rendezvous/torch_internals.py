@@ -2,7 +2,7 @@
 
 The elastic-c10d store is hosted where torch's `c10d` would host it too (`matches_machine_hostname`,
 in `c10d.store`; the same in torch 2.4 to 2.13). Nothing else in the package touches a private name
-of torch's rendezvous (the keyed rendezvous names its nodes with `state.NodeDesc`, its own);
+of torch's rendezvous (elastic_ddp's rendezvous names its nodes with `state.NodeDesc`, its own);
 tests/unit/test_torch_internals.py pins this one (it exists, with the shape used here) so that a
 torch upgrade that moves it fails there first, with the name.
 """

@@ -1,7 +1,7 @@
 """The boards: where the nodes of one run meet, one per holder of a round's keys.
 
 A board keeps a run's arrivals, liveness and round records, and closes a round with one
-conditional write; the rendezvous (`handler.KeyedRendezvousHandler`) reads it and decides. Its
+conditional write; the rendezvous (`handler.RoundRendezvousHandler`) reads it and decides. Its
 contract is `handler.RoundBoard` (with `handler.BoardView`, one read of it), held there next to
 the one caller; tests/cluster/test_board_contract.py holds every board to it.
 
@@ -9,6 +9,6 @@ the one caller; tests/cluster/test_board_contract.py holds every board to it.
 - `c10d`: the board in the c10d TCPStore, on heartbeat times (`--rdzv_backend=elastic-c10d`; the
   store itself is `c10d/`).
 
-Each module also builds its backend's handler (`create_keyed_etcd_v3_handler`,
-`create_keyed_c10d_handler`), which `plugin` imports on first use.
+Each module also builds its backend's handler (`create_etcd_v3_handler`,
+`create_elastic_c10d_handler`), which `plugin` imports on first use.
 """

@@ -1,7 +1,7 @@
-"""The keyed rendezvous's board in the c10d TCPStore (`StoreRoundBoard`), and
-`create_keyed_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds.
+"""The rendezvous's board in the c10d TCPStore (`StoreRoundBoard`), and
+`create_elastic_c10d_handler`, what `--rdzv_backend=elastic-c10d` builds.
 
-Keys of run `R`, under `keyed/R/` in the store at `--rdzv_endpoint` (hosted as `c10d.store` says):
+Keys of run `R`, under `rdzv/R/` in the store at `--rdzv_endpoint` (hosted as `c10d.store` says):
 
     latest                    a hint: the number of the last closed round (set by its closer)
     round/<n>                 round n's record (`state.RoundRecord`, JSON), written once, by its closer
@@ -49,12 +49,12 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from elastic_ddp.agent.rendezvous import addresses
-from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent
+from elastic_ddp.agent.rendezvous.agent_setup import local_node, prepare_agent
 from elastic_ddp.agent.rendezvous.c10d.store import create_tcp_store, endpoint_of, hosts_store
 from elastic_ddp.agent.rendezvous.c10d.watch import StoreWatch
-from elastic_ddp.agent.rendezvous.handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import BoardView, RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
@@ -81,10 +81,10 @@ class StoreRoundBoard:
 
     name = BACKEND_NAME
 
-    def __init__(self, store: Store, run_id: str, settings: KeyedSettings, watch: StoreWatch | None = None) -> None:
+    def __init__(self, store: Store, run_id: str, settings: RendezvousSettings, watch: StoreWatch | None = None) -> None:
         self.store = store
         self._watch = watch  # runs the requests of this board's connection (not the heartbeats')
-        self._base = f"keyed/{run_id}/"
+        self._base = f"rdzv/{run_id}/"
         self._settings = settings
         self._lock = threading.Lock()
         self._node: NodeDesc | None = None
@@ -139,7 +139,7 @@ class StoreRoundBoard:
                 return
             self._node, self._port = node, port
             self._set(f"alive/{node_name(node)}", self._heartbeat(time.time()))
-            self._beater = threading.Thread(target=self._beat, args=(self._beats,), name="keyed-rdzv-heartbeat",
+            self._beater = threading.Thread(target=self._beat, args=(self._beats,), name="rdzv-heartbeat",
                                             daemon=True)
             self._beater.start()
 
@@ -153,7 +153,7 @@ class StoreRoundBoard:
                 failing = False
             except Exception as exc:  # noqa: BLE001 - the store unreachable: try again next tick
                 if not failing and not self._stop.is_set():  # once per outage
-                    logger.warning("the keyed rendezvous could not write node %s's heartbeat: %s",
+                    logger.warning("the rendezvous could not write node %s's heartbeat: %s",
                                    node_name(self._node), exc)
                 failing = True
 
@@ -229,8 +229,8 @@ class StoreRoundBoard:
         """The whole number >= 0 that `key` holds (a counter or the hint); RendezvousStateError otherwise."""
         text = bytes(value).decode("ascii", errors="replace")
         if not (text.isdigit() and len(text) < 19):
-            raise RendezvousStateError(f"{self._base}{key} holds {text[:40]!r}, not a whole number: not the keyed "
-                                       "rendezvous's (elastic_ddp.agent.rendezvous.boards.c10d)")
+            raise RendezvousStateError(f"{self._base}{key} holds {text[:40]!r}, not a whole number: not written "
+                                       "by elastic_ddp's rendezvous (elastic_ddp.agent.rendezvous.boards.c10d)")
         return int(text)
 
     def _record(self, number: int) -> RoundRecord:
@@ -315,15 +315,15 @@ class StoreRoundBoard:
 C10D_KEYS = frozenset({"store_type", "is_host", "read_timeout"})
 
 
-def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous in the elastic-c10d TCPStore (`handler`).
+def create_elastic_c10d_handler(params: RendezvousParameters) -> RoundRendezvousHandler:
+    """The rendezvous in the elastic-c10d TCPStore (`handler`).
 
     Raises ValueError for a bad `--rdzv_conf` value (or `store_type` other than tcp) before any
     connection, RendezvousConnectionError (one line) when the store cannot be reached.
     """
-    settings = prepare_keyed_agent(params, C10D_KEYS)
+    settings = prepare_agent(params, C10D_KEYS)
     if params.get("store_type", "tcp").strip().lower() != "tcp":
-        raise ValueError(f"--rdzv_conf store_type: got {params.get('store_type')!r}; the keyed rendezvous needs tcp")
+        raise ValueError(f"--rdzv_conf store_type: got {params.get('store_type')!r}; elastic_ddp's rendezvous needs tcp")
     host, port = endpoint_of(params)
     is_host, _ = hosts_store(params)
     problem = addresses.loopback_problem(params.local_addr, host, port)
@@ -335,6 +335,6 @@ def create_keyed_c10d_handler(params: RendezvousParameters) -> KeyedRendezvousHa
     watch = StoreWatch(host, port, silence_s=settings.keep_alive_interval * settings.keep_alive_max_attempt)
     watch.peers_answer = witness.any_answers
     board = StoreRoundBoard(create_tcp_store(params), params.run_id, settings, watch)
-    logger.info("elastic-c10d keyed rendezvous '%s' on %s:%d: last call %g s, heartbeat expiry %d s, join timeout %g s",
+    logger.info("elastic-c10d rendezvous '%s' on %s:%d: last call %g s, heartbeat expiry %d s, join timeout %g s",
                 params.run_id, host, port, settings.last_call_timeout, settings.lease_ttl, settings.join_timeout)
-    return KeyedRendezvousHandler(board, keyed_node(params), settings, witness)
+    return RoundRendezvousHandler(board, local_node(params), settings, witness)

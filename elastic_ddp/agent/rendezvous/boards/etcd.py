@@ -1,7 +1,7 @@
-"""The keyed rendezvous's board in etcd v3 (`EtcdRoundBoard`), and `create_keyed_etcd_v3_handler`,
+"""The rendezvous's board in etcd v3 (`EtcdRoundBoard`), and `create_etcd_v3_handler`,
 what `--rdzv_backend=etcd-v3` builds.
 
-Keys of run `R`, under `<key_prefix>/R/keyed/`:
+Keys of run `R`, under `<key_prefix>/R/rdzv/`:
 
     record                    the last closed round (`state.RoundRecord`, JSON), on the closer's run lease
     closed                    present once `set_closed` was called
@@ -9,7 +9,7 @@ Keys of run `R`, under `<key_prefix>/R/keyed/`:
     alive/<node>              the node's liveness and beacon port (`probes`), on its node lease
 
 Each handler holds a *node lease* of `keep_alive_interval x keep_alive_max_attempt` seconds
-(`KeyedSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval` over the connection's
+(`RendezvousSettings.lease_ttl`), refreshed by a thread every `keep_alive_interval` over the connection's
 one keep-alive stream (`EtcdConnection.keep_alive`), without the board's lock: when the agent dies
 the lease expires and etcd deletes its arrival and liveness keys; `leave` revokes it at once. If a
 refresh finds the lease expired (etcd unreachable, or the process starved of CPU, for longer than
@@ -42,15 +42,15 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic_ddp.agent.rendezvous.agent_setup import keyed_node, prepare_keyed_agent, warn_if_loopback_published
+from elastic_ddp.agent.rendezvous.agent_setup import local_node, prepare_agent, warn_if_loopback_published
 from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.etcd.client import Etcd3Client, etcdrpc
 from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection, is_lease_not_found
 from elastic_ddp.agent.rendezvous.etcd.options import ETCD_KEYS, EtcdV3Options, run_key
 from elastic_ddp.agent.rendezvous.etcd.store import EtcdV3Store
-from elastic_ddp.agent.rendezvous.handler import BoardView, KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import BoardView, RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
@@ -90,10 +90,10 @@ class EtcdRoundBoard:
 
     name = "etcd-v3"
 
-    def __init__(self, connection: EtcdConnection, store: EtcdV3Store, run_id: str, settings: KeyedSettings) -> None:
+    def __init__(self, connection: EtcdConnection, store: EtcdV3Store, run_id: str, settings: RendezvousSettings) -> None:
         self._connection = connection
         self.store = store
-        self._base = run_key(connection.options.key_prefix, run_id) + "/keyed/"
+        self._base = run_key(connection.options.key_prefix, run_id) + "/rdzv/"
         self._settings = settings
         self._lock = threading.Lock()
         self._lease: int | None = None
@@ -140,7 +140,7 @@ class EtcdRoundBoard:
                 return
             self._node, self._port = node, port
             self._new_lease()
-            self._keeper = threading.Thread(target=self._keep_alive, name="keyed-rdzv-lease", daemon=True)
+            self._keeper = threading.Thread(target=self._keep_alive, name="rdzv-lease", daemon=True)
             self._keeper.start()
 
     def _new_lease(self) -> None:
@@ -162,7 +162,7 @@ class EtcdRoundBoard:
             except RendezvousError as exc:  # etcd unreachable beyond the retry budget: try again next tick
                 if self._stop.is_set():  # left meanwhile: the lease is revoked or left to expire
                     return
-                logger.warning("the keyed rendezvous could not refresh node %s's lease: %s",
+                logger.warning("the rendezvous could not refresh node %s's lease: %s",
                                node_name(self._node) if self._node else "?", exc)
 
     def _refresh(self) -> None:
@@ -294,13 +294,13 @@ class EtcdRoundBoard:
         return self.view(-1).closed
 
 
-def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvousHandler:
-    """The keyed rendezvous on etcd v3 (`handler`).
+def create_etcd_v3_handler(params: RendezvousParameters) -> RoundRendezvousHandler:
+    """The rendezvous on etcd v3 (`handler`).
 
     Raises ValueError for a bad `--rdzv_endpoint`/`--rdzv_conf` value before connecting, and a
     `RendezvousConnectionError` when etcd cannot be reached (see `etcd.connection`).
     """
-    settings = prepare_keyed_agent(params, ETCD_KEYS)
+    settings = prepare_agent(params, ETCD_KEYS)
     options = EtcdV3Options.from_params(params)
     warn_if_loopback_published(params.local_addr, options.endpoints)
     connection = EtcdConnection(options)
@@ -315,10 +315,10 @@ def create_keyed_etcd_v3_handler(params: RendezvousParameters) -> KeyedRendezvou
     except BaseException:
         connection.close()
         raise
-    logger.info("etcd-v3 keyed rendezvous '%s' on %s (%s): last call %g s, node lease %d s, join timeout %g s",
+    logger.info("etcd-v3 rendezvous '%s' on %s (%s): last call %g s, node lease %d s, join timeout %g s",
                 params.run_id, ", ".join(options.endpoint_names), options.protocol, settings.last_call_timeout,
                 settings.lease_ttl, settings.join_timeout)
-    return KeyedRendezvousHandler(board, keyed_node(params), settings, ExitWitness(settings.probe_dead_nodes))
+    return RoundRendezvousHandler(board, local_node(params), settings, ExitWitness(settings.probe_dead_nodes))
 
 
 def _revoke(client: Etcd3Client, lease: int) -> None:

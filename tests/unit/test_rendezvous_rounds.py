@@ -1,4 +1,4 @@
-"""The keyed rendezvous's parts without a board: the completion rule, who is in a round, the JSON schema,
+"""The rendezvous's parts without a board: the completion rule, who is in a round, the JSON schema,
 how nodes are named."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import socket
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.agent_setup import keyed_node
+from elastic_ddp.agent.rendezvous.agent_setup import local_node
 from elastic_ddp.agent.rendezvous.plugin import take_algorithm
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings, closed_round, may_close, waiting_count
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.state import (
     NodeDesc,
     RoundRecord,
@@ -27,8 +27,8 @@ from elastic_ddp.agent.rendezvous.state import (
 A, B, C, D = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(4))
 
 
-def settings(min_nodes: int = 2, max_nodes: int = 3, prompt: bool = True) -> KeyedSettings:
-    return KeyedSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
+def settings(min_nodes: int = 2, max_nodes: int = 3, prompt: bool = True) -> RendezvousSettings:
+    return RendezvousSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=1, keep_alive_interval=1,
                          keep_alive_max_attempt=5, prompt_completion=prompt)
 
 
@@ -88,18 +88,18 @@ def test_a_node_is_named_by_address_pid_and_counter_hashable_ordered_and_printab
 
 
 def test_this_process_makes_a_new_node_per_handler_at_its_published_address() -> None:
-    first = keyed_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, local_addr="10.0.0.7"))
-    second = keyed_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4))
+    first = local_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, local_addr="10.0.0.7"))
+    second = local_node(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4))
     assert (first.addr, first.pid) == ("10.0.0.7", os.getpid())
     assert (second.addr, second.pid, second.local_id) == (socket.getfqdn(), os.getpid(), first.local_id + 1)
 
 
 def test_settings_take_the_shipped_defaults_and_name_a_bad_key() -> None:
     params = RendezvousParameters("etcd-v3", "localhost:2379", "run", 1, 4, last_call_timeout="2")
-    loaded = KeyedSettings.from_params(params)
+    loaded = RendezvousSettings.from_params(params)
     assert (loaded.last_call_timeout, loaded.keep_alive_interval, loaded.lease_ttl) == (2, 1, 5)
     with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
-        KeyedSettings.from_params(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, keep_alive_interval="soon"))
+        RendezvousSettings.from_params(RendezvousParameters("etcd-v3", "h:1", "run", 1, 4, keep_alive_interval="soon"))
 
 
 def test_the_algorithm_key_is_taken_out_of_the_config_and_checked() -> None:

@@ -1,4 +1,4 @@
-"""The keyed rendezvous's dead-node probes (`probes.ExitWitness`) on real beacons in this process,
+"""The rendezvous's dead-node probes (`probes.ExitWitness`) on real beacons in this process,
 and their `--rdzv_conf` switch (the probes on real agents: tests/cluster/test_liveness.py)."""
 
 from __future__ import annotations

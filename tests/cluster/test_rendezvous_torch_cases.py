@@ -1,4 +1,4 @@
-"""torch's own handler tests, run against the keyed rendezvous (`--rdzv_conf algorithm=keyed`) on a
+"""torch's own handler tests, run against elastic_ddp's rendezvous (what `--rdzv_backend=etcd-v3` runs) on a
 real etcd: the acceptance of issue #31.
 
 Source: torch's test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py (pytorch/pytorch
@@ -13,12 +13,12 @@ TCPStore sharing (`test_share_store_*`), the `RendezvousParameters` validation (
 and a shutdown that fails (`test_shutdown_returns_false_if_rendezvous_cannot_be_closed`: with etcd
 gone, the connection retries for its whole 30 s budget first).
 
-Where the keyed handler differs from torch by design the adapted test says so (it never lets workers
+Where our handler differs from torch by design the adapted test says so (it never lets workers
 share the agent's store: `use_agent_store` is False). The two differences without a reason that these
 cases found were fixed in the handler: `shutdown` now closes the rendezvous, and a spare counts as
 waiting once a member of the full round it waits beside is gone.
 
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests/cluster/test_keyed_torch_cases.py
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/cluster/test_rendezvous_torch_cases.py
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.boards.etcd import create_etcd_v3_handler
 from elastic_ddp.agent.rendezvous.defaults import SHIPPED_RDZV_DEFAULTS
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import Background, assert_one_world, rendezvous_together
 
@@ -55,14 +55,14 @@ class Nodes:
 
     def __init__(self, endpoint: str, run_id: str) -> None:
         self.endpoint, self.run_id = endpoint, run_id
-        self.made: list[KeyedRendezvousHandler] = []
+        self.made: list[RoundRendezvousHandler] = []
 
     def params(self, min_nodes: int = 2, max_nodes: int = 2, **conf: Any) -> RendezvousParameters:
         conf = {"local_addr": f"127.0.0.{len(self.made) + 1}", **FAST, **conf}
         return RendezvousParameters("etcd-v3", self.endpoint, self.run_id, min_nodes, max_nodes, **conf)
 
-    def make(self, min_nodes: int = 2, max_nodes: int = 2, **conf: Any) -> KeyedRendezvousHandler:
-        handler = create_keyed_etcd_v3_handler(self.params(min_nodes, max_nodes, **conf))
+    def make(self, min_nodes: int = 2, max_nodes: int = 2, **conf: Any) -> RoundRendezvousHandler:
+        handler = create_etcd_v3_handler(self.params(min_nodes, max_nodes, **conf))
         self.made.append(handler)
         return handler
 
@@ -151,7 +151,7 @@ def test_redundancy_transition_to_wait_list_is_seen_by_the_survivors(nodes) -> N
 @pytest.mark.parametrize("share_opt_out", [None, "0", "1"])
 def test_use_agent_store(nodes, monkeypatch, share_opt_out) -> None:
     """IntegrationTest.test_use_agent_store_is_true_by_default and .test_use_agent_store_is_disabled,
-    adapted: the keyed handler never lets workers share the agent's store, whatever
+    adapted: our handler never lets workers share the agent's store, whatever
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE says (they read stale addresses from it after a re-rendezvous,
     pytorch/pytorch#135712; findings.md 2)."""
     if share_opt_out is None:
@@ -275,14 +275,14 @@ def test_create_handler_returns_handler(nodes) -> None:
     """CreateHandlerTest.test_create_handler_returns_handler and
     .test_create_handler_returns_handler_if_timeout_is_not_specified (ours: the shipped defaults),
     with DynamicRendezvousHandlerFromBackendTest.test_init_initializes_handler."""
-    given = create_keyed_etcd_v3_handler(RendezvousParameters(
+    given = create_etcd_v3_handler(RendezvousParameters(
         "etcd-v3", nodes.endpoint, nodes.run_id, 3, 6, join_timeout="50", last_call_timeout="60"))
     nodes.made.append(given)
     assert (given.get_backend(), given.get_run_id()) == ("etcd-v3", nodes.run_id)
     settings = given.settings
     assert (settings.run_id, settings.min_nodes, settings.max_nodes) == (nodes.run_id, 3, 6)
     assert (settings.join_timeout, settings.last_call_timeout) == (50, 60)
-    default = create_keyed_etcd_v3_handler(RendezvousParameters("etcd-v3", nodes.endpoint, nodes.run_id, 3, 6))
+    default = create_etcd_v3_handler(RendezvousParameters("etcd-v3", nodes.endpoint, nodes.run_id, 3, 6))
     nodes.made.append(default)
     assert (default.settings.join_timeout, default.settings.last_call_timeout) == (
         SHIPPED_RDZV_DEFAULTS["join_timeout"], SHIPPED_RDZV_DEFAULTS["last_call_timeout"])

@@ -1,4 +1,4 @@
-"""The keyed rendezvous's node lease and reads on etcd (`boards.etcd.EtcdRoundBoard`,
+"""The rendezvous's node lease and reads on etcd (`boards.etcd.EtcdRoundBoard`,
 `etcd.connection.keep_alive`).
 
 etcd's Lease and KV services are served here by an in-process gRPC server (`_Etcd`: leases, and
@@ -6,7 +6,7 @@ transactions of puts, deletes and range reads of a key or a prefix with a revisi
 subprocess), so the tests can count the keep-alive streams the client opens, hold a keep-alive
 answer back, say that a lease expired, end a stream, or count the record values it sends. The client under test is
 the real one (etcd3's stubs over a real gRPC channel, `EtcdConnection`'s retries). The rest of the
-board against a real etcd: tests/cluster/test_keyed_rendezvous.py.
+board against a real etcd: tests/cluster/test_rendezvous_handler.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from elastic_ddp.agent.rendezvous.boards.etcd import EtcdRoundBoard
 from elastic_ddp.agent.rendezvous.etcd.client import etcdrpc
 from elastic_ddp.agent.rendezvous.etcd.connection import EtcdConnection
 from elastic_ddp.agent.rendezvous.etcd.options import EtcdV3Options
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 
@@ -137,7 +137,7 @@ def make_board(etcd):
     def make(keep_alive_interval: float) -> EtcdRoundBoard:
         connection = EtcdConnection(EtcdV3Options(endpoints=(("127.0.0.1", etcd.port),), read_timeout=20.0,
                                                   retry_timeout=30.0))
-        settings = KeyedSettings(run_id="run", min_nodes=1, max_nodes=2, join_timeout=30.0, last_call_timeout=1.0,
+        settings = RendezvousSettings(run_id="run", min_nodes=1, max_nodes=2, join_timeout=30.0, last_call_timeout=1.0,
                                  keep_alive_interval=keep_alive_interval, keep_alive_max_attempt=5)
         made.append(EtcdRoundBoard(connection, store=None, run_id="run", settings=settings))
         made[-1].start(NODE, port=None)
@@ -184,7 +184,7 @@ def test_a_lease_found_expired_by_a_refresh_is_taken_again_with_the_node_keys(et
     etcd.leases.discard(expired)  # as etcd does when the refreshes stopped for the whole TTL
     board._refresh()
     assert board._lease not in (None, expired)
-    rewritten = {key.rsplit("/keyed/", 1)[1] for key, lease in etcd.puts if lease == board._lease}
+    rewritten = {key.rsplit("/rdzv/", 1)[1] for key, lease in etcd.puts if lease == board._lease}
     assert rewritten == {"alive/127.0.0.1_4242_0", "arrivals/3/127.0.0.1_4242_0"}
 
 
@@ -216,14 +216,14 @@ def test_a_view_sends_the_round_record_only_when_it_changed(etcd, board) -> None
     assert board.view(2).record is None and board.view(2).token == 0
 
 
-def test_the_agents_store_of_the_keyed_rendezvous_looks_at_least_every_50_ms(etcd, monkeypatch) -> None:
+def test_the_agents_store_of_the_rendezvous_looks_at_least_every_50_ms(etcd, monkeypatch) -> None:
     """Members read rank 0's address from the store when they see a new round, often before rank 0
     wrote it; at the store's 250 ms back-off they saw it up to 250 ms late (64 agents)."""
     from elastic_ddp.agent.rendezvous.boards import etcd as etcd_board
     from elastic_ddp.agent.rendezvous.etcd import store as etcd_store
 
     monkeypatch.setattr(etcd_board.EtcdRoundBoard, "view", lambda self, round_number: None)  # no Range here
-    handler = etcd_board.create_keyed_etcd_v3_handler(RendezvousParameters(
+    handler = etcd_board.create_etcd_v3_handler(RendezvousParameters(
         "etcd-v3", f"127.0.0.1:{etcd.port}", "run", 1, 2, local_addr="127.0.0.1"))
     pauses: list[float] = []
     monkeypatch.setattr(etcd_store, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pauses.append))

@@ -1,4 +1,4 @@
-"""The keyed rendezvous (what `--rdzv_backend=etcd-v3` runs) against a real etcd, several handlers in
+"""The rendezvous (what `--rdzv_backend=etcd-v3` runs) against a real etcd, several handlers in
 threads of this process (each one an agent: a lease, keys and a lease-refresh thread of its own).
 
 Also the integration cases of torch's test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py
@@ -18,8 +18,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.agent.rendezvous.boards.etcd import create_keyed_etcd_v3_handler
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.boards.etcd import create_etcd_v3_handler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.plugin import etcd_v3_handler_factory
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import Background, assert_one_world, rendezvous_together
@@ -37,10 +37,10 @@ def params(endpoint: str, run_id: str, min_nodes: int, max_nodes: int, **conf: A
 @pytest.fixture
 def make_handlers(shared_etcd_server, run_id):
     """Handlers of this test's own run id on the module's etcd member (a fresh one costs ~1 s a test)."""
-    made: list[KeyedRendezvousHandler] = []
+    made: list[RoundRendezvousHandler] = []
 
-    def make(count: int, min_nodes: int, max_nodes: int, **conf: Any) -> list[KeyedRendezvousHandler]:
-        handlers = [create_keyed_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, min_nodes, max_nodes,
+    def make(count: int, min_nodes: int, max_nodes: int, **conf: Any) -> list[RoundRendezvousHandler]:
+        handlers = [create_etcd_v3_handler(params(shared_etcd_server.endpoint, run_id, min_nodes, max_nodes,
                                                         **conf))
                     for _ in range(count)]
         made.extend(handlers)
@@ -152,13 +152,13 @@ def test_handler_contract_names_and_store(make_handlers, run_id) -> None:
     assert handler.shutdown() is True
 
 
-def test_the_entry_point_builds_the_keyed_handler_and_refuses_any_other_algorithm(shared_etcd_server,
+def test_the_entry_point_builds_our_handler_and_refuses_any_other_algorithm(shared_etcd_server,
                                                                                  run_id) -> None:
     create = etcd_v3_handler_factory()
     for conf in ({}, {"algorithm": "keyed"}):
         handler = create(params(shared_etcd_server.endpoint, run_id, 1, 1, **conf))
         try:
-            assert isinstance(handler, KeyedRendezvousHandler), conf
+            assert isinstance(handler, RoundRendezvousHandler), conf
         finally:
             handler.shutdown()
     with pytest.raises(ValueError, match="--rdzv_conf algorithm: got 'fancy'; expected keyed "):
@@ -192,7 +192,7 @@ def test_a_forged_round_record_is_refused_not_executed(make_handlers) -> None:
         handler.next_rendezvous()
 
 
-def _one_node_round(handler: KeyedRendezvousHandler) -> None:
+def _one_node_round(handler: RoundRendezvousHandler) -> None:
     try:
         assert handler.next_rendezvous().rank == 0
     finally:
@@ -201,18 +201,18 @@ def _one_node_round(handler: KeyedRendezvousHandler) -> None:
 
 def test_over_tls(tls_etcd_server, run_id) -> None:
     assert tls_etcd_server.tls is not None
-    _one_node_round(create_keyed_etcd_v3_handler(params(tls_etcd_server.endpoint, run_id, 1, 1, protocol="https",
+    _one_node_round(create_etcd_v3_handler(params(tls_etcd_server.endpoint, run_id, 1, 1, protocol="https",
                                                         ca_cert=str(tls_etcd_server.tls.ca_cert))))
 
 
 def test_with_auth(auth_etcd_server, run_id, tmp_path) -> None:
     (tmp_path / "password").write_text(f"{auth_etcd_server.auth_password}\n")
-    _one_node_round(create_keyed_etcd_v3_handler(params(auth_etcd_server.endpoint, run_id, 1, 1, user="root",
+    _one_node_round(create_etcd_v3_handler(params(auth_etcd_server.endpoint, run_id, 1, 1, user="root",
                                                         password_file=str(tmp_path / "password"))))
 
 
 def test_members_ride_out_an_etcd_restart_and_meet_again(etcd_server, run_id) -> None:
-    handlers = [create_keyed_etcd_v3_handler(params(etcd_server.endpoint, run_id, 2, 2)) for _ in range(2)]
+    handlers = [create_etcd_v3_handler(params(etcd_server.endpoint, run_id, 2, 2)) for _ in range(2)]
     try:
         assert_one_world(rendezvous_together(handlers, timeout=30), 2)
         etcd_server.restart(down_for=3.0)  # longer than the 2 s node lease: etcd renews leases on restart
@@ -224,7 +224,7 @@ def test_members_ride_out_an_etcd_restart_and_meet_again(etcd_server, run_id) ->
 
 
 def test_a_round_forms_after_the_etcd_leader_is_killed(etcd_cluster, run_id) -> None:
-    handlers = [create_keyed_etcd_v3_handler(params(etcd_cluster.endpoints, run_id, 2, 2)) for _ in range(2)]
+    handlers = [create_etcd_v3_handler(params(etcd_cluster.endpoints, run_id, 2, 2)) for _ in range(2)]
     try:
         assert_one_world(rendezvous_together(handlers, timeout=30), 2)
         leader = etcd_cluster.leader()

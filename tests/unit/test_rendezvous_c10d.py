@@ -1,4 +1,4 @@
-"""The keyed rendezvous in a real TCPStore (`boards.c10d`): handlers of one process, one store.
+"""The rendezvous in a real TCPStore (`boards.c10d`): handlers of one process, one store.
 
 Each handler has a store client of its own, as each agent has; threads stand in for the agents.
 """
@@ -20,13 +20,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard, create_keyed_c10d_handler
+from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard, create_elastic_c10d_handler
 from elastic_ddp.agent.rendezvous.c10d import store as c10d_store
 from elastic_ddp.agent.rendezvous.c10d.watch import StoreWatch
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.plugin import elastic_c10d_handler_factory, etcd_v3_handler_factory
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import Background, ranks_by_node
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 A, B, C = (NodeDesc(f"host{i}", 100 + i, 0) for i in range(3))
 
 
-MADE: list[KeyedRendezvousHandler] = []
+MADE: list[RoundRendezvousHandler] = []
 
 
 @pytest.fixture
@@ -47,15 +47,15 @@ def server():
         MADE.pop()._board.leave()
 
 
-def settings(min_nodes: int = 2, max_nodes: int = 2, expiry_beats: int = 5) -> KeyedSettings:
-    return KeyedSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=0.3,
+def settings(min_nodes: int = 2, max_nodes: int = 2, expiry_beats: int = 5) -> RendezvousSettings:
+    return RendezvousSettings("run", min_nodes, max_nodes, join_timeout=30, last_call_timeout=0.3,
                          keep_alive_interval=0.2, keep_alive_max_attempt=expiry_beats, probe_dead_nodes=False)
 
 
-def handler(server: TCPStore, node: NodeDesc, chosen: KeyedSettings,
-            witness: ExitWitness | None = None) -> KeyedRendezvousHandler:
+def handler(server: TCPStore, node: NodeDesc, chosen: RendezvousSettings,
+            witness: ExitWitness | None = None) -> RoundRendezvousHandler:
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
-    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
+    MADE.append(RoundRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
     return MADE[-1]
 
 
@@ -113,12 +113,12 @@ def test_a_member_whose_beacon_refuses_is_left_out_long_before_its_heartbeat_exp
 def test_the_handler_takes_rdzv_conf_values_and_the_shipped_defaults_for_the_rest(server) -> None:
     params = RendezvousParameters("elastic-c10d", f"127.0.0.1:{server.port}", "conf", 1, 4, local_addr="127.0.0.1",
                                   last_call_timeout="2", is_host="0")
-    made = create_keyed_c10d_handler(params)
+    made = create_elastic_c10d_handler(params)
     MADE.append(made)
     assert (made.settings.last_call_timeout, made.settings.keep_alive_interval, made.settings.lease_ttl,
             made.settings.join_timeout) == (2, 1, 5, 300)
     assert made.get_backend() == "elastic-c10d" and made.get_run_id() == "conf" and not made.use_agent_store
-    assert server.check(["keyed/conf/closed"])  # it reached the store
+    assert server.check(["rdzv/conf/closed"])  # it reached the store
 
 
 def test_a_store_that_stops_answering_while_peers_answer_stops_the_node_with_one_line(server, monkeypatch) -> None:
@@ -159,15 +159,15 @@ def test_set_closed_ends_a_waiting_node_and_every_later_round(server) -> None:
 
 
 def test_a_record_that_is_not_our_json_is_refused_never_unpickled(server) -> None:
-    server.set("keyed/run/round/0", pickle.dumps(RoundRecord(0, (A,))))
-    with pytest.raises(RendezvousStateError, match="keyed/run/round/0 is not valid"):
+    server.set("rdzv/run/round/0", pickle.dumps(RoundRecord(0, (A,))))
+    with pytest.raises(RendezvousStateError, match="rdzv/run/round/0 is not valid"):
         handler(server, A, settings()).next_rendezvous()
-    server.set("keyed/run/latest", b"__import__('os')")
-    with pytest.raises(RendezvousStateError, match="keyed/run/latest holds .* not a whole number"):
+    server.set("rdzv/run/latest", b"__import__('os')")
+    with pytest.raises(RendezvousStateError, match="rdzv/run/latest holds .* not a whole number"):
         handler(server, B, settings()).next_rendezvous()
 
 
-def test_elastic_c10d_takes_the_keyed_algorithm_by_default_and_names_a_bad_key_before_connecting() -> None:
+def test_elastic_c10d_takes_the_one_algorithm_by_default_and_names_a_bad_key_before_connecting() -> None:
     create = elastic_c10d_handler_factory()
     for conf in ({}, {"algorithm": "keyed"}):
         with pytest.raises(ValueError, match="--rdzv_conf keep_alive_interval: got 'soon'"):
@@ -177,7 +177,7 @@ def test_elastic_c10d_takes_the_keyed_algorithm_by_default_and_names_a_bad_key_b
 @pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
 def test_the_removed_dynamic_algorithm_is_refused_before_anything_else(monkeypatch, backend) -> None:
     """Before any other key is read, anything connects (nothing listens at port 1) or the agent's
-    environment changes; the line says to use the keyed default, and where torch's own algorithm is."""
+    environment changes; the line says to use the default, and where torch's own algorithm is."""
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
     with pytest.raises(ValueError, match=r"^--rdzv_conf algorithm: got 'dynamic', which was removed in this version "
@@ -195,13 +195,13 @@ def test_the_removed_dynamic_algorithm_is_refused_before_anything_else(monkeypat
     ("extend_last_call", "maybe", "every arrival restarts the last call"),
     ("prompt_completion", "maybe", None),
 ])
-def test_both_keyed_boards_check_the_same_keys_and_refuse_those_they_would_ignore(monkeypatch, backend, key, value,
+def test_both_boards_check_the_same_keys_and_refuse_those_they_would_ignore(monkeypatch, backend, key, value,
                                                                                   reason) -> None:
     """One set-up for both boards (agent_setup): a key read by neither is refused by both, before
     anything connects (nothing listens at port 1) and before the agent's environment changes."""
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
-    expected = (f"--rdzv_conf {key}: got '{value}', which the keyed rendezvous of {backend} does not read: "
+    expected = (f"--rdzv_conf {key}: got '{value}', which the rendezvous of {backend} does not read: "
                 f".*{reason}.*remove the key"
                 if reason else f"--rdzv_conf {key}: got '{value}'; expected 1 or 0")
     with pytest.raises(ValueError, match=expected):
@@ -210,12 +210,12 @@ def test_both_keyed_boards_check_the_same_keys_and_refuse_those_they_would_ignor
 
 
 @pytest.mark.parametrize("backend", ["elastic-c10d", "etcd-v3"])
-def test_a_key_neither_the_keyed_rendezvous_nor_the_board_reads_is_refused(monkeypatch, backend) -> None:
+def test_a_key_neither_the_rendezvous_nor_the_board_reads_is_refused(monkeypatch, backend) -> None:
     """A typo would leave the shipped value in force without a word: both boards refuse it, naming
     it and what they accept; torchrun's own `timeout` and each board's keys are accepted."""
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     create = elastic_c10d_handler_factory() if backend == "elastic-c10d" else etcd_v3_handler_factory()
-    with pytest.raises(ValueError, match=rf"^--rdzv_conf last_call_timout: not a key of {backend} \(the keyed "
+    with pytest.raises(ValueError, match=rf"^--rdzv_conf last_call_timout: not a key of {backend} \(elastic_ddp's "
                                          r"rendezvous\); expected one of .*join_timeout.*last_call_timeout"):
         create(RendezvousParameters(backend, "127.0.0.1:1", "run", 1, 4, timeout="900", last_call_timout="1"))
     other_board = {"elastic-c10d": {"protocol": "https"}, "etcd-v3": {"is_host": "1"}}[backend]

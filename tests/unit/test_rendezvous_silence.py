@@ -1,4 +1,4 @@
-"""Silent members of the keyed rendezvous (`silence`): the beacon's answer, the workers' verdict
+"""Silent members of the rendezvous (`silence`): the beacon's answer, the workers' verdict
 file, and handlers on a real TCPStore (threads stand in for the agents, real beacons and sockets for
 their ports; a socket that listens but never accepts stands in for a frozen agent's, whose kernel
 still completes the handshake)."""
@@ -17,10 +17,10 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
 from elastic_ddp.agent.rendezvous.boards.c10d import StoreRoundBoard
-from elastic_ddp.agent.rendezvous.handler import KeyedRendezvousHandler
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.liveness import Beacon
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
-from elastic_ddp.agent.rendezvous.rounds import KeyedSettings
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.silence import Reply, ask
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.testbed.local_cluster import wait_for
@@ -37,7 +37,7 @@ from tests.support.rendezvous import ranks_by_node
 pytestmark = pytest.mark.timeout(60)
 
 HERE, OTHER = NodeDesc("127.0.0.1", 1, 0), NodeDesc("127.0.0.1", 2, 0)
-MADE: list[KeyedRendezvousHandler] = []
+MADE: list[RoundRendezvousHandler] = []
 
 
 class FrozenBeacon:
@@ -62,16 +62,16 @@ def server():
         made._witness.close()
 
 
-def handler(server: TCPStore, node, witness: ExitWitness, join_timeout: float = 15) -> KeyedRendezvousHandler:
+def handler(server: TCPStore, node, witness: ExitWitness, join_timeout: float = 15) -> RoundRendezvousHandler:
     # Leases of 200 s: a member left out within the test was left out by the evidence, not its lease.
-    chosen = KeyedSettings("run", 1, 2, join_timeout=join_timeout, last_call_timeout=0.3, keep_alive_interval=0.2,
+    chosen = RendezvousSettings("run", 1, 2, join_timeout=join_timeout, last_call_timeout=0.3, keep_alive_interval=0.2,
                            keep_alive_max_attempt=1000, probe_dead_nodes=witness.port is not None)
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
-    MADE.append(KeyedRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
+    MADE.append(RoundRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, witness, poll_s=0.02))
     return MADE[-1]
 
 
-def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezvousHandler, KeyedRendezvousHandler]:
+def formed_pair(server, other_beacon, probes: bool = True) -> tuple[RoundRendezvousHandler, RoundRendezvousHandler]:
     """Round 0 of HERE and OTHER; HERE's beacon probes (unless not `probes`) reached OTHER's
     beacon, whose port is then `other_beacon`'s (a live one, or a frozen one)."""
     other_witness = ExitWitness()
@@ -85,7 +85,7 @@ def formed_pair(server, other_beacon, probes: bool = True) -> tuple[KeyedRendezv
     return survivor, other
 
 
-def workers_name(survivor: KeyedRendezvousHandler, node) -> None:
+def workers_name(survivor: RoundRendezvousHandler, node) -> None:
     """What the survivor's workers' watchdog writes when it fires: `node`'s rank in the round."""
     inbox, record = survivor._silence._expected
     assert send_verdict(inbox.address, {record.rank_of(node)})
