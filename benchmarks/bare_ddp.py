@@ -1,4 +1,4 @@
-"""The baseline: a bare DDP training loop, as the PyTorch DDP tutorial teaches it.
+"""The baseline: a bare DDP training loop, as fast as a plain loop gets.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m benchmarks.bare_ddp --model mlp --epochs 5
 
@@ -6,10 +6,18 @@
 same flags and `--micro_batch_size` equal to the per-rank share (no gradient accumulation): the same
 model (`elastic_ddp.workload.models.build_model`), the same synthetic data (`SyntheticImageDataset`) with a
 random horizontal flip, SGD with momentum under the same warm-up plus cosine schedule, the same
-global batch split evenly over the same world. What it leaves out is what elastic_ddp adds:
-snapshots, the event log, the elastic sampler, per-sample seeded augmentation, restore on start.
-It uses `DistributedSampler`, so it needs a dataset size and global batch that divide evenly
+global batch split evenly over the same world, DDP with the same options (torch's defaults). It
+uses `DistributedSampler`, so it needs a dataset size and global batch that divide evenly
 (otherwise the sampler pads and the two would not do the same work).
+
+It has every optimisation of elastic_ddp's training path that is not about fault tolerance: a batch
+is read whole (one `index_select` from the dataset's in-memory samples, the flips applied to the
+batch, as elastic_ddp's loader does, instead of a copy, a draw and a stack per sample), gradients are
+set to None, the loss is read on rank 0 only every `--log_interval` steps. What it leaves out is
+what elastic_ddp adds for fault tolerance and elasticity: snapshots, memory copies, the event log
+and progress windows, the watchdog and the drain vote, the elastic sampler with its per-sample
+seeded augmentation and per-sample loss, the loop contract's checks, restore on start.
+docs/benchmarks.md ("What ours costs per step") lists each difference and where it sits.
 
 Each rank prints one `BENCH_RESULT {json}` line at exit: its peak resident memory, and on rank 0 the
 wall and CPU time at the end of every optimizer step and the steady-state samples per second (the
@@ -28,29 +36,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from benchmarks.baseline_schedule import warmup_cosine_schedule
 from benchmarks.measure import emit_result, peak_rss_mb, run_maybe_profiled, steady_state_samples_per_second
 from elastic_ddp.runtime.distributed import exit_worker
-from elastic_ddp.workload.data import SyntheticImageDataset
+from elastic_ddp.workload.data import SyntheticImageDataset, random_horizontal_flip
 from elastic_ddp.workload.models import build_model
 
 
-class RandomHorizontalFlip(Dataset):
-    """Flips each image with probability 1/2 drawn from the global torch RNG, like torchvision."""
+class ImageBatches(Dataset):
+    """`SyntheticImageDataset` read a batch at a time: `self[indices]` is the collated batch, each
+    image flipped left-right with probability 1/2 when `augment`.
 
-    def __init__(self, dataset: Dataset):
+    The batch is one `index_select` from the dataset's in-memory samples, flipped with elastic_ddp's
+    own batch flip (`RandomHorizontalFlip.apply_to_batch`). The flips are drawn from the global torch
+    RNG, one `torch.rand(len(indices))` per batch: the same numbers in the same order as one
+    `torch.rand(())` per sample (torchvision's per-sample flip), so the same images as a per-sample
+    loader (tests/unit/test_benchmark_bare_ddp.py)."""
+
+    def __init__(self, dataset: SyntheticImageDataset, augment: bool):
         self.dataset = dataset
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
-        image, label = self.dataset[index]
-        if torch.rand(()).item() < 0.5:  # as cheap as elastic_ddp's flip decision (equal work)
-            image = image.flip(-1)
-        return image, label
+    def __getitem__(self, indices: list[int]) -> list[torch.Tensor]:
+        batch = self.dataset.collated(indices)  # a fresh tensor: ours to flip in place
+        if not self.augment:
+            return batch
+        flips = (torch.rand(len(indices)) < 0.5).numpy()
+        return random_horizontal_flip.apply_to_batch(batch, flips)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -78,7 +95,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.global_batch_size % world_size or args.dataset_size % args.global_batch_size:
         raise SystemExit(f"bare_ddp: --global_batch_size {args.global_batch_size} must divide --dataset_size "
                          f"{args.dataset_size} and be divisible by the world size {world_size}")
@@ -105,6 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def build_loader(args: argparse.Namespace, rank: int, world_size: int,
+                 pin_memory: bool) -> tuple[DataLoader, DistributedSampler]:
+    """This rank's batches (`DistributedSampler`'s order, `ImageBatches`), and the sampler to set
+    the epoch of."""
+    batches = ImageBatches(SyntheticImageDataset(args.dataset_size, args.seed), args.augment)
+    sampler = DistributedSampler(batches, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # batch_size=None: the sampler hands out each batch's indices and the dataset collates them.
+    loader = DataLoader(batches, sampler=BatchSampler(sampler, args.global_batch_size // world_size, drop_last=False),
+                        batch_size=None, num_workers=args.num_workers, pin_memory=pin_memory)
+    return loader, sampler
+
+
 def train(args: argparse.Namespace, rank: int, world_size: int,
           device: torch.device) -> tuple[list[float], list[float]]:
     """The loop itself. Returns, on rank 0 (empty lists elsewhere), the wall time (`time.time()`) and
@@ -117,12 +146,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int,
         ddp_model = fully_shard(model)
     else:
         ddp_model = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
-    dataset = SyntheticImageDataset(args.dataset_size, args.seed)
-    if args.augment:
-        dataset = RandomHorizontalFlip(dataset)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size // world_size, sampler=sampler,
-                        num_workers=args.num_workers, pin_memory=use_cuda)
+    loader, sampler = build_loader(args, rank, world_size, pin_memory=use_cuda)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = warmup_cosine_schedule(optimizer, args.warmup_steps, args.epochs * len(loader))
@@ -139,6 +163,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int,
             inputs = inputs.to(device, non_blocking=use_cuda)
             targets = targets.to(device, non_blocking=use_cuda)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=args.use_amp):
+                # Mean-reduced: cheaper than elastic_ddp's per-sample loss with a seeded backward,
+                # which it needs for shares of any size (docs/benchmarks.md, "What ours costs per step").
                 loss = torch.nn.functional.cross_entropy(ddp_model(inputs), targets)
             scaler.scale(loss).backward()
             scaler.step(optimizer)

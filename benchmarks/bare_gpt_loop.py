@@ -10,7 +10,8 @@ the same token file, AdamW with the same two parameter groups (decay 0.1 on matr
 and biases), the same warm-up plus cosine schedule, each global batch split over the ranks as
 elastic_ddp splits it (contiguous shares, the first ranks one sample more) and cut into micro-batches
 of `--micro_batch_size` with DDP's `no_sync` on all but the last, the per-sample loss scaled so that
-the averaged gradient is the global batch's mean, `clip_grad_norm_(1.0)`, the same number of steps
+the averaged gradient is the global batch's mean (each sample's gradient seeded with that scale,
+as `Step.backward` does), `clip_grad_norm_(1.0)`, the same number of steps
 (the epoch's short last batch included). What it leaves out is everything about fault tolerance:
 snapshots, memory copies, the event log, the watchdog, the drain, the loop contract's checks. And it
 is as fast as a plain loop gets: a micro-batch is one gather from the memory-mapped token file (no
@@ -77,6 +78,12 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return losses.view(targets.shape).mean(dim=1)
 
 
+def backward_scaled(losses: torch.Tensor, scale: float) -> None:
+    """The backward of `losses.sum() * scale`, each sample's gradient seeded with `scale` directly:
+    the same gradients, bit for bit, with two autograd nodes fewer (as elastic_ddp's `Step.backward`)."""
+    torch.autograd.backward(losses, torch.full_like(losses, scale))
+
+
 def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int,
                        micro_batch_size: int) -> list[np.ndarray]:
     """This rank's micro-batches of one global batch, cut as elastic_ddp's sampler cuts them (its
@@ -130,7 +137,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> list[float]:
                 inputs, targets = window_batch(tokens, piece, args.block_size)
                 with contextlib.nullcontext() if index == len(pieces) - 1 else ddp_model.no_sync():
                     losses = per_sample_loss(ddp_model(inputs), targets)
-                    (losses.sum() * scale).backward()
+                    backward_scaled(losses, scale)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@ for rank 0 of a world of 2 (`OMP_NUM_THREADS=1` per worker, as the launch script
   plan of the epoch, `EpochSampleView` over `SyntheticImageDataset` with the seeded flip (drawn for
   the whole epoch at once, applied per batch), `num_workers=0` (the default). Each epoch includes
   planning it and building its loader, as in training.
-- the bare loop's pipeline: `DistributedSampler`, the same dataset with a flip from the global RNG,
-  a `DataLoader` with the per-rank batch size.
+- the bare loop's pipeline (`bare_ddp.build_loader`): `DistributedSampler`, the same dataset read
+  a per-rank batch at a time, with a flip from the global RNG.
 - the model step: forward, backward and an SGD step on one per-rank batch, no DDP (the
   communication only makes the real step slower, so this is the loader's hardest comparison).
 
@@ -29,21 +29,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 if __package__ in (None, ""):  # `python benchmarks/data_path.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bare_ddp import RandomHorizontalFlip  # noqa: E402
-from benchmarks.table import Row, render_markdown  # noqa: E402
+from benchmarks import bare_ddp
+from benchmarks.table import Row, render_markdown
 from elastic_ddp.workload.data import (
     EpochSampleView,
     SyntheticImageDataset,
     plan_loader,
     random_horizontal_flip,
 )
-from elastic_ddp.workload.models import build_model  # noqa: E402
-from elastic_ddp.workload.sampler import ElasticSampler  # noqa: E402
+from elastic_ddp.workload.models import build_model
+from elastic_ddp.workload.sampler import ElasticSampler
 
 MODELS = ("mini_resnet", "mlp")
 
@@ -82,10 +82,10 @@ def elastic_loader_samples_per_second(setup: DataPathSetup) -> float:
 
 
 def bare_loader_samples_per_second(setup: DataPathSetup) -> float:
-    """Rank 0's samples per second through the bare loop's input pipeline."""
-    dataset = RandomHorizontalFlip(SyntheticImageDataset(setup.dataset_size, setup.seed))
-    sampler = DistributedSampler(dataset, num_replicas=setup.world_size, rank=0, shuffle=True, seed=setup.seed)
-    loader = DataLoader(dataset, batch_size=setup.rank_batch, sampler=sampler, num_workers=0)
+    """Rank 0's samples per second through the bare loop's input pipeline (`bare_ddp.build_loader`)."""
+    args = bare_ddp.parse_args(["--dataset_size", str(setup.dataset_size), "--global_batch_size",
+                                str(setup.global_batch_size), "--seed", str(setup.seed)])
+    loader, sampler = bare_ddp.build_loader(args, rank=0, world_size=setup.world_size, pin_memory=False)
     samples = 0
     started = time.perf_counter()
     for epoch in range(setup.epochs):

@@ -19,8 +19,11 @@ so that a drift in machine load falls on both sides alike.
 Throughput is measured from the end of the first epoch to the end of the last step, from rank 0's
 step end times: the `step` events of elastic_ddp's event log, the list the bare loop prints (see
 `benchmarks.measure`). Start-up (processes, `import torch`, rendezvous) is left out; snapshots,
-epoch boundaries and logging inside the window count. Peak memory is each worker's VmHWM at exit,
-the largest over the ranks, from the runs with the default snapshot cadence.
+epoch boundaries and logging inside the window count. Beside each rate, rank 0's CPU time per step (all threads, over
+the same window; `time.process_time()` at each step end on both sides), which other load on the
+machine disturbs far less. Every cell is the median [min..max] of the repetitions, and the ratio
+is paired: one per repetition, whose median and spread are shown. Peak memory is each worker's
+VmHWM at exit, the largest over the ranks, from the runs with the default snapshot cadence.
 """
 
 from __future__ import annotations
@@ -41,16 +44,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/throughput.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.measure import (  # noqa: E402
+from benchmarks.measure import (
     PROFILE_DIR_ENV,
     parse_results,
     steady_state_cpu_ms_per_step,
     steady_state_samples_per_second,
 )
-from benchmarks.table import Row, render_markdown  # noqa: E402
-from elastic_ddp.testbed.local_cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command  # noqa: E402
-from elastic_ddp.runlog.reader import read_events  # noqa: E402
-from elastic_ddp.runlog.schema import EVENT_LOG_NAME  # noqa: E402
+from benchmarks.table import Row, render_markdown
+from elastic_ddp.runlog.reader import read_events
+from elastic_ddp.runlog.schema import EVENT_LOG_NAME
+from elastic_ddp.testbed.local_cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_MODE = "default snapshots, on the budget"
@@ -222,12 +225,11 @@ def _rows(workloads: Sequence[Workload], bare: dict[str, list[RunResult]],
           elastic: dict[tuple[str, str], list[RunResult]]) -> list[Row]:
     rows = []
     for workload in workloads:
-        for mode in SNAPSHOT_MODES:
+        for mode in SNAPSHOT_MODES:  # each rate beside its CPU time per step: the steadier figure on a shared machine
             rows.append(Row("throughput", f"{workload.model}, {mode}: samples/s",
                             [r.samples_per_second for r in elastic[(workload.model, mode)]],
                             [r.samples_per_second for r in bare[workload.model]], "bare DDP",
                             target=TARGETS[mode], note=_describe(workload)))
-        for mode in SNAPSHOT_MODES:
             rows.append(Row("throughput", f"{workload.model}, {mode}: CPU ms per step, rank 0",
                             [r.cpu_ms_per_step for r in elastic[(workload.model, mode)]],
                             [r.cpu_ms_per_step for r in bare[workload.model]], "bare DDP",
