@@ -46,9 +46,9 @@ PROBES = (
     ("elastic_ddp.snapshot.sharded.memory_session", "MemoryCopies.take"),
     ("elastic_ddp.snapshot.sharded.memory_session", "get_state_dict"),
     ("elastic_ddp.snapshot.sharded.memory_checkpoint", "PartWriter.save"),
-    ("elastic_ddp.snapshot.sharded.memory_shards", "ShardMemory.commit"),
-    ("elastic_ddp.snapshot.sharded.memory_shards", "exchange_part"),
-)
+    ("elastic_ddp.snapshot.sharded.memory_shards", "ShardMemory.wait"),
+    ("elastic_ddp.snapshot.sharded.memory_shards", "ShardMemory.exchange"),
+)  # the exchange itself runs on a thread of its own: its allocations show in the intervals around these
 MIB = 1024  # /proc/self/status says kB
 
 

@@ -93,6 +93,8 @@ def held(after_step: Callable | None = None, hold: str | None = None) -> Callabl
         if not hold:
             return
         paced, stop_after = read_hold(hold)
+        if trainer.global_step >= stop_after:
+            trainer.run.wait_until_counted()  # the step stopped after is reported while the job waits
         while not trainer.run.drain.requested and trainer.global_step >= stop_after:
             time.sleep(PAUSE_POLL_S)
             paced, stop_after = read_hold(hold)

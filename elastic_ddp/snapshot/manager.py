@@ -4,6 +4,8 @@
     session.start()                       # collective: replica targets
     restored = session.restore(state)     # collective: the newest state any rank can read
     session.save(state, epoch_ended=...)  # after every step: saves when its cadence says so
+    session.counted_step(state)           # the newest step that counts (reported as such)
+    session.wait_until_counted()          # at a drain or the end, on every rank: the newest counts
     session.keep_in_memory(state, why)    # training stopped early: this node keeps the last step
     session.finish()                      # the last snapshot durable and replicated
     session.close()                       # always, also when training raised
@@ -126,6 +128,14 @@ class SnapshotSession:
         if due:
             self._save_now(state, final)
         return due
+
+    def counted_step(self, state: TrainingState) -> int:
+        """The newest committed step that counts (its `step` event, its audit line, a state a
+        restore may take): every rank holds the whole state, so each step as soon as it is committed."""
+        return state.global_step
+
+    def wait_until_counted(self) -> None:
+        """Nothing to wait for: a step counts once committed (see `counted_step`)."""
 
     def _save_now(self, state: TrainingState, final: bool) -> None:
         started = time.monotonic()

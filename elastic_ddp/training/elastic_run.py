@@ -223,6 +223,8 @@ class ElasticRun:
             logger.info("the loop left the run at step %d, before its end; saving that step", self.global_step)
             with self._runtime_owns_optimizer():
                 self.snapshots.save(self.state, final=True)
+        self.snapshots.wait_until_counted()
+        self._report_counted()
         self.snapshots.finish()
         self.run_log.finished(self.global_step, time.monotonic() - started)
         self.snapshots.forget_memory_copies()
@@ -290,8 +292,23 @@ class ElasticRun:
             self.run_log.amp_step_skipped(number, self.state.grad_scaler.scaler.get_scale())
         if step.epoch_ended:
             self.run_log.epoch_ended(plan.epoch, number)
+        self._report_counted()  # under sharding, the step before (its parts are on two nodes now)
         with self._runtime_owns_optimizer():  # a sharded save may step a stateless optimizer to build its state
             self.snapshots.save(self.state, epoch_ended=step.epoch_ended)
+        self._report_counted()  # a step saved durably counted first
+
+    def wait_until_counted(self) -> None:
+        """Wait until the last committed step counts, and report it (its `step` event, its audit
+        line). Under `--sharding fsdp` with memory copies a step counts once its parts are on two
+        nodes, which the next step's commit waits for; call this before the loop pauses for long
+        between steps (the chaos harness's hold does), so that the step is reported meanwhile. A
+        drain and the end of training do it themselves. Raises PartExchangeError when the exchange
+        failed."""
+        self.snapshots.wait_until_counted()
+        self._report_counted()
+
+    def _report_counted(self) -> None:
+        self.run_log.steps_counted(self.snapshots.counted_step(self.state))
 
     # ------------------------------------------------------------------------------- the contract's checks
 
@@ -432,7 +449,6 @@ class Step:
             if self.epoch_ended:
                 state.sampler.start_next_epoch()
             state.progress.global_step += 1
-            run.stop_guard.committed(self.plan)
         self.committed = True
         run._after_commit(self)
 

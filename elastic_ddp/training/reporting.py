@@ -7,15 +7,22 @@ start-up timeline. The trainer calls one method per thing that happened
 (`started`, `restored`, `step_committed`, ...) and never touches the pieces. It also owns the
 progress windows: the loss and throughput of every --log_interval steps, reduced over all ranks
 without making training wait (loss_window.py).
+
+A committed step is reported as counted (its audit line, its `step` event and an `epoch_end` it
+brings) only when the snapshot session says it counts (`steps_counted`): under `--sharding fsdp`
+with memory copies, once its parts are on two nodes, a step after its commit.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import socket
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +70,9 @@ class RunLog:
         self.progress = ProgressReporter(config.progress, config.epochs, steps_per_epoch, enabled=context.is_main)
         self.scalars: TensorBoardScalars | None = None
         self.window = LossWindow(context.device)
+        self._uncounted: collections.deque[_Committed] = collections.deque()  # committed, not yet counted
+        self._last_counted: _Committed | None = None
+        self._counting = threading.Lock()  # steps_counted: the training thread, and the watchdog's (StopGuard.keep)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -117,17 +127,19 @@ class RunLog:
                     "final snapshot durable: %s", global_step,
                     "yes" if durable else "see rank 0" if durable is None else "NO")
 
-    def stopped_early(self, global_step: int, last_plan: StepPlan | None, reason: str) -> None:
-        """Training stopped before its end (`reason`). The audit log gets every rank's share of the
-        last step this rank committed: a finished gradient all-reduce means every rank trained its
-        share, and a rank that died right after cannot write its line (docs/failure-semantics.md)."""
-        logger.info("training stopped at step %d: %s", global_step, reason)
-        if self.audit is not None and last_plan is not None:
+    def stopped_early(self, reason: str) -> None:
+        """Training stopped before its end (`reason`; call `steps_counted` first). The audit log gets
+        every rank's share of the last step that counted here: a finished gradient all-reduce means
+        every rank trained its share, and a rank that died right after cannot write its line
+        (docs/failure-semantics.md)."""
+        last = self._last_counted
+        logger.info("training stopped at step %s (the last that counts): %s", last and last.global_step, reason)
+        if self.audit is not None and last is not None:
             world_size = self.context.world_size
             for rank in range(world_size):
                 if rank != self.context.rank:
-                    self.audit.record_step_for(rank, last_plan.epoch, global_step,
-                                               last_plan.samples_of(rank, world_size))
+                    self.audit.record_step_for(rank, last.plan.epoch, last.global_step,
+                                               last.plan.samples_of(rank, world_size))
 
     def heartbeat_gap(self, seconds: float) -> None:
         """The peer watchdog saw a new longest heartbeat gap (from its thread; live metrics on rank 0)."""
@@ -152,9 +164,9 @@ class RunLog:
         self.window = LossWindow(self.context.device)
 
     def step_committed(self, plan: StepPlan, global_step: int, loss_sum: torch.Tensor, lr: float) -> None:
-        """One optimizer step is committed: audit line, `step` event, progress, start-up timeline,
-        and the progress window (`loss_sum` over this rank's samples; a collective every
-        --log_interval steps, so every rank calls it after every step)."""
+        """One optimizer step is committed: the progress window (`loss_sum` over this rank's
+        samples; a collective every --log_interval steps, so every rank calls it after every step)
+        and the progress bar now; its audit line and `step` event once it counts (`steps_counted`)."""
         self._set_step(global_step)
         self.window.add(loss_sum, len(plan.rank_samples), plan.global_samples)
         closing = global_step % self.config.log_interval == 0
@@ -164,14 +176,25 @@ class RunLog:
         self._report(self.window.take_report(wait=closing))
         if closing:
             self.window.close(global_step, plan.epoch, lr, self.context.in_process_group)
-        if self.audit is not None:
-            self.audit.record_step(plan.epoch, global_step, plan.rank_samples)
-        self.events.emit(schema.STEP, global_step=global_step, epoch=plan.epoch)
         self.progress.advance()
-        if "first_step" not in self.startup.marks:
-            self.startup.mark("first_step")
-            self.events.emit(schema.STARTUP, global_step=global_step, process_started=self.startup.process_started,
-                             seconds=self.startup.marks)
+        self._uncounted.append(_Committed(plan, global_step))
+
+    def steps_counted(self, through: int) -> None:
+        """The committed steps up to `through` count (the snapshot session's `counted_step`): each
+        one's audit line, `step` event and, if it ended an epoch, `epoch_end` event, in order. No
+        collective. Thread-safe."""
+        with self._counting:
+            while self._uncounted and self._uncounted[0].global_step <= through:
+                counted = self._last_counted = self._uncounted.popleft()
+                if self.audit is not None:
+                    self.audit.record_step(counted.plan.epoch, counted.global_step, counted.plan.rank_samples)
+                self.events.emit(schema.STEP, global_step=counted.global_step, epoch=counted.plan.epoch)
+                if counted.ends_epoch:
+                    self.events.emit(schema.EPOCH_END, epoch=counted.plan.epoch, global_step=counted.global_step)
+                if "first_step" not in self.startup.marks:
+                    self.startup.mark("first_step")
+                    self.events.emit(schema.STARTUP, global_step=counted.global_step,
+                                     process_started=self.startup.process_started, seconds=self.startup.marks)
 
     def amp_step_skipped(self, global_step: int, scale: float) -> None:
         """GradScaler skipped step `global_step`'s update and lowered its scale to `scale` (rank 0 writes it)."""
@@ -180,9 +203,12 @@ class RunLog:
         self.events.emit(schema.AMP_STEP_SKIPPED, global_step=global_step, scale=scale)
 
     def epoch_ended(self, epoch: int, global_step: int) -> None:
+        """The step just committed (`step_committed`) ended `epoch`; its `epoch_end` event follows
+        its `step` event once it counts."""
         self._report(self.window.finish())  # the epoch's last window, before its summary line
         self.progress.end_epoch()
-        self.events.emit(schema.EPOCH_END, epoch=epoch, global_step=global_step)
+        assert self._uncounted and self._uncounted[-1].global_step == global_step, "epoch_ended before step_committed"
+        self._uncounted[-1].ends_epoch = True
 
     def evaluated(self, global_step: int, epoch: int, result: EvalResult) -> None:
         """An evaluation on the held-out set (rank 0 writes it): a log line, an `eval` event, scalars."""
@@ -222,6 +248,15 @@ class RunLog:
     def _set_step(self, global_step: int) -> None:
         if self.log_prefix is not None:
             self.log_prefix.step = global_step
+
+
+@dataclass
+class _Committed:
+    """A committed step, as reported once it counts."""
+
+    plan: StepPlan
+    global_step: int
+    ends_epoch: bool = False
 
 
 def live_metrics(config: TrainingConfig, context: DistributedContext, event_log: Path, incarnation: int,

@@ -4,8 +4,11 @@ Three things end a worker's training early: an exception (a collective failed be
 the collective timeout, a bug), a drain (SIGTERM: torchrun re-forms the group, or the node leaves),
 and the peer watchdog (a peer sent no heartbeat within the bound). Each keeps the same thing, the
 state of the last step this rank committed: in node memory (`SnapshotSession.keep_in_memory`), and
-in the audit log, the shares of every rank of that step (`RunLog.stopped_early`: a rank that died
-right after the all-reduce never wrote its own). docs/failure-semantics.md, "What a failure costs".
+in the audit log, the shares of every rank of the last step that counts (`RunLog.stopped_early`: a
+rank that died right after the all-reduce never wrote its own). Under `--sharding fsdp` with memory
+copies a step counts once its parts are on two nodes, a step after its commit (the snapshot
+session's `counted_step`); a drain waits for that first. docs/failure-semantics.md, "What a
+failure costs".
 
 The watchdog's way out is bounded whatever the training thread is blocked in: it copies the state
 only if the training thread leaves its commit within COMMIT_WAIT_S and the device finishes that
@@ -20,7 +23,6 @@ snapshot files. A copy the training thread is writing itself is let finish, up t
     with guard.watching_peers(incarnation):     # the watchdog, for the whole worker group's life
         ...
         with guard.keeping_the_last_step():     # any exception out of training keeps it
-            ... guard.committed(plan) inside each commit ...
             guard.drain_if_agreed()             # at each step boundary: SIGTERM -> final snapshot, stop
 """
 
@@ -40,7 +42,6 @@ from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.verdicts import worker_verdict_address
-from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,8 @@ class StopGuard:
         self.drain = drain
         self.epochs = epochs
         self.watchdog_timeout_s = watchdog_timeout_s if context.in_process_group else 0
-        self.last_plan: StepPlan | None = None  # of the last step committed by this worker group
         self._kept_step: int | None = None
         self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
-
-    def committed(self, plan: StepPlan) -> None:
-        """Step `plan` is committed (call it inside the commit, see `TrainingState.updating`)."""
-        self.last_plan = plan
 
     def keep(self, reason: str, commit_wait_s: float | None = None) -> None:
         """Keep the last committed step now (audit shares, memory copy); once per step.
@@ -84,8 +80,9 @@ class StopGuard:
         try:
             if self._kept_step == self.state.global_step:
                 return
-            self.run_log.stopped_early(self.state.global_step, self.last_plan, reason)
             self.snapshots.keep_in_memory(self.state, reason, wait_s=commit_wait_s)
+            self.run_log.steps_counted(self.snapshots.counted_step(self.state))  # a sharded step may count now
+            self.run_log.stopped_early(reason)
             self._kept_step = self.state.global_step
         finally:
             self._lock.release()
@@ -95,6 +92,7 @@ class StopGuard:
         here: keep the step, make a final snapshot durable and replicated, raise DrainRequested."""
         if not self.drain.agreed() or self.state.sampler.epoch >= self.epochs:
             return  # (a run whose last step is done simply finishes)
+        self.snapshots.wait_until_counted()  # the last committed step counts before it is kept
         self.keep("drain")  # first: fast, and kept if SIGKILL comes during the snapshot write
         self.snapshots.save(self.state, final=True)
         self.drain.finish()

@@ -15,8 +15,11 @@ from elastic_ddp.chaos.plan import Fault, FaultPlan
 pytestmark = pytest.mark.timeout(60)
 
 
-def trainer_at(step: int) -> SimpleNamespace:
-    return SimpleNamespace(global_step=step, run=SimpleNamespace(drain=SimpleNamespace(requested=False)))
+def trainer_at(step: int, counted: list[int] | None = None) -> SimpleNamespace:
+    """A trainer at `step`; its run's `wait_until_counted` appends the step to `counted`."""
+    counted = [] if counted is None else counted
+    return SimpleNamespace(global_step=step, run=SimpleNamespace(drain=SimpleNamespace(requested=False),
+                                                                 wait_until_counted=lambda: counted.append(step)))
 
 
 @pytest.fixture
@@ -52,13 +55,15 @@ def test_run_to_trains_at_full_speed_and_stops_until_the_file_changes(tmp_path, 
     hold = tmp_path / "hold"
     held_train.run_to(hold, 5)
     hook = held_train.held(hold=str(hold))
-    hook(trainer_at(4))
-    assert sleeps == [], "no step before the stop sleeps"
+    counted: list[int] = []
+    hook(trainer_at(4, counted))
+    assert sleeps == [] and counted == [], "no step before the stop sleeps or waits"
 
     returned = threading.Event()
-    waiter = threading.Thread(target=lambda: (hook(trainer_at(5)), returned.set()))
+    waiter = threading.Thread(target=lambda: (hook(trainer_at(5, counted)), returned.set()))
     waiter.start()
     assert not returned.wait(0.3), "step 5 is where it stops"
+    assert counted == [5], "the step stopped after counts (is reported) while the job waits"
     held_train.run_to(hold, 9)
     assert returned.wait(10), "a stop further on lets it go"
     waiter.join(10)

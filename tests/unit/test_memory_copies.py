@@ -196,22 +196,25 @@ def test_a_failure_in_forward_or_backward_keeps_the_step_before(tmp_path):
     assert restore_events(config)[-1]["global_step"] == 4
 
 
-def test_the_audit_log_gets_every_ranks_share_of_the_last_committed_step(tmp_path):
-    """One rank, as the survivor of a world of 3 that stopped after step 5: it writes the shares of
-    ranks 1 and 2 too, and the oracle accepts them as a whole world (and a repeat as one)."""
+def test_the_audit_log_gets_every_ranks_share_of_the_last_step_that_counted(tmp_path):
+    """One rank, as the survivor of a world of 3 that stopped after step 5 counted (step 6 was
+    committed and never counted): it writes the shares of ranks 1 and 2 of step 5 too, and the
+    oracle accepts them as a whole world (and a repeat as one); nothing of step 6."""
     config = small_config(tmp_path, audit_log=str(tmp_path / "audit"))
     sampler = ElasticSampler(config.dataset_size, config.global_batch_size, config.seed, config.drop_last)
     plans = sampler.plan_epoch_remainder(0, 3, config.micro_batch_size)
     context = DistributedContext(rank=0, local_rank=0, world_size=3, local_world_size=1, device=torch.device("cpu"),
                                  backend="gloo")
     log = RunLog(config, context, 0, len(plans), StartupTimeline())
-    for step, plan in enumerate(plans[:5], start=1):
+    for step, plan in enumerate(plans[:6], start=1):
         log.step_committed(plan, step, torch.tensor(1.0), lr=0.1)
-    log.stopped_early(5, plans[4], "RuntimeError: Connection reset by peer")
-    log.stopped_early(5, plans[4], "again")
+    log.steps_counted(5)  # step 6 committed, not counted (a sharded step whose exchange never ended)
+    log.stopped_early("RuntimeError: Connection reset by peer")
+    log.stopped_early("again")
     log.close()
     entries = read_entries(tmp_path / "audit")
     assert sorted(e["rank"] for e in entries if e["step"] == 5) == [0, 1, 1, 2, 2]
+    assert not any(e["step"] == 6 for e in entries)
     assert next(e["samples"] for e in entries if e["step"] == 5 and e["rank"] == 2) == plans[4].samples_of(2, 3)
     # Steps 1-4 lack ranks 1 and 2 (they were never written here); step 5 is whole.
     problems = exactly_once_violations(entries, config.dataset_size, 1, config.global_batch_size)

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from elastic_ddp.runlog.schema import EVENT_LOG_NAME
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.sharded.memory_checkpoint import MergedCheckpoint, PartWriter, read_index, save_part
 from elastic_ddp.snapshot.sharded.memory_restore import agree_on_memory_state
-from elastic_ddp.snapshot.sharded.memory_shards import ShardCopy, ShardMemory, make_copy
+from elastic_ddp.snapshot.sharded.memory_shards import PartExchangeError, ShardCopy, ShardMemory, make_copy
 from elastic_ddp.snapshot.sharded.ring import copies_on_their_own_node, node_of_each_rank, ring_partners
 from elastic_ddp.snapshot.sharded.safe_reader import UnsafeCheckpointError
 from elastic_ddp.training.sharding import shard_model
@@ -178,15 +179,68 @@ def test_buddies_are_on_another_node_whenever_there_is_one(monkeypatch):
     assert node_of_each_rank(_context()) == [3]
 
 
+def _exchange(memory: ShardMemory, step: int, check=None) -> None:
+    """This rank's part of `step` (a small tensor), its exchange started and its rest added, as the
+    session does right after the commit."""
+    index, data = save_part({"w": torch.full((4, 2), float(step))})
+    memory.exchange(step, 0, index, data, check)
+    memory.add_rest(step, lambda: b"rest")
+
+
 def test_a_single_node_is_said_once(one_rank_gloo_group, tmp_path, caplog):
     memory = ShardMemory(_context(), tmp_path)
     with caplog.at_level(logging.WARNING, logger="elastic_ddp.snapshot.sharded.ring"):
-        memory.commit(_copy(1, 0, 1))
-        memory.commit(_copy(2, 0, 1))
+        for step in (1, 2):
+            _exchange(memory, step)
+            memory.wait()
     said = [record.getMessage() for record in caplog.records if "memory copies of shards" in record.getMessage()]
     assert len(said) == 1 and "one rank alone keeps its part in this node's memory only" in said[0]
     assert "copy is on" not in said[0]  # there is no copy at world 1
-    assert [copy.step for copy in memory.own] == [2]  # step 2 came with its rest (committed): step 1 dropped
+    assert [copy.step for copy in memory.own] == [2]  # step 2 counted with its rest: step 1 dropped
+
+
+def test_a_step_counts_once_its_exchange_ended_and_a_stop_meanwhile_keeps_the_step_before(tmp_path, caplog):
+    """Step 2's exchange is held (its part's copy not done): step 1 is the one that counts, a stop
+    then writes step 1 whole (with its rest) and nothing of step 2, and the restore takes step 1.
+    Released, step 2 counts and step 1 is dropped."""
+    memory = ShardMemory(_context(), tmp_path)
+    _exchange(memory, 1)
+    memory.wait()
+    copied = threading.Event()
+    _exchange(memory, 2, check=copied.wait)
+    assert (memory.counted, memory.uncounted) == (1, 2)
+    with caplog.at_level(logging.WARNING):
+        memory.settle(0.05)
+    assert "has not ended within 0.05 s: step 2 does not count" in caplog.text
+    memory.keep()
+    assert sorted(path.name.split("-")[1] for path in tmp_path.glob("shard-*")) == ["000000001"]
+    chosen, refused, _ = agree_on_memory_state(ShardMemory(_context(), tmp_path), _context())
+    assert chosen.step == 1 and chosen.rest == b"rest" and not refused
+    copied.set()
+    memory.wait()
+    assert (memory.counted, memory.uncounted) == (2, None)
+    assert [copy.step for copy in memory.own] == [2]
+
+
+def test_an_exchange_that_failed_raises_on_the_training_thread_and_is_logged_as_training_stops(tmp_path, caplog):
+    memory = ShardMemory(_context(), tmp_path)
+    _exchange(memory, 1)
+    memory.wait()
+
+    def failed_copy() -> None:
+        raise RuntimeError("the device copy failed")
+
+    _exchange(memory, 2, check=failed_copy)
+    with pytest.raises(PartExchangeError, match="the exchange of step 2's memory parts .* the device copy failed"):
+        memory.wait()
+    assert (memory.counted, memory.uncounted) == (1, 2)  # step 2 never counts
+    memory.wait()  # raised once; nothing in flight any more
+    _exchange(memory, 3, check=failed_copy)
+    with caplog.at_level(logging.ERROR):
+        memory.settle(5.0)  # as training stops: logged, not raised
+    assert "the exchange of step 3's memory parts failed (step 3 does not count here): the device copy failed" \
+        in caplog.text
+    assert (memory.counted, [copy.step for copy in memory.own]) == (1, [1])
 
 
 def _copy(step: int, part: int, world_size: int, rest: bytes = b"rest", incarnation: int = 0) -> ShardCopy:

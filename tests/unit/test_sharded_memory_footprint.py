@@ -1,12 +1,13 @@
 """What the memory copies of shards and FSDP2 cost in memory (memory_shards.py, training/sharding.py).
 
-Two ranks (real gloo, forked processes) take and exchange parts step after step: between steps a
-rank holds its own part and its buddy's of the newest committed step only, two steps while a step
-is exchanged and not yet committed (a failure then restores the step before), and the same two
-buffers per kind are reused (no new buffer per step); a step whose part is not finite on one rank
-drops nothing. In a child process: glibc's mmap threshold fixed by `fix_mmap_threshold` hands a
-freed 16 MiB buffer back to the system, where the dynamic threshold (raised by a 24 MiB buffer
-freed before, as FSDP2's gathers do) keeps it in the heap.
+Two ranks (real gloo, forked processes) take and exchange parts step after step, the exchanges on
+their own thread and process group, as the commit does: while a step is exchanged the step before
+is the one that counts (a failure then restores it); once the exchange ended and the rest was
+added a rank holds its own part and its buddy's of that step only, and the same two buffers per
+kind are reused (no new buffer per step); a step whose part is not finite on one rank drops
+nothing. In a child process: glibc's mmap threshold fixed by `fix_mmap_threshold` hands a freed
+16 MiB buffer back to the system, where the dynamic threshold (raised by a 24 MiB buffer freed
+before, as FSDP2's gathers do) keeps it in the heap.
 
     .venv/bin/python -m pytest -q tests/unit/test_sharded_memory_footprint.py
 """
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.sharded.memory_checkpoint import PartWriter
-from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory, make_copy
+from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory
 from elastic_ddp.training.sharding import fix_mmap_threshold
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,37 +54,47 @@ def _rank(rank: int, store_file: str, out: str) -> None:
                                      device=torch.device("cpu"), backend="gloo")
         memory, writer = ShardMemory(context, None), PartWriter()
         alive = []  # every part's buffer, so that no address is freed and handed out again
-        seen: dict[str, list] = {"exchanged": [], "committed": [], "held_values": [], "own_buffers": [],
+        seen: dict[str, list] = {"in_flight": [], "counted": [], "held_values": [], "own_buffers": [],
                                  "held_buffers": [], "views": []}
-        for step in range(1, STEPS + 1):
-            value = float("nan") if (rank, step) == NOT_FINITE else float(100 * step + rank)
-            index, data = writer.save({"w": torch.full((ELEMENTS,), value)}, memory.take_spare())
-            memory.commit(make_copy(step, 0, context, index, b"", data, finite=not math.isnan(value)))
-            seen["exchanged"].append(([c.step for c in memory.own], [c.step for c in memory.held]))
-            memory.add_rest(step, lambda: b"rest")
-            seen["committed"].append(([c.step for c in memory.own], [c.step for c in memory.held]))
+
+        def counted() -> None:  # as the next step's commit does first
+            memory.wait()
+            seen["counted"].append((memory.counted, [c.step for c in memory.own], [c.step for c in memory.held]))
             held = memory.held[-1]
             seen["held_values"].append((held.step, torch.frombuffer(held.data, dtype=torch.float32)[0].item()))
-            alive += [c.data for c in (*memory.own, *memory.held)]
-            seen["own_buffers"] += [_address(c.data) for c in memory.own]
-            seen["held_buffers"] += [_address(c.data) for c in memory.held]
-            seen["views"] += [id(c.data) for c in (*memory.own, *memory.held)]
+            alive.extend(c.data for c in (*memory.own, *memory.held))
+            seen["own_buffers"].extend(_address(c.data) for c in memory.own)
+            seen["held_buffers"].extend(_address(c.data) for c in memory.held)
+            seen["views"].extend(id(c.data) for c in (*memory.own, *memory.held))
+
+        for step in range(1, STEPS + 1):
+            if step > 1:
+                counted()
+            value = float("nan") if (rank, step) == NOT_FINITE else float(100 * step + rank)
+            index, data = writer.save({"w": torch.full((ELEMENTS,), value)}, memory.take_spare())
+            finite = not math.isnan(value)
+            memory.exchange(step, 0, index, data, lambda finite=finite: finite)
+            seen["in_flight"].append((memory.counted, memory.uncounted))
+            memory.add_rest(step, lambda: b"rest")
+        counted()
         Path(out, f"rank-{rank}.json").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_holds_one_committed_step_between_steps_and_reuses_its_buffers(tmp_path):
+def test_a_rank_holds_the_parts_of_the_step_that_counts_and_reuses_its_buffers(tmp_path):
     multiprocessing.set_forkserver_preload([__name__])
     mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="forkserver",
                        join=True)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank-{rank}.json").read_text())
-        # (own steps, held steps) right after each step's exchange, and once it is committed. Step 4:
-        # rank 1's part is not finite, so neither rank drops step 3 (the newest whole step stays).
-        step_4 = ([3, 4], [3]) if rank == 0 else ([3], [3, 4])
-        assert seen["exchanged"][:4] == [[[1], [1]], [[1, 2], [1, 2]], [[2, 3], [2, 3]], list(step_4)]
-        assert seen["committed"] == [[[1], [1]], [[2], [2]], [[3], [3]], list(step_4), [[5], [5]], [[6], [6]]]
+        # While step s is exchanged (on its thread) the step before counts; once it has ended, s counts.
+        assert seen["in_flight"] == [[None, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6]]
+        # (counted, own steps, held steps) once each step's exchange ended and its rest was added:
+        # only that step's parts. Step 4: rank 1's part is not finite, so neither rank drops step 3
+        # (the newest whole step stays), and the step counts all the same (its exchange ended).
+        step_4 = [4, [3, 4], [3]] if rank == 0 else [4, [3], [3, 4]]
+        assert seen["counted"] == [[1, [1], [1]], [2, [2], [2]], [3, [3], [3]], step_4, [5, [5], [5]], [6, [6], [6]]]
         partner = 1 - rank
         assert [step for step, _ in seen["held_values"]] == [1, 2, 3, 3 if rank == 0 else 4, 5, 6]
         for step, value in seen["held_values"]:

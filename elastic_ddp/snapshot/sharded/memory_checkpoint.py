@@ -25,8 +25,10 @@ the job.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from elastic_ddp.snapshot.sharded.safe_reader import RestrictedUnpickler, UnsafeCheckpointError
+from elastic_ddp.snapshot.training_state import non_finite_tensors
 
 METADATA = ".metadata"
 ROOT = "memory"  # the path every MemoryFileSystem pretends its files are under
@@ -68,26 +71,45 @@ class PartWriter:
     def __init__(self) -> None:
         self._signature: tuple[Any, ...] | None = None
         self._index = b""
-        self._layout: list[tuple[str, int, int]] = []  # (name, offset, length) of each chunk
+        self.layout: list[tuple[str, int, int, torch.dtype]] = []  # (name, offset, length, dtype) of each chunk
         self._size = 0
+        self.copied: torch.cuda.Event | None = None  # the last copy from a GPU (see `save`)
+        self._stream: torch.cuda.Stream | None = None  # the side stream of those copies
 
     def save(self, tensors: dict[str, Any], into: memoryview | None = None) -> tuple[bytes, memoryview]:
         """(index, data) of this rank's shards of `tensors` (tensors and DTensors only); the data is
         a copy of the shards, not a view of them: in `into` (a buffer nobody holds any more) when it
-        is writable and has the part's size, else in a new buffer."""
+        is writable and has the part's size, else in a new buffer (pinned when the shards are on a
+        GPU). From a GPU the copy runs on a side stream once the current stream's work is done:
+        `copied` is then its event (None on the CPU, where the copy is done on return), which the
+        reader of the data waits for, and `before_update` makes the current stream wait for it."""
         flat = _flatten(tensors)
         signature = _signature(flat)
         if signature != self._signature:
             self._plan(flat)
             self._signature = signature
+        chunks = [(offset, length, _local(flat[name]).detach()) for name, offset, length, _ in self.layout if length]
+        on_gpu = any(chunk.is_cuda for _, _, chunk in chunks)
         reuse = into is not None and not into.readonly and into.nbytes == self._size and self._size
         # `into` itself is returned, not a view made anew: views of views would chain step after step
-        buffer = torch.frombuffer(into, dtype=torch.uint8) if reuse else torch.empty(self._size, dtype=torch.uint8)
-        for name, offset, length in self._layout:
-            if length:
-                buffer[offset:offset + length].copy_(_local(flat[name]).detach().contiguous().reshape(-1)
-                                                     .view(torch.uint8))
+        buffer = (torch.frombuffer(into, dtype=torch.uint8) if reuse
+                  else torch.empty(self._size, dtype=torch.uint8, pin_memory=on_gpu))
+        self.copied = None
+        if on_gpu and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with _after_current_stream(self._stream) if on_gpu else contextlib.nullcontext() as stream:
+            for offset, length, chunk in chunks:
+                buffer[offset:offset + length].copy_(chunk.contiguous().reshape(-1).view(torch.uint8),
+                                                     non_blocking=on_gpu)
+            if stream is not None:
+                self.copied = stream.record_event()
         return self._index, into if reuse else memoryview(buffer.numpy())
+
+    def before_update(self) -> None:
+        """Make the current stream wait for the last copy from a GPU (call it before the shards
+        change in place: the optimizer's next step). Nothing on the CPU."""
+        if self.copied is not None:
+            torch.cuda.current_stream().wait_event(self.copied)
 
     def _plan(self, flat: dict[str, Any]) -> None:
         plan = create_default_local_save_plan(flat, is_coordinator=True)
@@ -102,9 +124,25 @@ class PartWriter:
             metadata.state_dict_metadata.setdefault(item.index.fqn, TensorStorageMetadata(
                 properties=properties, size=item.tensor_data.size, chunks=[])).chunks.append(chunk)
             metadata.storage_data[item.index] = _StorageInfo(relative_path=DATA, offset=offset, length=length)
-            layout.append((item.index.fqn, offset, length))
+            layout.append((item.index.fqn, offset, length, properties.dtype))
             offset += length
-        self._index, self._layout, self._size = pickle.dumps(metadata), layout, offset
+        self._index, self.layout, self._size = pickle.dumps(metadata), layout, offset
+
+
+@contextlib.contextmanager
+def _after_current_stream(stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
+    """`stream` made current, once the current stream's work so far (the optimizer step) is done."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+def non_finite_chunks(layout: list[tuple[str, int, int, torch.dtype]], data: memoryview) -> list[str]:
+    """The names of the chunks in `data` (a part's, laid out as `layout`, `PartWriter.layout` when
+    it was taken) that hold a NaN or an infinity; [] when every one is finite."""
+    raw = torch.frombuffer(data, dtype=torch.uint8) if data.nbytes else torch.empty(0, dtype=torch.uint8)
+    return [name for name, offset, length, dtype in layout
+            if length and non_finite_tensors(raw[offset:offset + length].view(dtype))]
 
 
 def save_part(tensors: dict[str, Any]) -> tuple[bytes, memoryview]:

@@ -1,10 +1,12 @@
 """The memory copies of a sharded run, as the snapshot session uses them (`--memory_copies`).
 
 `take` is called at each committed step (from inside the commit, right after the optimizer step)
-and after a restore: this rank's part of the model and optimizer state is laid out
+and after a restore: the exchange of the step before is waited for (that step then counts), this
+rank's part of the model and optimizer state is copied into a reused buffer
 (memory_checkpoint.PartWriter: DCP's plan made once and reused while the state keeps its
-structure), checked for NaNs and infinities (a diverged part is not kept: the parts of the step
-before stay the newest) and exchanged with the ring partners (memory_shards.py).
+structure), and its exchange with the ring partners starts on a thread of its own
+(memory_shards.py), which checks it for NaNs and infinities first (a diverged part is not kept:
+the parts of the step before stay the newest).
 
 `restore` tries the newest complete memory state that is at least as new as the newest durable
 step (memory_restore.py). A state that cannot be loaded on some rank (a part damaged, a data file
@@ -13,7 +15,8 @@ complete memory state is tried, then the durable snapshot; when there is no dura
 model and optimizer are put back as they were (a start from scratch). Each refusal is listed in
 the `restore` event (`refused`: source, step, reason).
 
-`keep` writes the parts held into the node's memory directory when the worker stops early.
+`keep` writes the parts held into the node's memory directory when the worker stops early, after
+waiting at most SETTLE_S for the exchange in flight.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
 from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.memory_copies import MemoryTier
-from elastic_ddp.snapshot.sharded.divergence import local_shards
-from elastic_ddp.snapshot.sharded.memory_checkpoint import PartWriter
+from elastic_ddp.snapshot.sharded.memory_checkpoint import PartWriter, non_finite_chunks
 from elastic_ddp.snapshot.sharded.memory_restore import (
     MemoryRestoreError,
     MemoryState,
     agree_on_memory_state,
     load_memory_state,
 )
-from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory, make_copy
-from elastic_ddp.snapshot.training_state import TrainingState, non_finite_tensors
+from elastic_ddp.snapshot.sharded.memory_shards import ShardMemory
+from elastic_ddp.snapshot.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
+
+# How long a worker that stops waits for the exchange in flight (one step's parts: milliseconds,
+# unless a peer is gone or silent, and then its step does not count).
+SETTLE_S = 2.0
 
 # load_rest(state, the memory state, bytes received): the unsharded rest loaded, the result returned
 LoadRest = Callable[[TrainingState, MemoryState, int], Any]
@@ -60,27 +66,49 @@ class MemoryCopies:
         self.writer = PartWriter()
         self._diverged_step: int | None = None  # the first step whose part was not kept (logged once)
 
-    def take(self, state: TrainingState, step: int, committed_in: int,
-             rest: Callable[[TrainingState, list[list[str]]], bytes] | None) -> list[list[str]]:
-        """Take, check and exchange this rank's part of `step` (collectives); `rest(state, parameter
-        names of each optimizer group)` gives the unsharded rest, None: added later (`add_rest`).
-        Returns the parameter names of each optimizer group."""
+    def take(self, state: TrainingState, step: int, committed_in: int) -> list[list[str]]:
+        """Take this rank's part of `step` and start its exchange (memory_shards.py: on a thread of
+        its own; the exchange of the step before is waited for first, and the first one sets up the
+        ring, collectives). On the training thread, before the state changes again: the part is
+        copied here, hashed and sent on the thread. Returns the parameter names of each optimizer
+        group."""
+        self.memory.wait()
         model_state, optimizer_state = get_state_dict(state.model, state.optimizer)
         tensors = {"model": model_state, "optimizer": {"state": optimizer_state["state"]}}
-        group_names = [group["params"] for group in optimizer_state["param_groups"]]
-        diverged = non_finite_tensors(local_shards(tensors))
+        index, data = self.writer.save(tensors, self.memory.take_spare())
+        copied, layout = self.writer.copied, self.writer.layout
+
+        def check() -> bool:  # on the exchange's thread
+            if copied is not None:
+                copied.synchronize()
+            return self._finite(step, non_finite_chunks(layout, data))
+
+        self.memory.exchange(step, committed_in, index, data, check)
+        return [group["params"] for group in optimizer_state["param_groups"]]
+
+    def _finite(self, step: int, diverged: list[str]) -> bool:
         if diverged and self._diverged_step is None:
             self._diverged_step = step
             logger.error("the state of step %d holds non-finite values (NaN or infinity) in %s: this rank's part is "
                          "not kept in memory from now on (a restart resumes from the last finite state)", step,
                          ", ".join(diverged[:3]))
-        index, data = self.writer.save(tensors, self.memory.take_spare())
-        self.memory.commit(make_copy(step, committed_in, self.context, index, rest(state, group_names) if rest else b"",
-                                     data, finite=not diverged))
-        return group_names
+        return not diverged
 
     def add_rest(self, step: int, rest: Callable[[], bytes]) -> None:
         self.memory.add_rest(step, rest)
+
+    def wait(self) -> None:
+        """Wait for the exchange in flight (memory_shards.ShardMemory.wait): its step then counts."""
+        self.memory.wait()
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the state in place (a copy from a GPU may still read it)."""
+        self.writer.before_update()
+
+    @property
+    def uncounted(self) -> int | None:
+        """The step whose exchange began and has not ended whole, if any."""
+        return self.memory.uncounted
 
     def restore(self, state: TrainingState, durable_step: int | None, accept: Callable[[bytes, str], object],
                 load_rest: LoadRest) -> tuple[Any, list[dict[str, Any]]]:
@@ -111,11 +139,15 @@ class MemoryCopies:
             refused.append({"source": "memory", "global_step": in_memory.step, "host": "", "reason": f"refused: {reason}"})
             tried.add((in_memory.step, in_memory.incarnation))
 
-    def keep(self, reason: str) -> None:
-        """Write the parts this rank holds into its node's memory directory (no collective)."""
+    def keep(self, reason: str, from_training_thread: bool = True) -> None:
+        """Write the parts this rank holds into its node's memory directory (no collective). An
+        exchange in flight is waited for SETTLE_S at most first (`ShardMemory.settle`); from
+        another thread (the watchdog: a peer has been silent for seconds) not at all, as an
+        exchange that could end has ended by then."""
         started = time.monotonic()
+        self.memory.settle(SETTLE_S if from_training_thread else 0.0)
         written, size = self.memory.keep()
-        step = self.memory.own[-1].step if self.memory.own else None
+        step = self.memory.counted
         if not self.context.is_main or step is None:
             return
         if self.memory.directory is None:
@@ -128,6 +160,11 @@ class MemoryCopies:
     def remove_all_but(self, keep: tuple[int, int]) -> None:
         if self.context.local_rank == 0:
             self.memory.remove_all_but(keep)
+
+    def close(self) -> None:
+        """An exchange still in flight (training raised) is waited for a moment; its error is logged."""
+        self.memory.settle(SETTLE_S)
+        self.memory.stop()
 
     def forget(self) -> None:
         self.memory.forget()

@@ -3,31 +3,41 @@
 With `--sharding fsdp` no rank holds the whole state, so a rank's own memory copy is not enough: a
 lost node takes its ranks' shards with it. Here, at each committed step (and right after a restore):
 
-- every rank takes its part of the state (`memory_checkpoint.PartWriter`: its shards of the model
-  and optimizer as a DCP checkpoint in memory, plus the unsharded rest with this rank's RNG) and
-  keeps it, unless it holds a NaN or an infinity (a diverged state is never kept: the parts of the
-  step before stay the newest);
-- it sends the part to its *buddy*, a rank on another node (ring.py: the same local rank on the
-  next node), and keeps the part it receives from the rank before it: every part is then in the
-  memory of two nodes, so the loss of any one node leaves every part somewhere. On a single node
-  the buddy is the next rank of the node (a lost worker is covered; the loss of the node itself is
-  not, as in DDP mode), and rank 0 says so once.
+- on the training thread, inside the commit, every rank copies its part of the state into a reused
+  buffer (`memory_checkpoint.PartWriter`: its shards of the model and optimizer as a DCP checkpoint
+  in memory) and starts the step's exchange (`exchange`);
+- on a thread of its own, while the next step computes, the part is checked for NaNs and
+  infinities and hashed, and kept unless it holds one (a diverged state is never kept: the parts
+  of the step before stay the newest); it is sent to its *buddy*, a rank on another node (ring.py:
+  the same local rank on the next node), the part received from the rank before is checked and
+  kept, and a barrier over every rank ends the exchange: every part is then in the memory of two
+  nodes, so the loss of any one node leaves every part somewhere. On a single node the buddy is
+  the next rank of the node (a lost worker is covered; the loss of the node itself is not, as in
+  DDP mode), and rank 0 says so once.
+
+The thread's collectives run over a gloo process group of their own (`dist.new_group`, created with
+the ring at the first exchange, at the same step on every rank), so they never interleave with the
+training group's; one exchange is in flight at a time: the next step's `wait` comes first. A step
+*counts* on this rank once its exchange ended (`counted`; `uncounted` while it runs or after it
+failed): the session reports it then (its `step` event, its audit line) and only then may a restore
+take it (its rest is written with the part only if it counts). An error on the thread is raised on
+the training thread by `wait` (PartExchangeError), or logged by `settle` as training stops.
 
 Checksums (BLAKE3, snapshot/files/checksum.py): the tensors (index and data) are hashed once, when
 the part is taken, and checked once, when the buddy receives them. The unsharded rest, added to a
-rank's own part once the step is committed, is held as a copy of its objects and serialised (with
-a checksum of its own) only when the part is written: nothing of it is hashed or pickled per step.
+rank's own part right after the commit, is held as a copy of its objects and serialised (with a
+checksum of its own) only when the part is written: nothing of it is hashed or pickled per step.
 
-What is kept: the parts (own and buddy's) of the newest step that this rank committed and whose
-parts every rank took and exchanged whole (finite), plus those of the step being taken. A failure
-during the exchange of step N leaves some buddies without step N, and then step N-1 is the newest
-one whose parts are all present; once this rank has committed step N (its `rest` added) and every
-rank's part of N was exchanged (the barrier that ends the exchange also says whether every part was
-finite), step N-1's parts are dropped: if this rank survives, N is a committed state whose every
-part is on two nodes. So at most four parts per rank exist at once (own and buddy's, two steps,
-during the exchange), two between steps; the buffers of dropped parts are reused for the next
-step's (the part taken, the part received) when their size fits, so that a step does not fault in
-fresh pages. The part is sent as it was taken (no joined copy of its bytes).
+What is kept: the parts (own and buddy's) of the newest step that counts here and whose parts every
+rank took and exchanged whole (finite), plus those of the step being exchanged. A failure during
+the exchange of step N leaves some buddies without step N, and then step N-1 is the newest one
+whose parts are all present; once step N counts here (its rest added) and every rank's part of N
+was exchanged (the barrier also says whether every part was finite), step N-1's parts are dropped:
+if this rank survives, N is a counted state whose every part is on two nodes. So at most four parts
+per rank exist at once (own and buddy's, two steps: nearly always, as an exchange runs during the
+next step); the buffers of dropped parts are reused for the next step's (the part taken, the part
+received) when their size fits, so that a step does not fault in fresh pages. The part is sent as
+it was taken (no joined copy of its bytes).
 
 When the worker stops early (`keep`, no collective: the group may be broken) every rank writes what
 it holds into its node's memory directory (the run's private directory of snapshot/memory_copies.py),
@@ -36,21 +46,24 @@ checksums, then the payload), written to a temporary name and renamed. The next
 worker group gathers them (memory_restore.py).
 
 Not guaranteed: a part whose two holders (its rank and its buddy) both die is lost, and the restart
-falls back to the newest durable snapshot (the `restore` event says why). The copies cost memory:
-four parts per rank at most (own and buddy's, two steps, during an exchange; the two spare buffers
-stay allocated between steps), and the exchange sends each rank's part over the network at every
-step. A part dropped while `keep` writes it from another thread (a peer silent) and then reused
-could be written torn: its checksum refuses it at the restore.
+falls back to the newest durable snapshot (the `restore` event says why). The step being exchanged
+when training stops early counts only if its exchange ends within the caller's bound (`settle`).
+The copies cost memory: four parts per rank (own and buddy's, two steps), and the exchange sends
+each rank's part over the network at every step. A part dropped while `keep` writes it from another
+thread (a peer silent) and then reused could be written torn: its checksum refuses it at the restore.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import queue
 import re
 import secrets
 import struct
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.snapshot.exchange.replication import SIDE_GROUP_TIMEOUT
 from elastic_ddp.snapshot.files.checksum import new_hasher
 from elastic_ddp.snapshot.files.errors import SnapshotError
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
@@ -161,48 +175,43 @@ def make_copy(step: int, incarnation: int, context: DistributedContext, index: b
                      checksum_of(index, data), checksum_of(plain) if plain else "", finite)
 
 
-def exchange_part(head: bytes, data: bytes | memoryview, send_to: int, receive_from: int, device: torch.device,
-                  spare: memoryview | None = None) -> tuple[memoryview, memoryview]:
-    """Send a part to `send_to` and receive `receive_from`'s, point to point over the default group.
+def exchange_part(head: bytes, data: bytes | memoryview, send_to: int, receive_from: int,
+                  group: dist.ProcessGroup | None, spare: memoryview | None = None) -> tuple[memoryview, memoryview]:
+    """Send a part to `send_to` and receive `receive_from`'s, point to point over `group` (gloo, on
+    the CPU; None: the default group).
 
     The part goes as it was taken, `head` (`ShardCopy.head`) then `data`: two frames after their
     sizes, with no joined copy of its bytes. The data received lands in `spare` when that has its
-    size (on the CPU), else in a new buffer. Returns the (head, data) received: only bytes, which
-    the caller checks (`ShardCopy.from_head_and_data`: header, sizes, checksum). SnapshotError when
-    the sender announces sizes far beyond this rank's part."""
-    sizes_out = torch.tensor([len(head), len(data)], dtype=torch.int64, device=device)
-    sizes_in = torch.zeros(2, dtype=torch.int64, device=device)
-    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, sizes_out, send_to),
-                                  dist.P2POp(dist.irecv, sizes_in, receive_from)]))
+    size, else in a new buffer. Returns the (head, data) received: only bytes, which the caller
+    checks (`ShardCopy.from_head_and_data`: header, sizes, checksum). SnapshotError when the sender
+    announces sizes far beyond this rank's part."""
+    sizes_out = torch.tensor([len(head), len(data)], dtype=torch.int64)
+    sizes_in = torch.zeros(2, dtype=torch.int64)
+    _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, sizes_out, send_to, group),
+                                  dist.P2POp(dist.irecv, sizes_in, receive_from, group)]))
     head_size, data_size = (int(size) for size in sizes_in.tolist())
     if not (0 < head_size <= 4 * len(head) + 2**26 and 0 <= data_size <= 4 * len(data) + 2**26):
         raise SnapshotError(f"rank {receive_from} announced a part of {head_size} + {data_size} bytes; this rank's is "
                             f"{len(head)} + {len(data)}")
-    head_in = _receive_pair(_as_tensor(head, device), send_to, torch.empty(head_size, dtype=torch.uint8, device=device),
-                            receive_from)
-    reuse = spare is not None and device.type == "cpu" and spare.nbytes == data_size and data_size > 0
-    data_in = torch.frombuffer(spare, dtype=torch.uint8) if reuse else torch.empty(data_size, dtype=torch.uint8,
-                                                                                   device=device)
-    data_in = _receive_pair(_as_tensor(data, device), send_to, data_in, receive_from)
+    head_in = torch.empty(head_size, dtype=torch.uint8)
+    reuse = spare is not None and spare.nbytes == data_size and data_size > 0
+    data_in = torch.frombuffer(spare, dtype=torch.uint8) if reuse else torch.empty(data_size, dtype=torch.uint8)
+    operations = []
+    for tag, out, into in ((1, _as_tensor(head), head_in), (2, _as_tensor(data), data_in)):
+        # Both frames in one round, each on a tag of its own: they cannot be matched the wrong way round.
+        operations += [dist.P2POp(dist.isend, out, send_to, group, tag)] if out.numel() else []
+        operations += [dist.P2POp(dist.irecv, into, receive_from, group, tag)] if into.numel() else []
+    _wait(dist.batch_isend_irecv(operations))
     # `spare` itself, not a view made anew: views of views would chain step after step
-    return memoryview(head_in.cpu().numpy()), spare if reuse else memoryview(data_in.cpu().numpy())
+    return memoryview(head_in.numpy()), spare if reuse else memoryview(data_in.numpy())
 
 
-def _as_tensor(raw: bytes | memoryview, device: torch.device) -> torch.Tensor:
+def _as_tensor(raw: bytes | memoryview) -> torch.Tensor:
     if not len(raw):
-        return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():  # "the given buffer is not writable": it is only read (sent)
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(raw, dtype=torch.uint8).to(device)
-
-
-def _receive_pair(out: torch.Tensor, send_to: int, into: torch.Tensor, receive_from: int) -> torch.Tensor:
-    """Send `out` and receive `into` (empty tensors are neither sent nor received)."""
-    operations = ([dist.P2POp(dist.isend, out, send_to)] if out.numel() else []) + \
-                 ([dist.P2POp(dist.irecv, into, receive_from)] if into.numel() else [])
-    if operations:
-        _wait(dist.batch_isend_irecv(operations))
-    return into
+        return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def _wait(works: list[dist.Work]) -> None:
@@ -210,11 +219,38 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-def every_rank(flag: bool, context: DistributedContext) -> bool:
-    """Whether `flag` holds on every rank (collective: an all-reduce, a barrier too)."""
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=context.collective_device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+def every_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether `flag` holds on every rank of `group` (gloo; collective: an all-reduce, a barrier too)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return bool(value.item())
+
+
+class PartExchangeError(RuntimeError):
+    """The exchange of a step's parts failed on its thread; raised on the training thread."""
+
+
+class _Exchange:
+    """One step's exchange, run by the exchanges' thread; `error` holds what it raised."""
+
+    def __init__(self, step: int, work: Callable[[], None]):
+        self.step, self.work = step, work
+        self.error: Exception | None = None
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except Exception as exc:  # noqa: BLE001 - handed to the training thread (`ShardMemory.wait`)
+            self.error = exc
+        finally:
+            self.ended.set()
+
+
+def _run_exchanges(jobs: queue.SimpleQueue[_Exchange | None]) -> None:
+    """The exchanges' thread: one job after the other, until None."""
+    while (job := jobs.get()) is not None:
+        job.run()
 
 
 class ShardMemory:
@@ -227,43 +263,122 @@ class ShardMemory:
         self.held: list[ShardCopy] = []  # received from the rank before this one in the ring
         self.partners: tuple[int, int] | None = None  # (buddy, whose buddy this rank is): ring.py
         self.damaged: list[tuple[int, int, int, str]] = []  # (step, incarnation, part, why): `stored` removed them
+        self.counted: int | None = None  # the newest step whose exchange ended on this rank
+        self.uncounted: int | None = None  # a step whose exchange began and has not ended whole
         self._rests: dict[int, Callable[[], bytes]] = {}  # step -> its own part's rest, made when written
+        self._group: dist.ProcessGroup | None = None  # the exchanges' own (gloo), set up with the ring
         self._ring_known = False
         self._complete: tuple[int, int] | None = None  # the newest step every rank took and exchanged whole
         self._spare: dict[str, memoryview | None] = {"own": None, "held": None}  # buffers of dropped parts
+        self._in_flight: _Exchange | None = None
+        self._jobs: queue.SimpleQueue[_Exchange | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # runs the exchanges, started with the first
+        self._lock = threading.Lock()  # the lists and spares: the exchange's thread, `keep` (any thread)
 
-    def commit(self, copy: ShardCopy) -> None:
-        """Keep `copy` (this rank's part of a step) and exchange parts with the ring partners, then
-        wait until every rank has its partner's part (collectives: every rank calls it at the same
-        step). Once this returns on any rank, every part of the step is on two ranks. A part that is
-        not `finite` is sent all the same (the exchange is symmetric) and kept by neither side."""
-        if copy.finite:
-            self.own = self._kept(self.own, copy, "own")
-        else:
-            self._retire(copy, "own")
+    def exchange(self, step: int, incarnation: int, index: bytes, data: memoryview,
+                 check: Callable[[], bool] | None = None) -> None:
+        """Start the exchange of this rank's part of `step` (the tensors' `index` and `data`, a buffer
+        nothing changes any more), on a thread of its own: the part is hashed and kept, sent to the
+        buddy, the partner's part received, checked and kept, then a barrier over every rank says
+        whether every part was finite. Once the barrier returns on any rank, every part of the step is
+        on two ranks. Call it on the training thread of every rank at the same step, after `wait`
+        (one exchange at a time); the first call sets up the ring and the exchanges' process group
+        (collectives on the default group). `check()` runs first on the thread: it waits until
+        `data` is filled (a device copy in flight) and says whether the part is finite (None: it
+        is). A part that is not finite is sent all the same (the exchange is symmetric) and kept by
+        neither side."""
+        assert self._in_flight is None, "one exchange at a time: wait() first"
         if not self._ring_known:
             nodes = node_of_each_rank(self.context)
             self.partners, self._ring_known = ring_partners(self.context.rank, nodes), True
+            if self.partners is not None and self.context.in_process_group:
+                self._group = dist.new_group(list(range(self.context.world_size)), backend="gloo",
+                                             timeout=SIDE_GROUP_TIMEOUT)
             if self.context.is_main:
                 warn_if_not_spread(nodes)
-        if self.partners is None or not self.context.in_process_group:
+        with self._lock:
+            spare = self._take_spare("held")
+        self.uncounted = step
+        if self._thread is None:  # a daemon: a frozen peer may hold an exchange for ever
+            self._thread = threading.Thread(target=_run_exchanges, args=(self._jobs,), name="shard-exchanges",
+                                            daemon=True)
+            self._thread.start()
+        self._in_flight = _Exchange(step, functools.partial(self._exchange, step, incarnation, index, data, check,
+                                                            spare))
+        self._jobs.put(self._in_flight)
+
+    def _exchange(self, step: int, incarnation: int, index: bytes, data: memoryview,
+                  check: Callable[[], bool] | None, spare: memoryview | None) -> None:
+        """The exchange's thread (see `exchange`); collectives over the exchanges' own group only."""
+        finite = check() if check is not None else True
+        copy = make_copy(step, incarnation, self.context, index, b"", data, finite)
+        with self._lock:
+            if copy.finite:
+                self.own = self._kept(self.own, copy, "own")
+            else:
+                self._retire(copy, "own")
+        if self.partners is None or self._group is None:
             self._complete = copy.key if copy.finite else None
-        else:
-            head, data = exchange_part(copy.head(), copy.data, *self.partners, self.context.collective_device,
-                                       self._take_spare("held"))
-            held = ShardCopy.from_head_and_data(head, data, f"the part sent by rank {self.partners[1]}")
+            return
+        head, received = exchange_part(copy.head(), copy.data, *self.partners, self._group, spare)
+        held = ShardCopy.from_head_and_data(head, received, f"the part sent by rank {self.partners[1]}")
+        with self._lock:
             if held.finite:
                 self.held = self._kept(self.held, held, "held")
             else:
                 self._retire(held, "held")
-            # The barrier: once it returns on any rank, every part of the step is on two ranks.
-            self._complete = copy.key if every_rank(copy.finite and held.finite, self.context) else None
-        if copy.plain:  # taken with its rest: committed already (after a restore, or a skipped step)
-            self._drop_older_than(copy.key)
+        # The barrier: once it returns on any rank, every part of the step is on two ranks.
+        self._complete = copy.key if every_rank(copy.finite and held.finite, self._group) else None
+
+    def wait(self) -> None:
+        """Wait for the exchange in flight (training thread): its step then counts on this rank
+        (`counted`), and once its rest is added the parts of the steps before are dropped.
+        PartExchangeError when it failed."""
+        exchange = self._in_flight
+        if exchange is None:
+            return
+        exchange.ended.wait()
+        self._ended(exchange)
+        if exchange.error is not None:
+            raise PartExchangeError(f"the exchange of step {exchange.step}'s memory parts with rank(s) "
+                                    f"{self.partners} failed: {exchange.error}") from exchange.error
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait at most `timeout_s` for the exchange in flight, from any thread, as training stops:
+        an exchange that ended whole counts; one that failed, or still runs (a peer silent), is
+        logged and its step does not count. Never raises."""
+        exchange = self._in_flight
+        if exchange is None:
+            return
+        if not exchange.ended.wait(timeout_s):
+            logger.warning("the exchange of step %d's memory parts has not ended within %g s: step %d does not "
+                           "count here", exchange.step, timeout_s, exchange.step)
+            return
+        self._ended(exchange)
+        if exchange.error is not None:
+            logger.error("the exchange of step %d's memory parts failed (step %d does not count here): %s",
+                         exchange.step, exchange.step, exchange.error)
+
+    def _ended(self, exchange: _Exchange) -> None:
+        with self._lock:
+            if self._in_flight is not exchange:
+                return  # another thread took it
+            self._in_flight = None
+            if exchange.error is None:
+                self.counted, self.uncounted = exchange.step, None
+        if exchange.error is None:
+            self._drop_older_than_counted()
+
+    def stop(self) -> None:
+        """The exchanges' thread ends once the exchange in flight, if any, has (call `settle` first)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
 
     def take_spare(self) -> memoryview | None:
         """A buffer of a dropped own part, for the next part taken (PartWriter.save's `into`)."""
-        return self._take_spare("own")
+        with self._lock:
+            return self._take_spare("own")
 
     def _take_spare(self, kind: str) -> memoryview | None:
         spare, self._spare[kind] = self._spare[kind], None
@@ -280,32 +395,38 @@ class ShardMemory:
         if isinstance(copy.data, memoryview) and not copy.data.readonly and copy.data.nbytes:
             self._spare[kind] = copy.data
 
-    def _drop_older_than(self, key: tuple[int, int]) -> None:
-        """`key`, committed here, is whole on two nodes: the parts of the steps before are dropped
-        (the module docstring says why that is enough)."""
-        if self._complete != key or not self.own or self.own[-1].key != key:
-            return
-        for kind, copies in (("own", self.own), ("held", self.held)):
-            for copy in copies:
-                if copy.key != key:
-                    self._retire(copy, kind)
-        self.own = [copy for copy in self.own if copy.key == key]
-        self.held = [copy for copy in self.held if copy.key == key]
+    def _drop_older_than_counted(self) -> None:
+        """The step counted here, once its rest is added, is whole on two nodes: the parts of the
+        steps before are dropped (the module docstring says why that is enough)."""
+        with self._lock:
+            if not self.own or self.own[-1].key != self._complete or self.own[-1].step != self.counted \
+                    or self.counted not in self._rests:
+                return
+            key = self.own[-1].key
+            for kind, copies in (("own", self.own), ("held", self.held)):
+                for copy in copies:
+                    if copy.key != key:
+                        self._retire(copy, kind)
+            self.own = [copy for copy in self.own if copy.key == key]
+            self.held = [copy for copy in self.held if copy.key == key]
+            self._rests = {step: make for step, make in self._rests.items() if step >= key[0]}
 
     def add_rest(self, step: int, rest: Callable[[], bytes]) -> None:
-        """Add the unsharded rest to this rank's own part of `step` (once the step is committed).
-        `rest()` makes its bytes, only when the part is written (`keep`): it must hold a copy of the
-        state, not refer to the live one."""
-        if self.own and self.own[-1].step == step and not self.own[-1].plain:
-            self._drop_older_than(self.own[-1].key)
-            kept = {copy.step for copy in self.own}
-            self._rests = {**{known: make for known, make in self._rests.items() if known in kept}, step: rest}
+        """Add the unsharded rest to this rank's own part of `step` (right after the commit of the
+        step: it is taken then, and counts once the step's exchange ended). `rest()` makes its bytes,
+        only when the part is written (`keep`): it must hold a copy of the state, not refer to the
+        live one."""
+        with self._lock:
+            held_steps = {copy.step for copy in self.own}
+            self._rests = {**{known: make for known, make in self._rests.items() if known in held_steps}, step: rest}
+        self._drop_older_than_counted()
 
     def _add_rests(self) -> None:
-        """The rests `add_rest` deferred, made into bytes (when the parts are written)."""
+        """The rests `add_rest` deferred, made into bytes (when the parts are written), for the
+        steps that count: a part without its rest is never restored alone."""
         for position, copy in enumerate(self.own):
-            make = self._rests.pop(copy.step, None)
-            if make is not None and not copy.plain:
+            make = self._rests.get(copy.step)
+            if make is not None and not copy.plain and self.counted is not None and copy.step <= self.counted:
                 plain = make()
                 self.own[position] = dataclasses.replace(copy, plain=plain, rest_checksum=checksum_of(plain))
 
@@ -314,9 +435,11 @@ class ShardMemory:
         bytes). Never raises an OSError (logged)."""
         if self.directory is None:
             return 0, 0
-        self._add_rests()
+        with self._lock:
+            self._add_rests()
+            copies = [*self.own, *self.held]
         written = size = 0
-        for copy in [*self.own, *self.held]:
+        for copy in copies:
             path = self.directory / copy.file_name
             if path.exists():
                 continue  # a sibling rank of this node wrote the same part
@@ -372,6 +495,7 @@ class ShardMemory:
 
     def forget(self) -> None:
         """The run finished: remove every file (local rank 0) and what this rank holds."""
-        self.own, self.held, self._spare = [], [], {"own": None, "held": None}
+        with self._lock:
+            self.own, self.held, self._spare = [], [], {"own": None, "held": None}
         if self.directory is not None and self.context.local_rank == 0:
             self.remove_all_but(None)

@@ -19,7 +19,10 @@ finish, forget_memory_copies, close), for a model and optimizer sharded by FSDP2
 
 - memory copies (`--memory_copies`, on by default): at each committed step and after a restore,
   every rank keeps its part of the state in memory and a copy goes to a rank on another node
-  (memory_session.py, memory_shards.py); a worker that stops early writes what it holds to its
+  (memory_session.py, memory_shards.py), on a thread of its own while the next step computes; a
+  step counts (`counted_step`: its `step` event, its audit line, a state a restore or a durable
+  save may take) once that exchange ended, a step after its commit while training runs, and
+  `wait_until_counted` ends it at a drain or the end; a worker that stops early writes what it holds to its
   node's memory directory, and the next group restores the newest step whose parts its nodes
   still hold, resharded, when it is at least as new as the newest durable step (memory_restore.py);
   a memory state that fails to load is refused with its reason and the durable step taken. A
@@ -102,7 +105,7 @@ class ShardedSnapshotSession:
         self._kept_step: int | None = None  # the step whose part this rank last kept (and exchanged)
         self._committed_in = incarnation  # the incarnation that committed the state held (a restored one's)
         self._group_names: list[list[str]] = []  # the parameter names of each optimizer group
-        self._hook: Any = None  # the optimizer step hook (`_after_optimizer_step`)
+        self._hooks: list[Any] = []  # on the optimizer's step: `before_update`, `_after_optimizer_step`
 
     def start(self) -> None:
         self.storage.make_location()
@@ -150,6 +153,7 @@ class ShardedSnapshotSession:
             restored = None
         if restored is not None:
             self._keep_part(state)  # the restored state is in two nodes' memory before a step is trained
+            self.wait_until_counted()
         self._hook_optimizer(state)
         if self.memory is not None:
             self.memory.remove_all_but((state.global_step, self._committed_in))
@@ -218,7 +222,9 @@ class ShardedSnapshotSession:
     # ------------------------------------------------------------------------------- save
 
     def save(self, state: TrainingState, *, epoch_ended: bool = False, final: bool = False) -> bool:
-        """As `SnapshotSession.save`: on the cadence, at the end of training, and on `final`."""
+        """As `SnapshotSession.save`: on the cadence, at the end of training, and on `final`. A step
+        saved durably counts first (its exchange is waited for): a restore never takes a step that
+        did not count."""
         if self.memory is not None and self._kept_step == state.global_step:
             # A copy now, the bytes only if the part is ever written (keep): no serialising per step.
             # The RNG state is captured afresh and the fingerprint never changes: only the states are copied.
@@ -230,8 +236,21 @@ class ShardedSnapshotSession:
             self._keep_part(state)
         due = self.schedule.due(state, epoch_ended=epoch_ended, final=final)
         if due:
+            self.wait_until_counted()
             self._save_now(state)
         return due
+
+    def counted_step(self, state: TrainingState) -> int:
+        """The newest committed step that counts: with memory copies, one whose parts are on two
+        nodes (`state.global_step - 1` while the exchange of the newest is in flight); else the newest."""
+        return state.global_step - 1 if self.memory is not None and self.memory.uncounted == state.global_step \
+            else state.global_step
+
+    def wait_until_counted(self) -> None:
+        """Wait until the newest committed step counts (the exchange in flight; its own collectives,
+        on every rank alike). PartExchangeError when it failed."""
+        if self.memory is not None:
+            self.memory.wait()
 
     def _save_now(self, state: TrainingState) -> None:
         started = time.monotonic()
@@ -260,7 +279,10 @@ class ShardedSnapshotSession:
         if self.memory is None:
             return
         step = state.global_step if rest else state.global_step + 1
-        self._group_names = self.memory.take(state, step, self._committed_in, self._rest_of if rest else None)
+        self._group_names = self.memory.take(state, step, self._committed_in)
+        if rest:
+            made = self._rest_of(state, self._group_names)
+            self.memory.add_rest(step, lambda: made)
         self._kept_step = step
 
     def _rest_of(self, state: TrainingState, group_names: list[list[str]] | None = None) -> bytes:
@@ -270,20 +292,24 @@ class ShardedSnapshotSession:
 
     def _named_groups(self, state: TrainingState, group_names: list[list[str]] | None = None) -> list[dict[str, Any]]:
         """The optimizer's parameter groups as get_state_dict gives them (parameters by name), without its cost."""
-        return [{**group, "params": names} for group, names in
-                zip(state.optimizer.state_dict()["param_groups"], group_names or self._group_names, strict=True)]
+        return [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
+                for group, names in zip(state.optimizer.param_groups, group_names or self._group_names, strict=True)]
 
     def _hook_optimizer(self, state: TrainingState) -> None:
-        if self.memory is not None and self._hook is None:
-            self._hook = state.optimizer.register_step_post_hook(
-                lambda optimizer, args, kwargs: self._after_optimizer_step(state) if not state.consistent else None)
+        if self.memory is not None and not self._hooks:
+            memory = self.memory
+            self._hooks = [state.optimizer.register_step_pre_hook(lambda *_: memory.before_update()),
+                           state.optimizer.register_step_post_hook(
+                               lambda optimizer, args, kwargs:
+                               self._after_optimizer_step(state) if not state.consistent else None)]
             # Only a step inside the trainer's commit counts: get_state_dict steps a stateless
             # optimizer (plain SGD) with zero gradients to initialise it, outside any commit.
 
     def _after_optimizer_step(self, state: TrainingState) -> None:
-        """Inside the commit, before the step counts: its part goes to the buddy first, so that a
-        step that counts (its `step` event, its audit line) is in two nodes' memory. A failure here
-        ends training before the step counts, and the restart takes the step before."""
+        """Inside the commit, before the state changes again: the exchange of the step before ends
+        (that step now counts: its `step` event, its audit line, see `counted_step`), and this
+        step's part is taken and its exchange started. A failure here ends training; the restart
+        takes a step that counted."""
         self._committed_in = self.incarnation
         self._keep_part(state, rest=False)
 
@@ -321,9 +347,10 @@ class ShardedSnapshotSession:
 
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> None:
         """Write the parts this rank holds (its own and its ring partner's, memory_shards.py) into
-        its node's memory directory, without a collective: the group may be broken."""
+        its node's memory directory, without a collective: the group may be broken. A bound
+        (`wait_s`: the watchdog's thread) waits for no exchange in flight."""
         if self.memory is not None:
-            self.memory.keep(reason)
+            self.memory.keep(reason, from_training_thread=wait_s is None)
 
     def finish(self) -> bool | None:
         """Whether the last save is durable (writes are synchronous); None off rank 0."""
@@ -335,7 +362,10 @@ class ShardedSnapshotSession:
             self.memory.forget()
 
     def close(self) -> None:
-        """Nothing runs in the background; the optimizer hook is removed."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """The optimizer hooks are removed; an exchange still in flight (training raised) is waited
+        for a moment and its failure logged."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.memory is not None:
+            self.memory.close()
