@@ -240,3 +240,24 @@ def test_only_a_node_joining_a_running_job_waits_to_be_ready_before_it_arrives(s
     assert (joining.result().rank, joining.result().world_size) == (2, 3)
     [(node, arrived_before)] = readied
     assert node == C and C not in arrived_before
+
+
+class ObservedWitness(ExitWitness):
+    """No beacon; records the members each round asks it to probe, in the order given."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=False)
+        self.observed: list[list[NodeDesc]] = []
+
+    def observe_soon(self, read_ports, members) -> None:
+        self.observed.append(list(members))
+
+
+def test_each_member_probes_the_others_starting_after_itself(server) -> None:
+    """In one order for all, every member of a round of 256 connected to the same beacon at once."""
+    chosen = settings(min_nodes=3, max_nodes=3)
+    witnesses = {node: ObservedWitness() for node in (A, B, C)}
+    ranks_by_node([handler(server, node, chosen, witnesses[node]) for node in (C, A, B)])
+    assert witnesses[A].observed == [[B, C]]
+    assert witnesses[B].observed == [[C, A]]
+    assert witnesses[C].observed == [[A, B]]

@@ -4,11 +4,16 @@ and their `--rdzv_conf` switch (the probes on real agents: tests/cluster/test_li
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.agent.rendezvous.liveness import probes_enabled
+from elastic_ddp.agent.rendezvous.liveness import Answer, Beacon, probe, probes_enabled
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.state import NodeDesc
 from elastic_ddp.testbed.local_cluster import wait_for
@@ -64,3 +69,28 @@ def test_a_node_restarted_with_the_same_name_is_not_judged_by_its_predecessors_r
     restarted.close()  # once reached, it is found like any other when it exits too
     assert here.exited({CONTAINER_NODE: restarted.port}) == {CONTAINER_NODE}
     here.close()
+
+
+def _beacon_until_killed(ports) -> None:
+    ports.put(Beacon().port)
+    time.sleep(60)
+
+
+def test_a_frozen_beacon_completes_the_handshakes_of_a_few_hundred_probes() -> None:
+    """Every fellow member of a round probes a node's beacon once; Python's default listen backlog
+    (128) made the kernel drop the handshakes beyond it while the beacon's thread had not accepted
+    yet, and a dropped handshake reads as "unknown": that node's exit then waits for its lease."""
+    if int(Path("/proc/sys/net/core/somaxconn").read_text()) < 300:
+        pytest.skip("the kernel caps every listen backlog below 300 (net.core.somaxconn)")
+    context = multiprocessing.get_context("fork")
+    ports = context.Queue()
+    process = context.Process(target=_beacon_until_killed, args=(ports,), daemon=True)
+    process.start()
+    try:
+        port = ports.get(timeout=20)
+        os.kill(process.pid, signal.SIGSTOP)  # nothing accepts now: only the backlog takes handshakes
+        answers = [probe(("127.0.0.1", port), timeout=0.1) for _ in range(300)]
+        assert answers.count(Answer.ACCEPTED) == 300
+    finally:
+        process.kill()
+        process.join(timeout=10)

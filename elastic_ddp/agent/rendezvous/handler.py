@@ -176,7 +176,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         rank = record.rank_of(self._node)
         assert rank is not None
         self._round = record
-        self._witness.observe_soon(self._board.alive, [m for m in record.members if m != self._node])
+        # Each member probes the others starting after itself: in one order, every member connected to the
+        # same beacon at once (255 connections into one listen backlog at 256 nodes).
+        self._witness.observe_soon(self._board.alive, record.members[rank + 1:] + record.members[:rank])
         logger.info("node %s joined round %d of the rendezvous '%s' as rank %d of %d in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     time.monotonic() - started)

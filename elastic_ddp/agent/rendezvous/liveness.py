@@ -83,10 +83,14 @@ class Beacon:
     """
 
     def __init__(self) -> None:
+        # Python's default backlog is 128: every fellow member of a round probes this beacon once,
+        # and at hundreds of nodes the handshakes beyond it are dropped, which a probe takes for
+        # "unknown" (the node is then left to its lease).
         if socket.has_dualstack_ipv6():
-            self._socket = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            self._socket = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                                backlog=socket.SOMAXCONN)
         else:
-            self._socket = socket.create_server(("", 0))
+            self._socket = socket.create_server(("", 0), backlog=socket.SOMAXCONN)
         self.port: int = self._socket.getsockname()[1]
         threading.Thread(target=self._accept_forever, name="elastic-ddp-beacon", daemon=True).start()
 
