@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command from a fresh clone to the whole test suite: sets up .venv, then runs pytest.
 #
-#   bash tests/run.sh                  # everything (about 16 minutes on 2 cores, plus the set-up)
+#   bash tests/run.sh                  # everything (about 15 minutes on 2 cores, plus the set-up)
 #   bash tests/run.sh tests/unit       # the unit tests: one process, no servers (seconds)
 #   bash tests/run.sh -m "not slow"    # the same selection by marker
 #   ELASTIC_DDP_TEST_RDZV_BACKEND=elastic-c10d bash tests/run.sh tests/cluster/test_chaos.py
