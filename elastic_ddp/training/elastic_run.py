@@ -223,8 +223,7 @@ class ElasticRun:
             logger.info("the loop left the run at step %d, before its end; saving that step", self.global_step)
             with self._runtime_owns_optimizer():
                 self.snapshots.save(self.state, final=True)
-        self.snapshots.wait_until_counted()
-        self._report_counted()
+        self.wait_until_counted()
         self.snapshots.finish()
         self.run_log.finished(self.global_step, time.monotonic() - started)
         self.snapshots.forget_memory_copies()

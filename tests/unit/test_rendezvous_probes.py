@@ -7,7 +7,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -73,7 +72,7 @@ def test_a_node_restarted_with_the_same_name_is_not_judged_by_its_predecessors_r
 
 def _beacon_until_killed(ports) -> None:
     ports.put(Beacon().port)
-    time.sleep(60)
+    signal.pause()  # until the test kills it
 
 
 def test_a_frozen_beacon_completes_the_handshakes_of_a_few_hundred_probes() -> None:
