@@ -2,7 +2,8 @@
 committed steps redone.
 
     python benchmarks/recovery.py --quick            # one round per setting (about 6 min)
-    python benchmarks/recovery.py --repeats 3        # medians and spread (about 18 min)
+    python benchmarks/recovery.py --repeats 3        # medians and spread (about 20 min)
+    python -m benchmarks.recovery --settings plain restart --repeats 3   # in-process re-form against restart
     python benchmarks/recovery.py --settings ours plain   # only some settings
     python -m benchmarks.recovery --partition     # a network partition against a freeze (root: benchmarks/recovery_network.py)
 
@@ -13,13 +14,17 @@ waits for the first step of the group that includes it (world 2 -> 3, below --nn
 4, so torchrun's last-call wait applies, as it does on a real cluster that is not full), then
 SIGSTOPs that new node and waits for the first step of the group that goes on without it.
 
-Five settings are measured in the same run, interleaved, on the same machine:
+Six settings are measured in the same run, interleaved, on the same machine:
 - `ours`: `python -m elastic_ddp.agent.launcher` (`LAUNCHER=` of launch/node.sh; torchrun with workers forked
   by a warm-worker server, `--rdzv_backend=c10d` run as `elastic-c10d`) with `RDZV_CONF` and
   `MONITOR_INTERVAL_S` of elastic_ddp.agent.rendezvous.defaults; memory copies and the watchdog on (the
   defaults);
 - `plain`: plain torchrun (`python -m torch.distributed.run`) with `--rdzv_backend=elastic-c10d`
-  and nothing else: the README's main command, and what launch/node.sh runs;
+  and nothing else: the README's main command, and what launch/node.sh runs; on a kill the
+  survivors' workers re-form the group in their own processes (`in_process=1`, the default; so
+  does `ours`);
+- `restart`: `plain` with `--rdzv_conf in_process=0`: torchrun restarts the survivors' workers on
+  a kill, the path that joins, freezes and fallbacks take (issue 44);
 - `ours-cold`: plain torchrun with torch's `c10d` and `RDZV_CONF`, the way to run before
   elastic-c10d existed;
 - `stock`: plain torchrun with torch's `c10d` and its defaults (no --rdzv_conf, --monitor_interval
@@ -35,7 +40,10 @@ one thread per worker, the agent-shared store off), so the differences are the l
 and the snapshot flags above.
 
 Lost steps are the `restore` event's `lost_steps`: committed steps of the group before that the
-resumed group redoes.
+resumed group redoes. `in_process` (yes/no) is the new group's `start` event's flag: its survivors'
+workers re-formed it in their own processes; a kill of `plain` or `ours` that says no fell back to
+a restart. `kept_worker_pids` (yes/no): the workers of the nodes that go on kept their process ids
+(the `start` events' `ranks`).
 
 Times are taken from the event log (`step` and `startup` events: wall-clock seconds) and the
 agents' logs (LOGLEVEL=INFO), and split into phases: the agents notice the failure, the
@@ -71,6 +79,7 @@ from benchmarks.recovery_events import (
     lost_steps_of,
     pause_of,
     print_table,
+    regroup_of,
     seconds_since,
     summarise,
     wait_for_group,
@@ -112,7 +121,7 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                 "lost_steps": lost_steps_of(resumed, events), "without_training": pause_of(resumed, events),
                 "agent_noticed": seconds_since(first_after(survivor, killed_at, "Worker group FAILED"), killed_at),
                 "rendezvous_complete": seconds_since(first_after(survivor, killed_at, "Rendezvous complete"), killed_at),
-                **group_phases(resumed, events, killed_at)}
+                **regroup_of(resumed, events, killed_at), **group_phases(resumed, events, killed_at)}
 
         job.wait_for_step(resumed.first_step["global_step"] + 30, timeout)
         joined_at = time.time()
@@ -124,7 +133,7 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                 "lost_steps": lost_steps_of(grown, events), "without_training": pause_of(grown, events),
                 "joiner_waiting": seconds_since(first_after(joiner_log, joined_at, "Rendezvous'ing worker group"), joined_at),
                 "rendezvous_complete": seconds_since(first_after(joiner_log, joined_at, "Rendezvous complete"), joined_at),
-                **group_phases(grown, events, joined_at)}
+                **regroup_of(grown, events, joined_at), **group_phases(grown, events, joined_at)}
 
         job.wait_for_step(grown.first_step["global_step"] + 30, timeout)
         frozen_at = time.time()
@@ -136,7 +145,7 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
                   "lost_steps": lost_steps_of(unfrozen, events), "without_training": pause_of(unfrozen, events),
                   "agent_noticed": seconds_since(first_after(survivor, frozen_at, "Worker group FAILED"), frozen_at),
                   "rendezvous_complete": seconds_since(first_after(survivor, frozen_at, "Rendezvous complete"), frozen_at),
-                  **group_phases(unfrozen, events, frozen_at)}
+                  **regroup_of(unfrozen, events, frozen_at), **group_phases(unfrozen, events, frozen_at)}
         return {"setting": setting, "kill": kill, "join": join, "freeze": freeze}
     except TimeoutError as error:
         raise with_node_logs(setting, error, job) from None
@@ -153,7 +162,8 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
             record = measure_once(setting, run_root / f"{setting}-{repeat}")
             records.append(record)
             print(f"{setting} #{repeat + 1}: " + ", ".join(
-                f"{event} -> training {record[event]['seconds']:.1f} s ({record[event]['lost_steps']} steps lost)"
+                f"{event} -> training {record[event]['seconds']:.1f} s ({record[event]['lost_steps']} steps lost, "
+                f"in process: {'yes' if record[event]['in_process'] else 'no'})"
                 for event in EVENTS), file=sys.stderr, flush=True)
     return records
 

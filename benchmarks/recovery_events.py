@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
+from elastic_ddp.agent.rendezvous.rounds import IN_PROCESS_KEY
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.reader import EventFollower, WorkerGroup
 from elastic_ddp.testbed.local_cluster import (
@@ -25,10 +26,12 @@ from elastic_ddp.testbed.local_cluster import (
     LocalNode,
 )
 
+PLAIN = {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER}
 SETTINGS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
-    "plain": {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None,
-              "launcher": STOCK_LAUNCHER},
+    "plain": PLAIN,
+    # `plain` with in-process re-forms off: torchrun restarts the survivors' workers (issue 44).
+    "restart": {**PLAIN, "rdzv_conf": f"{IN_PROCESS_KEY}=0"},
     "ours-cold": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": STOCK_LAUNCHER},
     "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
     "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
@@ -120,13 +123,30 @@ def lost_steps_of(group: WorkerGroup, events: EventFollower) -> int | None:
     return max(g.newest_step["global_step"] for g in previous) if previous else None
 
 
+def regroup_of(group: WorkerGroup, events: EventFollower, before: float) -> dict[str, bool]:
+    """How `group` formed: `in_process`, its `start` event's flag (the survivors' workers re-formed
+    it in their own processes, issue 44), and `kept_worker_pids`: whether the workers of the group
+    that trained at `before` whose agents are in `group` kept their process ids (left out when no
+    group trained then or none of its agents is in `group`)."""
+    regroup = {"in_process": bool(group.start.get("in_process"))}
+    trained = [g for g in events.groups.values() if g.started < before and g.newest_step is not None]
+    if trained:
+        previous = max(trained, key=lambda g: g.started)
+        pids = {rank["pid"] for rank in group.start.get("ranks") or []}
+        survivors = [rank["pid"] for rank in previous.start.get("ranks") or [] if rank["agent_pid"] in group.agent_pids]
+        if survivors:
+            regroup["kept_worker_pids"] = all(pid in pids for pid in survivors)
+    return regroup
+
+
 def seconds_since(moment: float | None, origin: float) -> float | None:
     return None if moment is None else round(moment - origin, 2)
 
 
 def summarise(records: list[dict[str, Any]],
               events: dict[str, str] = EVENTS) -> dict[str, dict[str, dict[str, float]]]:
-    """Per setting and event (kill, join, freeze: `events`): median, min and max of the seconds and of each phase."""
+    """Per setting and event (kill, join, freeze: `events`): median, min and max of the seconds and of
+    each phase; of a yes/no field (`regroup_of`), how many runs said yes."""
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for setting in dict.fromkeys(r["setting"] for r in records):
         summary[setting] = {}
@@ -135,7 +155,9 @@ def summarise(records: list[dict[str, Any]],
             summary[setting][event] = {}
             for key in keys:
                 values = [r[event][key] for r in records if r["setting"] == setting and r[event].get(key) is not None]
-                if values:
+                if values and all(isinstance(value, bool) for value in values):
+                    summary[setting][event][key] = {"yes": sum(values), "n": len(values)}
+                elif values:
                     summary[setting][event][key] = {"median": round(statistics.median(values), 2),
                                                     "min": min(values), "max": max(values), "n": len(values)}
     return summary
@@ -151,8 +173,8 @@ def print_table(summary: dict[str, dict[str, dict[str, float]]], events: dict[st
             cells = []
             for setting in settings:
                 cell = summary[setting][event].get(key)
-                cells.append(f"{cell['median']:6.2f} [{cell['min']:.2f}-{cell['max']:.2f}] n={cell['n']}"
-                             if cell else "-")
+                cells.append("-" if not cell else f"yes in {cell['yes']} of {cell['n']}" if "yes" in cell else
+                             f"{cell['median']:6.2f} [{cell['min']:.2f}-{cell['max']:.2f}] n={cell['n']}")
             print(f"  {key:24}" + "".join(f"{c:>22}" for c in cells))
         if "ours" in summary:
             ours = summary["ours"][event]["seconds"]["median"]

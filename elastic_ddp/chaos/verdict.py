@@ -7,7 +7,9 @@ checks, for the whole run:
 - the audit log shows every sample of every epoch exactly once in the surviving trajectory
   (`runlog.audit.exactly_once_violations`);
 - every restore is trusted: a snapshot file whose write had completed, with the checksum that
-  write recorded, or a verified memory copy of a committed step (at most one step after the newest
+  write recorded, or a verified memory copy of a committed step, or the survivors' own state of a
+  committed step when they re-formed the group in process (`live`: it never left their memory, so
+  there is no copy to verify) (a committed step: at most one step after the newest
   step that rank 0 had logged or any rank of an earlier incarnation had audited: the survivors may
   have committed the step rank 0 died in, and a SIGKILL of rank 0 loses the `step` lines its event
   log had not yet written, runlog/events.py);
@@ -98,7 +100,7 @@ class ChaosReport:
             lines.append(f"  [{record.index}] {record.description}: {', '.join(details)}")
         lines.append(f"  final step {self.final_step} (expected {self.expected_final_step}); "
                      f"exactly once: {'yes' if not self.exactly_once_problems else 'NO'}; "
-                     f"{len(self.restores)} restores ({sum(r['source'] == 'memory' for r in self.restores)} "
+                     f"{len(self.restores)} restores ({sum(r['source'] in ('memory', 'live') for r in self.restores)} "
                      f"from memory), all trusted: {'yes' if all(r['trusted'] for r in self.restores) else 'NO'}; "
                      f"steps lost: {[r['lost_steps'] for r in self.restores]}")
         lines += [f"  problem: {problem}" for problem in self.problems]
@@ -143,7 +145,7 @@ def judge(job: LocalJob, plan: FaultPlan, config: TrainingConfig, expected_steps
     problems += [f"restore of step {r['global_step']} (checksum {r['checksum'][:20]}...) matches no completed "
                  "snapshot write" for r in restores if r["source"] == "file" and not r["trusted"]]
     problems += [f"restore of step {r['global_step']} from memory is not a verified copy of a committed step"
-                 for r in restores if r["source"] == "memory" and not r["trusted"]]
+                 for r in restores if r["source"] in ("memory", "live") and not r["trusted"]]
     problems += _lost_steps_problems(records, restores, whole_job_nodes)
     problems += [f"fault {r.index} ({r.description}) did not fire: {r.not_fired_because}"
                  for r in records if not r.fired]
@@ -171,7 +173,7 @@ def _audited_before(restore: dict[str, Any], audited: dict[int, int]) -> int | N
 
 def _trusted(restore: dict[str, Any], events: list[dict[str, Any]], audited: dict[int, int]) -> bool:
     """Whether a restore loaded a state the run had really reached (see the module docstring)."""
-    if not restore.get("verified"):
+    if not restore.get("verified") and restore.get("source") != "live":
         return False
     earlier = [e for e in events if e["time"] < restore["time"]]
     if (restore.get("source") or "file") == "file":

@@ -42,7 +42,7 @@ from elastic_ddp.runlog.reader import PreviousIncarnation
 
 PREFIX = "elastic_ddp"
 MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-RESTORE_SOURCES = ("file", "memory")
+RESTORE_SOURCES = ("file", "memory", "live")
 
 GAUGES = {
     "global_step": "The newest committed optimizer step (after a restore: the restored one, until the next step).",
@@ -85,8 +85,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, tuple[str, ...]] | None]] = {
     "restarts": (("Worker groups that followed an earlier one of the run, by cause: worker_crash, node_lost, "
                   "node_joined, peer_evicted (the watchdog left a silent peer behind), drain (SIGTERM), relaunched "
                   "(the run had finished)."), ("cause", RESTART_CAUSES)),
-    "restores": (("Resumes from saved state, by where it came from: memory (a survivor's copy) or file (a "
-                  "snapshot)."), ("source", RESTORE_SOURCES)),
+    "restores": (("Resumes from saved state, by where it came from: memory (a survivor's copy), file (a "
+                  "snapshot) or live (the survivors' own state, re-formed in process)."), ("source", RESTORE_SOURCES)),
     "lost_steps": ("Committed steps rolled back by restores, in all.", None),
     "downtime_seconds": (("Seconds without training between a worker group's last event and the next one's "
                           "first step, in all."), None),

@@ -141,7 +141,10 @@ class ProgressReporter:
 
 
 def source_text(source: str, rank: int | None, host: str | None) -> str:
-    """`memory of rank 3 on node-b`, or `a snapshot file`: where a restore's state came from."""
+    """`memory of rank 3 on node-b`, `a snapshot file`, or `the survivors' own state` (`live`: a
+    group re-formed in process): where a restore's state came from."""
+    if source == "live":
+        return "the survivors' own state (re-formed in process)"
     return f"memory of rank {rank} on {host}" if source == "memory" else "a snapshot file"
 
 

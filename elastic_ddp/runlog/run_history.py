@@ -36,6 +36,7 @@ class Incarnation:
     world_size: int | None = None
     nodes: int | None = None
     run_id: str | None = None
+    in_process: bool = False  # re-formed by the survivors' workers in their own processes (no restart)
     restore: dict[str, Any] | None = None
     startup_seconds: dict[str, float] | None = None  # process start to each start-up stage
     drained: bool = False
@@ -133,6 +134,7 @@ def _record_start(history: RunHistory, incarnation: Incarnation, event: dict[str
     incarnation.world_size = event.get("world_size")
     incarnation.nodes = event.get("nodes")
     incarnation.run_id = event.get("run_id")
+    incarnation.in_process = event.get("in_process") is True
 
 
 def _record_step(history: RunHistory, incarnation: Incarnation, event: dict[str, Any]) -> None:

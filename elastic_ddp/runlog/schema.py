@@ -34,8 +34,9 @@ class EventKind:
 
 
 START = EventKind(
-    "start", ("round", "world_size", "local_world_size", "nodes", "ranks", "restart_count", "run_id"),
-    "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs")
+    "start", ("round", "world_size", "local_world_size", "nodes", "ranks", "restart_count", "run_id", "in_process"),
+    "a worker group began: its rendezvous round as numbered by this run, its world, and where every rank runs; "
+    "`in_process`: the survivors' workers re-formed it in their own processes (no restart)")
 RESTORE = EventKind(
     "restore", ("global_step", "epoch", "samples_consumed", "checksum", "verified", "source", "source_rank",
                 "source_host", "file", "previous_world_size", "world_size", "lost_steps", "lost_seconds", "refused"),

@@ -157,7 +157,8 @@ def wait_until_listening(host: str, port: int, timeout_s: float, poll_s: float =
 
 @contextlib.contextmanager
 def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[None]:
-    """Initialise the default process group for `context` and destroy it on the way out.
+    """Initialise the default process group for `context` and destroy it on the way out (the
+    group of the moment: an in-process re-form may have replaced the first one).
 
     `timeout` bounds every collective: a peer that stops answering (frozen, partitioned) makes the
     survivors fail after at most this long, so torchrun can re-rendezvous without it.
@@ -166,6 +167,16 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
         yield
         return
     warn_if_agent_store_shared()
+    init_default_group(context, timeout)
+    try:
+        yield
+    finally:
+        destroy_default_group()
+
+
+def init_default_group(context: DistributedContext, timeout: timedelta) -> None:
+    """`dist.init_process_group` for `context` from MASTER_ADDR/MASTER_PORT (env://), `timeout`
+    bounding its collectives; the other ranks first wait for rank 0's store to listen."""
     if context.rank != 0:
         wait_until_listening(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout.total_seconds())
     if context.device.type == "cuda":
@@ -178,14 +189,18 @@ def process_group(context: DistributedContext, timeout: timedelta) -> Iterator[N
         # Binds nccl's communicator to this GPU at once; gloo has no use for it.
         device_id=context.device if context.backend == "nccl" else None,
     )
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group, if any, without raising: after a peer died the group
+    may be unusable, and tearing it down must not mask the real error (gloo's returns at once
+    then: docs/in-process-regroup.md)."""
+    if not dist.is_initialized():
+        return
     try:
-        yield
-    finally:
-        # After a peer died the group may be unusable; tearing it down must not mask the real error.
-        try:
-            dist.destroy_process_group()
-        except Exception:  # best effort on the way out
-            logger.debug("destroy_process_group failed", exc_info=True)
+        dist.destroy_process_group()
+    except Exception:  # best effort
+        logger.debug("destroy_process_group failed", exc_info=True)
 
 
 # Objects that must outlive the interpreter's last Python frame: see `keep_until_exit`.
@@ -203,6 +218,15 @@ def keep_until_exit(obj: object) -> None:
     their memory until exit; a process trains one model at a time.
     """
     _KEPT_UNTIL_EXIT.append(obj)
+
+
+def remove_autograd_hooks(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Remove the gradient hooks a DistributedDataParallel put on its module's parameters (they
+    keep its reducer, and so its process group, alive). torch 2.13's private
+    `_remove_autograd_hooks`; nothing where a torch lacks it (the group then lives on, unused)."""
+    remove = getattr(ddp, "_remove_autograd_hooks", None)
+    if remove is not None:
+        remove()
 
 
 def exit_worker(exit_code: int) -> NoReturn:

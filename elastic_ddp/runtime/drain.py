@@ -35,7 +35,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ class DrainSignal:
         self._voted_at: float | None = None  # time.monotonic() of this rank's last vote
         self._steps_between = 1  # steps from the last vote to the next one (the same on every rank)
         self._steps_until_vote = 1
+        # Set by the run when the group may be re-formed in process: the vote is waited for through
+        # it, so that a vote left waiting in a replaced group fails (training/in_process.py).
+        self.guard_vote: Callable[[torch.futures.Future], torch.futures.Future] | None = None
 
     @property
     def requested(self) -> bool:
@@ -110,7 +113,7 @@ class DrainSignal:
         agreed, self._steps_between = False, 1
         if self._pending is not None:
             work, votes = self._pending
-            work.wait()
+            self._wait(work)
             requested, slowest_step_seconds = votes.tolist()
             agreed, self._steps_between = requested > 0, steps_between_votes(slowest_step_seconds)
         votes = torch.tensor([1.0 if self.requested else 0.0, step_seconds], dtype=torch.float64, device=self.device)
@@ -123,7 +126,19 @@ class DrainSignal:
         if self._pending is not None:
             work, _ = self._pending
             self._pending = None
+            self._wait(work)
+
+    def _wait(self, work: dist.Work) -> None:
+        if self.guard_vote is None:
             work.wait()
+        else:
+            self.guard_vote(work.get_future()).wait()
+
+    def forget_vote(self) -> None:
+        """Drop the vote in flight without waiting for it: its group broke (an in-process re-form);
+        the next boundary votes afresh in the new group, with this rank's request, if any."""
+        self._pending, self._voted_at = None, None
+        self._steps_between = self._steps_until_vote = 1
 
     def redeliver_unused(self) -> None:
         """Raise again a SIGTERM that started no drain because the last step came first.

@@ -107,6 +107,32 @@ class SnapshotSession:
         self._keep_restored_copies(restored)
         return restored
 
+    def resume_live(self, state: TrainingState, committed_in: int) -> bool:
+        """After an in-process re-form (training/in_process.py): whether every rank of the new group
+        holds the same committed step, consistent, in its own memory; then nothing is loaded or sent,
+        this rank's RNG is derived for that step and its new rank, as a restore into another world
+        derives it, and the state is snapshotted (rank 0 writes it in the background). Collective. False: restore as usual, from copies kept first (the ranks of a
+        broken all-reduce may have committed different steps). `committed_in`: the incarnation that
+        committed `state`'s step, which the next memory copies of it carry."""
+        mine = (state.global_step, state.consistent, committed_in)
+        offers: list[Any] = [mine]
+        if self.context.in_process_group:
+            offers = [None] * self.context.world_size
+            torch.distributed.all_gather_object(offers, mine)
+        if not state.consistent or any(tuple(offer) != mine for offer in offers):
+            return False
+        seed_rng_for_step(self.config.seed, state.global_step, self.context.rank)
+        self._restored = (state.global_step, committed_in)
+        self.schedule.last_saved_step = state.global_step
+        # Written durably, as a restore from memory writes what it took: the lost node may have been
+        # the one whose disk holds the newest file.
+        self._save_now(state, final=False)
+        return True
+
+    def committed_in(self, global_step: int) -> int:
+        """The incarnation that committed `global_step` (this one, or the restored state's)."""
+        return self._committed_in(global_step)
+
     def _keep_restored_copies(self, restored: RestoredSnapshot) -> None:
         """Rank 0: write the restored state here if it came from memory or a peer, and to the
         replicas, so that losing the node it came from next (or the whole job) does not lose it."""

@@ -103,6 +103,7 @@ def _transition_dict(transition: Transition, started: float) -> dict[str, Any]:
         "lost_steps": transition.lost_steps,
         "lost_seconds": transition.lost_seconds,
         "downtime_seconds": round(transition.downtime, 3),
+        "in_process": transition.after.in_process,
     }
 
 
@@ -222,7 +223,8 @@ def describe_transition(transition: dict[str, Any]) -> str:
     if transition["kind"] == "relaunch after finish":
         return line + " (no work to redo)"
     return (line + f", lost {plural(transition['lost_steps'], 'step')} ({transition['lost_seconds']:.1f} s), "
-            f"{transition['downtime_seconds']:.1f} s without training")
+            f"{transition['downtime_seconds']:.1f} s without training"
+            + (", in process (no worker restarted)" if transition.get("in_process") else ""))
 
 
 def _evaluation_line(evaluation: dict[str, Any]) -> str:

@@ -37,6 +37,9 @@ overhead budget, the memory copy of the last committed step kept whenever traini
 (stop_guard.py), the peer watchdog, drain on SIGTERM (`DrainRequested` out of `steps()` at a step
 boundary, after a final durable snapshot), events, the report and live metrics. Leaving the `with`
 block early without an exception (a `break`) makes the last committed step durable, as a drain does.
+With our rendezvous, a lost node's survivors keep their processes (in_process.py): the step in
+progress is abandoned (its backward, clipping and commit do nothing, `run.group_broken` is True)
+and redone in the re-formed group, whose rank and world size the run's accessors then give.
 
 Not guaranteed: one optimizer (a second one of the loop's own is neither stepped nor checked, but
 its state may travel in `extra_state`); a loop that changes the model or the optimizer's
@@ -47,9 +50,12 @@ ways the run cannot see (the module call is checked only for plain DDP without `
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Self
 
 import torch
@@ -60,15 +66,21 @@ from torch.utils.data import Dataset
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix, installed_rank_prefix
-from elastic_ddp.runtime.distributed import DistributedContext, agree_on_incarnation, keep_until_exit
+from elastic_ddp.runtime.distributed import (
+    DistributedContext,
+    agree_on_incarnation,
+    keep_until_exit,
+    remove_autograd_hooks,
+)
 from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
 from elastic_ddp.snapshot.training_state import Stateful, run_fingerprint
+from elastic_ddp.training.in_process import Regroup, lost_peer, what_broke
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.training.sharding import ShardingError, place_model
 from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
 from elastic_ddp.training.step_hooks import MinimumStepTime
-from elastic_ddp.training.stop_guard import StopGuard
+from elastic_ddp.training.stop_guard import GroupReformed, StopGuard
 from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
 from elastic_ddp.workload.losses import check_per_sample
 from elastic_ddp.workload.sampler import StepPlan
@@ -90,7 +102,8 @@ class ElasticRun:
     `with`, iterate `steps()` inside. `optimizer` and `scheduler` may be factories, called with the
     model once placed (sharded under `--sharding fsdp`, where only a factory can be given) and with
     the optimizer; without them the run builds `--optimizer` and its warm-up plus cosine schedule. Accessors: `model` (call it), `module` (your model),
-    `optimizer`, `scheduler`, `global_step` (committed steps), `epoch`, `rank`, `world_size`.
+    `optimizer`, `scheduler`, `global_step` (committed steps), `epoch`, `rank`, `world_size` (the current
+    group's: a lost node's survivors re-form it in process, in_process.py), `group_broken`.
     """
 
     def __init__(self, model: nn.Module, dataset: Dataset, config: TrainingConfig, *,
@@ -129,7 +142,12 @@ class ElasticRun:
         self.run_log: RunLog | None = None  # what this run reports, and
         self.snapshots: SnapshotSession | None = None  # its snapshots (all three set while entered)
         self.current_step: Step | None = None
+        self.regroup = Regroup(self.context, config.sharding, timedelta(seconds=config.collective_timeout_s))
+        self._started = 0.0  # time.monotonic() of entering the run
         self._exits: contextlib.ExitStack | None = None
+        self._incarnation_exits: contextlib.ExitStack | None = None  # the log, snapshots and watchdog of this group
+        self._lost_peer: str | None = None  # why the group broke under the step in progress (in-process re-form)
+        self._regrouped_at: int | None = None  # the committed step at the last in-process re-form
         self._entered = False
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
@@ -155,6 +173,12 @@ class ElasticRun:
         return self.state.sampler.epoch
 
     @property
+    def group_broken(self) -> bool:
+        """A peer was lost during the step in progress: the run re-forms the group when the next
+        step is asked for. Until then no collective of the loop's own can succeed: skip them."""
+        return self._lost_peer is not None
+
+    @property
     def rank(self) -> int:
         return self.context.rank
 
@@ -176,22 +200,16 @@ class ElasticRun:
             raise LoopContractError("ElasticRun: entered a second time; a run is entered once (build a new one to "
                                     "train again: it restores where this one stopped)")
         self._entered = True
-        started = time.monotonic()
-        incarnation = agree_on_incarnation(self.context)
+        self._started = time.monotonic()
         with contextlib.ExitStack() as exits:
             # A SIGTERM that came too late to drain is raised again once everything is closed.
             exits.push(_on_success(self.drain.redeliver_unused))
-            log, snapshots = exits.enter_context(self._incarnation(incarnation))
-            exits.push(_on_success(lambda: self._finish(started)))
-            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
-                                                self.config.epochs, self.config.watchdog_timeout_s)
-            exits.enter_context(guard.watching_peers(incarnation))
-            log.started()
-            snapshots.start()
-            log.restored(restored := snapshots.restore(self.state))
-            self._wrap_model(restored=restored is not None)
+            exits.callback(self.regroup.stop)
+            exits.push(self._leave_incarnation)  # whichever group the run is in by then
+            self.regroup.start()
+            self.drain.guard_vote = self.regroup.alarm.guard if self.regroup.enabled else None
+            self._enter_incarnation()
             exits.enter_context(self.drain.catching_sigterm())
-            exits.enter_context(guard.keeping_the_last_step())
             exits.push(_on_success(self.drain.finish))
             self._exits = exits.pop_all()
         return self
@@ -202,6 +220,35 @@ class ElasticRun:
         exits, self._exits = self._exits, None
         self.current_step = None
         return exits.__exit__(*exc_info)
+
+    def _enter_incarnation(self, re_formed: _ReFormed | None = None) -> None:
+        """Agree on the incarnation, open its log and snapshots, start the watchdog, restore the
+        newest state the group can read, wrap the model: once per process group. `re_formed`: a
+        group re-formed in this process (in_process.py), whose ranks keep their own state when they
+        all hold the same step."""
+        incarnation = agree_on_incarnation(self.context)
+        with contextlib.ExitStack() as exits:
+            log, snapshots = exits.enter_context(self._incarnation(incarnation))
+            exits.push(_on_success(self._finish))
+            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
+                                                self.config.epochs, self.config.watchdog_timeout_s)
+            exits.enter_context(guard.watching_peers(incarnation))
+            log.started(in_process=re_formed is not None)
+            snapshots.start()
+            if re_formed is not None and snapshots.resume_live(self.state, re_formed.committed_in):
+                sampler = self.state.sampler
+                log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
+            else:
+                if re_formed is not None:  # a broken all-reduce let some ranks commit a step the others did not
+                    guard.keep(f"in-process re-form: {re_formed.reason}")  # the newest one is served to the others
+                log.restored(snapshots.restore(self.state))
+            self._wrap_model(restored=self.global_step > 0)
+            exits.enter_context(guard.keeping_the_last_step())
+            self._incarnation_exits = exits.pop_all()
+
+    def _leave_incarnation(self, *exc_info: Any) -> bool:
+        exits, self._incarnation_exits = self._incarnation_exits, None
+        return exits.__exit__(*exc_info) if exits is not None else False
 
     @contextlib.contextmanager
     def _incarnation(self, incarnation: int) -> Iterator[tuple[RunLog, SnapshotSession]]:
@@ -218,14 +265,14 @@ class ElasticRun:
         finally:
             self.run_log.close()
 
-    def _finish(self, started: float) -> None:
+    def _finish(self) -> None:
         if self.epoch < self.config.epochs:  # the loop left early: keep its place durably, as a drain does
             logger.info("the loop left the run at step %d, before its end; saving that step", self.global_step)
             with self._runtime_owns_optimizer():
                 self.snapshots.save(self.state, final=True)
         self.wait_until_counted()
         self.snapshots.finish()
-        self.run_log.finished(self.global_step, time.monotonic() - started)
+        self.run_log.finished(self.global_step, time.monotonic() - self._started)
         self.snapshots.forget_memory_copies()
 
     def _wrap_model(self, restored: bool) -> None:
@@ -234,6 +281,8 @@ class ElasticRun:
             # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
             self.ddp_model = DistributedDataParallel(self.module, device_ids=device_ids, init_sync=not restored)
             keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
+            if self.regroup.enabled:  # its all-reduce must give way when the agent re-forms the group
+                self.regroup.comm_hook.install(self.ddp_model)
             if not self.config.compile:
                 self.ddp_model.register_forward_pre_hook(self._count_model_call)
         # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
@@ -268,23 +317,78 @@ class ElasticRun:
             for plan in plans:
                 step = self.current_step = Step(self, plan, batches)
                 yield step
-                if not step.committed:
+                if self._lost_peer is None and not step.committed:
                     raise LoopContractError(f"step {step.number} was not committed before the next one was asked "
                                             "for; end every step with step.commit() (or `with step.committing():`)")
-                self._step_boundary()
+                if self._lost_peer is None:
+                    self._step_boundary()
+                if self._lost_peer is not None:
+                    self._re_form_in_process()
+                    return  # `steps()` plans the rest of the epoch for the new world
         except BaseException:
             self.run_log.training_interrupted()
             raise
 
     def _step_boundary(self) -> None:
         """Between two committed steps, on every rank (the drain's collective must line up)."""
-        self.stop_guard.drain_if_agreed()
-        if self.pacing is not None:
+        with self._owned_collective("the drain vote"):
+            self.stop_guard.drain_if_agreed()
+        if self.pacing is not None and self._lost_peer is None:
             self.pacing.wait()
+
+    @contextlib.contextmanager
+    def _owned_collective(self, what: str) -> Iterator[None]:
+        """Around a call of the run's own that holds a collective: a peer lost there (gloo says so
+        at once) marks the group broken, for the iterator to re-form it in process (in_process.py),
+        when this worker can. Anything else propagates, as does a loss right after a re-form with
+        no step committed since (a second loss during the re-form: torchrun's restart takes over)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not (self.regroup.enabled and lost_peer(exc)) or self._regrouped_at == self.global_step:
+                raise
+            self._lost_peer = f"{what}: {what_broke(exc)}"
+            logger.warning("a peer is lost (%s); re-forming the group in process", self._lost_peer)
+
+    def _re_form_in_process(self) -> None:
+        """The group broke under the step in progress: stop the watchdog, leave the broken group, join
+        the round the agent runs for its workers, close this group's incarnation, open the next on
+        the new group (each rank keeps its own state when all hold the same step) and go on from the
+        last committed step. RejoinRefused when the agent falls back to torchrun's restart."""
+        reason, self._lost_peer = self._lost_peer, None
+        self.current_step = None
+        self.run_log.training_interrupted()
+        self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
+        self.drain.forget_vote()
+        self.state.optimizer.zero_grad(set_to_none=True)
+        self._unhook_the_broken_wrapper()
+        re_formed = _ReFormed(reason, self.snapshots.committed_in(self.global_step), self.context.world_size)
+        # RejoinRefused propagates with this incarnation still open: on its way out it keeps the last
+        # committed step in node memory, which torchrun's restart then restores.
+        context = self.regroup.rejoin(reason, lambda: self.drain.requested)
+        self._leave_incarnation(GroupReformed, GroupReformed(reason), None)  # closes its log and snapshots
+        self.context = context
+        if self.log_prefix is not None:
+            self.log_prefix.rank, self.log_prefix.world_size = context.rank, context.world_size
+        self._enter_incarnation(re_formed)
+        self._regrouped_at = self.global_step
+
+    def _unhook_the_broken_wrapper(self) -> None:
+        """Take the DDP of the broken group off the module: its gradient hooks go (its reducer may
+        still expect the abandoned backward). The wrapper itself stays referenced until exit
+        (`keep_until_exit`): freeing it frees the broken group, whose destructor waits for the
+        collectives still in its threads (seen: until their timeout)."""
+        if isinstance(self.ddp_model, DistributedDataParallel):
+            remove_autograd_hooks(self.ddp_model)
+        self.ddp_model = self.model = self.module
 
     def _after_commit(self, step: Step) -> None:
         """Each component decides for itself what a committed step means to it, in this order on
         every rank (their collectives must line up)."""
+        with self._owned_collective(f"the run's work after step {self.global_step}"):
+            self._count_the_commit(step)
+
+    def _count_the_commit(self, step: Step) -> None:
         number, plan = self.global_step, step.plan
         self.run_log.step_committed(plan, number, step.loss_sum, self.state.scheduler.get_last_lr()[0])
         if step.amp_skipped:
@@ -376,6 +480,8 @@ class Step:
         run = self.run
         last = len(self.plan.micro_batches) - 1
         for index, indices in enumerate(self.plan.micro_batches):
+            if run._lost_peer is not None:
+                return  # the step is abandoned (only the last micro-batch synchronises: it was that one)
             batch = run._device_batch(indices, self.batches)
             self._read += 1
             self._calls_at_read = run._model_calls
@@ -402,7 +508,8 @@ class Step:
                                     "your own module skips the gradients' all-reduce and the ranks drift apart")
         losses = losses.float()
         scaler = run.state.grad_scaler.scaler
-        torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, self._loss_scale)))
+        with run._owned_collective(f"step {self.number}'s gradient all-reduce"):
+            torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, self._loss_scale)))
         self._backwards += 1
         summed = losses.detach().sum()
         self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
@@ -414,6 +521,8 @@ class Step:
         gradient (DDP) or its shard of it (FSDP2 reduces the norm over the shards)."""
         if not (max_norm > 0 and max_norm < float("inf")):
             raise ValueError(f"step.clip_grad_norm_: got max_norm={max_norm}; expected a positive finite number")
+        if self.run._lost_peer is not None:
+            return torch.zeros((), device=self.run.context.device)  # an abandoned step: nothing to clip
         self._check_all_read("step.clip_grad_norm_()")
         state = self.run.state
         state.grad_scaler.scaler.unscale_(state.optimizer)
@@ -432,7 +541,13 @@ class Step:
         move, and the step is committed: reported, and snapshotted when the schedule says so.
 
         An exception out of the block leaves the state half changed and marked so: it is never
-        kept, and the restart takes the previous step from the other ranks or the snapshots."""
+        kept, and the restart takes the previous step from the other ranks or the snapshots.
+
+        A step abandoned because a peer was lost (in_process.py) changes nothing here: the block
+        runs, and `extra_state` is put back as it was; the step is redone in the re-formed group."""
+        if self.run._lost_peer is not None:
+            yield from self._abandoned_commit()
+            return
         self._check_all_read("step.commit()")
         if self.committed:
             raise LoopContractError(f"step.commit(): step {self.number} is already committed")
@@ -451,11 +566,27 @@ class Step:
         self.committed = True
         run._after_commit(self)
 
+    def _abandoned_commit(self) -> Iterator[None]:
+        extra = self.run.state.extra_state
+        before = copy.deepcopy(extra.state_dict()) if extra else None
+        yield
+        if before is not None:
+            extra.load_state_dict(before)
+
     def _check_all_read(self, what: str) -> None:
         total = len(self.plan.micro_batches)
         if self._read < total or self._backwards < self._read:
             raise LoopContractError(f"{what}: step {self.number} has {total} micro-batch(es); {self._read} were read "
                                     f"and {self._backwards} went through step.backward(); every one must, first")
+
+
+@dataclass(frozen=True)
+class _ReFormed:
+    """What the incarnation after an in-process re-form needs of the one before."""
+
+    reason: str  # why the group broke
+    committed_in: int  # the incarnation that committed the state the survivors hold
+    world_size: int  # of the group that broke
 
 
 def check_extra_state(extra_state: Any) -> None:

@@ -76,8 +76,9 @@ class RunLog:
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def started(self) -> None:
-        """The `start` event: rendezvous round, world, and where every rank runs (a collective)."""
+    def started(self, in_process: bool = False) -> None:
+        """The `start` event: rendezvous round, world, and where every rank runs (a collective);
+        `in_process`: the group was re-formed by workers that kept their processes."""
         ctx = self.context
         mine = {"rank": ctx.rank, "host": socket.gethostname(), "pid": os.getpid(), "agent_pid": agent_pid(),
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": ctx.local_rank}
@@ -88,7 +89,7 @@ class RunLog:
         self.events.emit(schema.START, round=next_round(self.events.path) if ctx.is_main else None,
                          world_size=ctx.world_size, local_world_size=ctx.local_world_size,
                          nodes=len({(r["host"], r["agent_pid"]) for r in ranks}), ranks=ranks,
-                         restart_count=ctx.restart_count, run_id=ctx.run_id)
+                         restart_count=ctx.restart_count, run_id=ctx.run_id, in_process=in_process)
 
     def restored(self, restored: RestoredSnapshot | None) -> None:
         """What the restore found: the `restore` event and its one-line announcement (rank 0)."""
@@ -100,18 +101,31 @@ class RunLog:
         if restored is None:
             return
         snapshot = restored.snapshot
-        lost = work_lost(self.events.path, snapshot.global_step) if self.context.is_main else None
+        self._resumed(snapshot.global_step, snapshot.epoch, snapshot.samples_consumed, snapshot.world_size,
+                      checksum=restored.checksum, verified=True, source=restored.source,
+                      source_rank=restored.source_rank, source_host=restored.source_host,
+                      file=restored.entry.file if restored.entry else None, refused=restored.refused)
+
+    def resumed_live(self, global_step: int, epoch: int, samples_consumed: int, previous_world_size: int) -> None:
+        """The `restore` event of a group re-formed in process whose ranks all held the same committed
+        step: nothing was loaded (`source: live`, no checksum: the state never left their memory)."""
+        self.startup.mark("restored")
+        self._set_step(global_step)
+        if self.context.is_main:
+            self.scalars = open_scalars(self.config.tensorboard_dir, resumed_from_step=global_step)
+        self._resumed(global_step, epoch, samples_consumed, previous_world_size, checksum=None, verified=False,
+                      source="live", source_rank=None, source_host=None, file=None, refused=[])
+
+    def _resumed(self, global_step: int, epoch: int, samples_consumed: int, previous_world_size: int,
+                 **where: Any) -> None:
+        lost = work_lost(self.events.path, global_step) if self.context.is_main else None
         lost_steps, lost_seconds = lost if lost is not None else (None, None)
-        self.events.emit(
-            schema.RESTORE, global_step=snapshot.global_step, epoch=snapshot.epoch,
-            samples_consumed=snapshot.samples_consumed, checksum=restored.checksum, verified=True,
-            source=restored.source, source_rank=restored.source_rank, source_host=restored.source_host,
-            file=restored.entry.file if restored.entry else None,
-            previous_world_size=snapshot.world_size, world_size=self.context.world_size,
-            lost_steps=lost_steps, lost_seconds=lost_seconds, refused=restored.refused)
-        self.progress.announce_restore(self.events.path, self.incarnation, snapshot.global_step, snapshot.epoch,
-                                       snapshot.world_size, self.context.world_size, lost_steps, lost_seconds,
-                                       source=source_text(restored.source, restored.source_rank, restored.source_host))
+        self.events.emit(schema.RESTORE, global_step=global_step, epoch=epoch, samples_consumed=samples_consumed,
+                         previous_world_size=previous_world_size, world_size=self.context.world_size,
+                         lost_steps=lost_steps, lost_seconds=lost_seconds, **where)
+        self.progress.announce_restore(self.events.path, self.incarnation, global_step, epoch, previous_world_size,
+                                       self.context.world_size, lost_steps, lost_seconds,
+                                       source=source_text(where["source"], where["source_rank"], where["source_host"]))
 
     def finished(self, global_step: int, seconds: float) -> None:
         self.events.emit(schema.FINISHED, global_step=global_step, seconds=round(seconds, 3))

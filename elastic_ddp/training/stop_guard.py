@@ -45,6 +45,11 @@ from elastic_ddp.verdicts import worker_verdict_address
 
 logger = logging.getLogger(__name__)
 
+
+class GroupReformed(Exception):
+    """The group was re-formed in process (training/in_process.py): its incarnation closes (log,
+    snapshots, watchdog) while training goes on in the next one; nothing is kept, nothing stops."""
+
 # How long the watchdog waits for the training thread before it ends the worker: to leave a commit
 # (a CPU commit takes milliseconds; under NCCL one can wait for ever on an all-reduce that a silent
 # peer never finishes), and to finish a memory copy it is writing itself (at 1-2 GB/s; letting it
@@ -65,6 +70,7 @@ class StopGuard:
         self.watchdog_timeout_s = watchdog_timeout_s if context.in_process_group else 0
         self._kept_step: int | None = None
         self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
+        self._watchdog: PeerWatchdog | None = None
 
     def keep(self, reason: str, commit_wait_s: float | None = None) -> None:
         """Keep the last committed step now (audit shares, memory copy); once per step.
@@ -102,9 +108,12 @@ class StopGuard:
 
     @contextlib.contextmanager
     def keeping_the_last_step(self) -> Iterator[None]:
-        """Whatever exception leaves the block, keep the last committed step, then re-raise."""
+        """Whatever exception leaves the block, keep the last committed step, then re-raise; but
+        `GroupReformed`, which stops nothing."""
         try:
             yield
+        except GroupReformed:
+            raise
         except BaseException as exc:
             self.keep("drain" if isinstance(exc, DrainRequested) else f"{type(exc).__name__}: {exc}"[:300])
             raise
@@ -119,10 +128,10 @@ class StopGuard:
             yield
             return
         node_rank = os.environ.get("GROUP_RANK", "")
-        watchdog = PeerWatchdog(self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
-                                on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
-                                node_rank=int(node_rank) if node_rank.isdigit() else None,
-                                verdict_address=worker_verdict_address()).start()
+        watchdog = self._watchdog = PeerWatchdog(
+            self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
+            on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
+            node_rank=int(node_rank) if node_rank.isdigit() else None, verdict_address=worker_verdict_address()).start()
         try:
             yield
         except DrainRequested:
@@ -132,6 +141,12 @@ class StopGuard:
             watchdog.stop()
             raise
         watchdog.leave()
+
+    def stop_watching(self) -> None:
+        """Stop the watchdog now, without a word to the peers: the group broke and is being re-formed
+        in process (its peers' heartbeats stop too, and the re-form has a deadline of its own)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     def _stop_for_silent_peer(self, reason: str) -> None:
         """From the watchdog's thread: keep the last committed step if it can be had without waiting

@@ -69,8 +69,10 @@ def test_a_seeded_random_plan_of_eight_faults_breaks_no_promise(tmp_path):
     # Memory copies: no fault of this plan (none ends the whole job) costs a committed step.
     assert [r["lost_steps"] for r in report.restores] == [0] * len(report.restores), report.summary()
     # A node that joins after the last step (the plan is done, the job was released) starts a group
-    # that restores the final snapshot file: a finished run keeps no memory copies.
-    assert all(r["source"] == "memory" for r in report.restores if r["global_step"] < 576), report.summary()
+    # that restores the final snapshot file: a finished run keeps no memory copies. A lost node's
+    # survivors keep their own state (`live`: re-formed in process, issue 44).
+    assert all(r["source"] in ("memory", "live") for r in report.restores if r["global_step"] < 576), \
+        report.summary()
 
 
 @pytest.mark.timeout(420)

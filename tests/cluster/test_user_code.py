@@ -90,7 +90,8 @@ def test_a_users_module_trains_from_a_toml_file_through_a_node_failure(local_job
     hold = tmp_path / "hold"
     settings = hold_settings(hold)
     settings["env"]["PYTHONPATH"] = os.pathsep.join([str(user_dir), settings["env"]["PYTHONPATH"]])
-    job = local_jobs(launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None, monitor_interval=None,
+    # The restart path (in_process=0): its restarted workers must find the user's module too, warm.
+    job = local_jobs(launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf="in_process=0", monitor_interval=None,
                      training_args=["--config", str(config_file)], nproc_per_node=2, **settings)
     host = job.add_node("host")
     lost = job.add_node("lost")

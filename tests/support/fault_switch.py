@@ -23,13 +23,12 @@ import os
 import signal
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
-from elastic_ddp.testbed.local_cluster import wait_for
 from elastic_ddp.chaos.held_train import held
 from elastic_ddp.runtime.distributed import exit_worker
+from elastic_ddp.testbed.local_cluster import wait_for
 
 FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
 FAULT_MOMENTS = ("allreduce", "after_allreduce")
@@ -52,7 +51,8 @@ class FaultSwitch:
             return
         self.trainer = trainer
         if self.moment == "allreduce":  # (DDP takes one comm hook)
-            trainer.run.ddp_model.register_comm_hook(dist.group.WORLD, self._all_reduce)
+            # State None: the default group of the moment (a group re-formed in process is a new one).
+            trainer.run.ddp_model.register_comm_hook(None, self._all_reduce)
         else:
             trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 

@@ -96,3 +96,19 @@ def test_the_audit_log_tells_the_steps_that_a_sigkilled_rank_0_never_wrote_to_it
         ("memory", True, 0), ("file", True, 5)]
     assert [p for p in report.problems if "committed steps" in p] == [
         "fault 1 (kill_node random) cost 5 committed steps (the restore of step 2 from file); at most 1 expected"]
+
+
+def test_the_report_trusts_the_survivors_own_state_of_a_committed_step_when_they_re_formed_in_process(tmp_path):
+    """`live` (issue 44): nothing was copied, so there is no checksum to verify; the step must still
+    be one the run had committed."""
+    live = {"event": "restore", "verified": False, "checksum": None, "source": "live"}
+    report = verdict_on(tmp_path, [
+        {"time": 1.0, "incarnation": 1, **START},
+        *({"time": 1.0 + step / 10, "incarnation": 1, "event": "step", "global_step": step} for step in (1, 2, 3)),
+        {"time": 5.0, "incarnation": 2, **START, "in_process": True},
+        {"time": 5.1, "incarnation": 2, **live, "global_step": 3, "lost_steps": 0},
+        {"time": 7.0, "incarnation": 3, **START, "in_process": True},
+        {"time": 7.1, "incarnation": 3, **live, "global_step": 9, "lost_steps": 0},
+    ])
+    assert [(r["source"], r["trusted"]) for r in report.restores] == [("live", True), ("live", False)]
+    assert "restore of step 9 from memory is not a verified copy of a committed step" in report.problems

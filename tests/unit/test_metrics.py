@@ -51,7 +51,7 @@ def feed(metrics: RunMetrics, kind: schema.EventKind, at: float = 1000.0, **fiel
 
 def start(metrics: RunMetrics, world_size: int, at: float = 1000.0) -> None:
     feed(metrics, schema.START, at, round=1, world_size=world_size, local_world_size=1, nodes=world_size,
-         ranks=[], restart_count=0, run_id="job")
+         ranks=[], restart_count=0, run_id="job", in_process=False)
 
 
 def restore(metrics: RunMetrics, step: int, source: str = "memory", lost_steps: int | None = 0,
@@ -94,7 +94,7 @@ def test_labels_take_only_their_fixed_values_whatever_the_events_say():
     assert labelled == {
         f"{PREFIX}_restarts": {(("cause", cause),) for cause in ("worker_crash", "node_lost", "node_joined",
                                                                  "peer_evicted", "drain", "relaunched")},
-        f"{PREFIX}_restores": {(("source", source),) for source in ("file", "memory")},
+        f"{PREFIX}_restores": {(("source", source),) for source in ("file", "memory", "live")},
     }
     restore(metrics, 10, source="a source of a later version")
     after = {tuple(sorted(s.labels.items())) for family in registry.collect() for s in family.samples if s.labels}

@@ -25,7 +25,7 @@ def write_group(path, incarnation: int, world_size: int, stop_reason: str | None
     """One incarnation's events as rank 0 writes them, ending the way the stop guard does."""
     log = EventLog(path, incarnation, enabled=True)
     log.emit(schema.START, round=incarnation, world_size=world_size, local_world_size=1, nodes=world_size,
-             ranks=[], restart_count=0, run_id="job")
+             ranks=[], restart_count=0, run_id="job", in_process=False)
     log.emit(schema.STEP, global_step=incarnation * 10, epoch=0)
     if stop_reason is not None:
         log.emit(schema.MEMORY_COPY, global_step=incarnation * 10, reason=stop_reason, size_bytes=10, seconds=0.01,

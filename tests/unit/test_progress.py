@@ -59,13 +59,13 @@ def test_without_an_event_log_the_snapshot_tells_the_previous_world():
 def test_the_previous_incarnation_is_read_from_the_event_log(tmp_path):
     path = tmp_path / "events.jsonl"
     old = EventLog(path, incarnation=1, enabled=True)
-    old.emit(schema.START, round=1, world_size=4, local_world_size=1, nodes=4, ranks=[], restart_count=0,
+    old.emit(schema.START, round=1, world_size=4, local_world_size=1, nodes=4, ranks=[], restart_count=0, in_process=False,
              run_id="r")
     old.emit(schema.PROGRESS, global_step=10, epoch=0, world_size=4, loss=1.0, lr=0.1, samples_per_second=1.0)
     old.emit(schema.STEP, global_step=11, epoch=0)
     old.close()
     new = EventLog(path, incarnation=2, enabled=True)
-    new.emit(schema.START, round=2, world_size=3, local_world_size=1, nodes=3, ranks=[], restart_count=1,
+    new.emit(schema.START, round=2, world_size=3, local_world_size=1, nodes=3, ranks=[], restart_count=1, in_process=False,
              run_id="r")
     new.close()
     previous = previous_incarnation(path, current=2)

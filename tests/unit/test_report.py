@@ -193,3 +193,18 @@ def test_the_plot_draws_the_held_out_loss_and_any_accuracy(tmp_path, accuracy):
     assert pixels_of(image, EVAL_LOSS_STYLE["color"]) > 100, "no held-out loss in the plot"
     accuracy_pixels = pixels_of(image, EVAL_ACCURACY_STYLE["color"])
     assert accuracy_pixels > 100 if accuracy else accuracy_pixels == 0, accuracy_pixels
+
+
+def test_a_group_re_formed_in_process_is_told_apart_from_a_restart(tmp_path, capsys):
+    """A `start` event with `in_process: true` (issue 44) is a node lost without a worker restart."""
+    events = [{"time": 0.0, "event": "start", "incarnation": 1, "world_size": 6, "nodes": 3},
+              {"time": 1.0, "event": "step", "incarnation": 1, "global_step": 10, "epoch": 0},
+              {"time": 1.3, "event": "start", "incarnation": 2, "world_size": 4, "nodes": 2, "in_process": True},
+              {"time": 1.3, "event": "restore", "incarnation": 2, "global_step": 10, "epoch": 0,
+               "source": "memory", "source_rank": 0, "source_host": "a", "lost_steps": 0, "lost_seconds": 0.0},
+              {"time": 1.4, "event": "step", "incarnation": 2, "global_step": 11, "epoch": 0}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(event) + "\n" for event in events))
+    transition, = report_json(tmp_path, capsys)["transitions"]
+    assert transition["kind"] == "node lost" and transition["in_process"] is True, transition
+    assert cli.main(["report", str(tmp_path), "--no-plot"]) in (0, 3)
+    assert "in process (no worker restarted)" in capsys.readouterr().out

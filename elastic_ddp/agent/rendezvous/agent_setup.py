@@ -11,7 +11,9 @@
   workers read stale addresses (pytorch/pytorch#135712);
 - the workers' gloo and NCCL use the interface that holds this node's published address
   (`--local_addr`, else its FQDN), unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` are set
-  (`addresses`): set in this agent's environment, which torchrun's workers inherit.
+  (`addresses`): set in this agent's environment, which torchrun's workers inherit;
+- the workers learn whether they may re-form in process (`in_process` of `--rdzv_conf`, default on):
+  `ELASTIC_DDP_IN_PROCESS=1` or `0` in this agent's environment (`round_handoff.IN_PROCESS_ENV`).
 
 What differs per board stays with the board: a loopback address published to other machines stops
 an elastic-c10d node that does not host the store (its peers cannot reach it) and is a warning with
@@ -32,6 +34,7 @@ from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc
+from elastic_ddp.round_handoff import IN_PROCESS_ENV
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()  # the handlers of this process, numbered as torch numbers its own
@@ -40,7 +43,7 @@ _local_ids_lock = threading.Lock()  # next() of a count is atomic only under the
 # The --rdzv_conf keys the handler reads on every board, and `timeout`, which torchrun adds to every one (a
 # join timeout of torch's etcd-v2 backend; `join_timeout` is the one read here).
 HANDLER_KEYS = frozenset({"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
-                        "prompt_completion", "probe_dead_nodes", "extend_last_call", "timeout"})
+                        "prompt_completion", "probe_dead_nodes", "in_process", "extend_last_call", "timeout"})
 # Keys that the rendezvous does not read, with what it does instead: torch's dynamic
 # rendezvous (torch's own `c10d`) reads the first two, and elastic_ddp's former dynamic algorithm read
 # `extend_last_call`; `extend_last_call=1` is what the rendezvous does, so only 0 is refused.
@@ -61,6 +64,7 @@ def prepare_agent(params: RendezvousParameters, board_keys: frozenset[str]) -> R
     settings = RendezvousSettings.from_params(params)
     never_share_agent_store()
     name_the_workers_interface(params.local_addr)
+    os.environ[IN_PROCESS_ENV] = "1" if settings.in_process else "0"
     return settings
 
 

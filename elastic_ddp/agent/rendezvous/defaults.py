@@ -24,6 +24,11 @@ MONITOR_INTERVAL_S = 0.1
 # Seconds between two looks of a waiting agent at the round, with our backends (torch's `c10d`
 # looks once a second).
 SYNC_POLL_S = 0.1
+# Seconds the survivors' handlers wait for an in-process round (`handler`, "In-process rounds")
+# before torchrun restarts their workers instead; and how often they look at the board meanwhile
+# (the workers wait, so faster than SYNC_POLL_S).
+REFORM_TIMEOUT_S = 10.0
+REFORM_POLL_S = 0.02
 # torch reads this in the agent: "1" gives each worker group a store of its own (the shared store
 # makes restarted workers read stale addresses, pytorch/pytorch#135712).
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

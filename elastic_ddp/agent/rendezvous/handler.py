@@ -39,6 +39,36 @@ at its next read and every later `next_rendezvous` raises on.
 Writes per node per phase: one arrival, plus one for the closer, plus rank 0's two store keys for
 the workers' address; lease refreshes are one per node per `keep_alive_interval`.
 
+In-process rounds (`in_process=1` of `--rdzv_conf`, the default; issue 44). Every round a node
+joins through `next_rendezvous` is told to its workers (`round_handoff`: round.json, `in_process`
+false: torchrun starts them in it). While they train, torch's agent calls `num_nodes_waiting` every
+monitor interval; once every local worker declared itself capable of re-forming, that call runs
+the next round itself, for the workers, when one of them asked (its group of the current round
+broke: a lost node) or when only members of the current round wait at the next one, each with
+the in-process mark. It writes its own mark (a store key, before its arrival), arrives, and waits
+and closes as above (same loop, same closing rule: the lost member is out once its beacon
+refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
+decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
+takes the round in process while another gave it up. Outcomes:
+
+- the round holds this node and only members of the last round, all marked: this node takes it as
+  its round (store, bootstrap address, verdicts, probes, as `next_rendezvous`), announces it with
+  `in_process` true, and answers 0: torch sees healthy workers and nobody waiting. Group rank 0
+  also counts the lost nodes into torch's exit barrier of the round torch still holds
+  (`torch_internals.exit_barrier_keys`), which would otherwise wait 300 s for them at the job's end.
+- anything else (a timeout, a board error, a round without this node, a newcomer, a member that
+  arrived with its workers stopped, another node's outcome): one warning naming why, an
+  announcement with `in_process` false (waiting workers exit at once), and at least 1: torch
+  restarts the workers, and its `next_rendezvous` waits for that round, not the one after it
+  (the other nodes are in it).
+
+Joins and spares take the restart path, as without in-process rounds. Not guaranteed: a node
+whose in-process round fails after the outcome said "in process" (a store error while it enters
+the round) has its workers restarted into that round while the others re-form in process; its
+torch agent then waits, until torch's own timeouts, for a rank assignment and an exit barrier that
+the other agents take no part in. While the round runs, torch's agent does not look at its
+workers (at most `REFORM_TIMEOUT_S`).
+
 Not guaranteed: a frozen, powered-off or cut-off node that the closer's own workers did not name
 (they failed otherwise, or a closer without workers in that round) holds the next round up for its
 lease expiry, as in torch; so does a closer killed while it waits (nobody probes a waiting node's
@@ -51,7 +81,10 @@ still consistent, since every node then waits for that round 0).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,13 +100,19 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.agent.rendezvous.defaults import SYNC_POLL_S
+from elastic_ddp import round_handoff
+from elastic_ddp.agent.rendezvous.defaults import REFORM_POLL_S, REFORM_TIMEOUT_S, SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.silence import SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
+from elastic_ddp.agent.rendezvous.torch_internals import exit_barrier_keys
+from elastic_ddp.round_handoff import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
+
+# What a round's outcome key holds when every node takes the round in process (`_agree`).
+IN_PROCESS_OUTCOME = b"in_process"
 
 
 @dataclass(frozen=True)
@@ -120,7 +159,8 @@ class RoundBoard(Protocol):
 
 
 class RoundRendezvousHandler(RendezvousHandler):
-    """See the module docstring. One instance per agent; `next_rendezvous` from one thread."""
+    """See the module docstring. One instance per agent; `next_rendezvous` and `num_nodes_waiting`
+    from one thread (torch's agent calls both from its main loop)."""
 
     def __init__(self, board: RoundBoard, node: NodeDesc, settings: RendezvousSettings,
                  witness: ExitWitness | None = None, poll_s: float = SYNC_POLL_S) -> None:
@@ -131,8 +171,17 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._settings = settings
         self._poll_s = poll_s
         self._round: RoundRecord | None = None  # the last round this node was a member of
+        self._store_info: RendezvousStoreInfo | None = None  # the workers' store of that round
+        self._torch_round: RoundRecord | None = None  # the last round torch's agent got (its world size) ...
+        self._torch_store: Store | None = None  # ... and the store it got with it (its exit barrier's)
+        self._pending: int | None = None  # the round this node arrived at in process, then gave to torch's restart
+        self._announced: RoundAnnouncement | None = None  # what this node's workers were told last
         self._verdict_fault_logged = False
+        self._reform_fault_logged = False
         self._before_joining: Callable[[], object] | None = None
+        # The torchrun agent whose workers this handler tells its rounds (`round_handoff`): this
+        # process; tests that run several handlers in one process give each a pid of its own.
+        self.agent_pid = os.getpid()
 
     def before_joining_a_running_job(self, ready: Callable[[], object]) -> None:
         """Call `ready` (once, blocking) before this node first arrives at a round of a job that runs
@@ -160,37 +209,66 @@ class RoundRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Raises RendezvousClosedError once the run is closed, RendezvousTimeoutError
         after `join_timeout` without a round (not while a spare), and what the board raises when its
-        backend stays unreachable."""
+        backend stays unreachable. After an in-process round given up (`num_nodes_waiting`), waits for
+        that round, not the one after it: the other nodes are in it."""
         self._board.start(self._node, self._witness.port)
         started = time.monotonic()
         first = self._board.view(0)
         if first.closed:
             raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
-        if self._before_joining is not None and first.record is not None and first.record.rank_of(self._node) is None:
-            ready, self._before_joining = self._before_joining, None
-            ready()
-        target = first.record.round + 1 if first.record is not None else 0
+        self._open_handoff()
+        pending, self._pending = self._pending, None
+        if pending is not None and (first.record is None or first.record.round <= pending):
+            target = pending  # the other nodes are in (or coming to) that round: not the one after it
+        else:
+            if self._before_joining is not None and first.record is not None \
+                    and first.record.rank_of(self._node) is None:
+                ready, self._before_joining = self._before_joining, None
+                ready()
+            target = first.record.round + 1 if first.record is not None else 0
         self._silence.start(self._board.alive)
-        self._board.arrive(target, self._node)
+        self._board.arrive(target, self._node)  # at a pending round, the arrival it made (both boards keep its place)
         record = self._wait_for(target, started)
-        rank = record.rank_of(self._node)
-        assert rank is not None
-        self._round = record
-        # Each member probes the others starting after itself: in one order, every member connected to the
-        # same beacon at once (255 connections into one listen backlog at 256 nodes).
-        self._witness.observe_soon(self._board.alive, record.members[rank + 1:] + record.members[:rank])
+        store, rank, bootstrap = self._enter(record)
+        self._torch_round, self._torch_store = record, store
         logger.info("node %s joined round %d of the rendezvous '%s' as rank %d of %d in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     time.monotonic() - started)
-        store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._board.store)
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
-        self._silence.expect(self._settings.run_id, bootstrap.master_addr, bootstrap.master_port, rank, record)
+        self._announce(RoundAnnouncement(record.round, rank, len(record.members), bootstrap.master_addr,
+                                         bootstrap.master_port, in_process=False, reason="started by torchrun"))
         return RendezvousInfo(store, rank, len(record.members), bootstrap)
+
+    def _enter(self, record: RoundRecord) -> tuple[Store, int, RendezvousStoreInfo]:
+        """Make `record`, which holds this node, its round: the round's store for torch's agent, this
+        node's rank, and where the workers' store is (group rank 0 picks a free port and publishes it;
+        asked again for the same round, the same answer). Then expect the workers' verdicts of
+        that round and probe the fellow members' beacons."""
+        rank = record.rank_of(self._node)
+        assert rank is not None
+        store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._board.store)
+        if record == self._round and self._store_info is not None:
+            bootstrap = self._store_info
+        else:
+            bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
+        self._silence.expect(self._settings.run_id, bootstrap.master_addr, bootstrap.master_port, rank, record)
+        # Each member probes the others starting after itself: in one order, every member connected to the
+        # same beacon at once (255 connections into one listen backlog at 256 nodes).
+        self._witness.observe_soon(self._board.alive, record.members[rank + 1:] + record.members[:rank])
+        self._round, self._store_info = record, bootstrap
+        return store, rank, bootstrap
 
     def _wait_for(self, target: int, started: float) -> RoundRecord:
         """Wait until a round holds this node; arrive again at the next round when one closes without
         it (a spare, or a late arrival)."""
         deadline = started + self._settings.join_timeout
+        return self._await_round(target, deadline, f"join_timeout={self._settings.join_timeout:g} s",
+                                 self._poll_s, follow=True)
+
+    def _await_round(self, target: int, deadline: float, limit: str, poll_s: float, follow: bool) -> RoundRecord:
+        """The record of the first round >= `target` that closes, looking every `poll_s` and closing
+        `target` when this node is its closer. `follow`: a round that closes without this node (or a
+        later one) makes it arrive at the round after and wait on; else that record is returned.
+        RendezvousTimeoutError past `deadline` (`limit` says what set it), not while a spare."""
         seen, quiet_since = -1, time.monotonic()
         while True:
             view = self._board.view(target)
@@ -198,7 +276,7 @@ class RoundRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"the rendezvous '{self._settings.run_id}' is closed")
             record = view.record
             if record is not None and record.round >= target:
-                if record.rank_of(self._node) is not None and record.round == target:
+                if not follow or (record.rank_of(self._node) is not None and record.round == target):
                     return record
                 target = record.round + 1
                 self._board.arrive(target, self._node)
@@ -213,9 +291,8 @@ class RoundRendezvousHandler(RendezvousHandler):
             if not spare and time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"no round of the rendezvous '{self._settings.run_id}' took node {node_name(self._node)} "
-                    f"within join_timeout={self._settings.join_timeout:g} s ({view.arrived} arrived, "
-                    f"min_nodes={self._settings.min_nodes})")
-            time.sleep(self._poll_s)
+                    f"within {limit} ({view.arrived} arrived, min_nodes={self._settings.min_nodes})")
+            time.sleep(poll_s)
 
     def _try_to_close(self, target: int, view: BoardView, quiet_for: float) -> None:
         arrivals = self._board.arrivals(target)
@@ -244,7 +321,12 @@ class RoundRendezvousHandler(RendezvousHandler):
         """See base class. 0 before this node's first round. Spares beyond a full round count once a
         member of it is no longer alive (torch moves them to its wait list then): the survivors
         restart for the spare, whether or not their workers noticed the loss. Liveness is read
-        only then, while spares wait. Also looks for this node's workers' verdict (`silence`)."""
+        only then, while spares wait. Also looks for this node's workers' verdict (`silence`).
+
+        With `in_process` on and every local worker capable, a lost member is answered here instead:
+        the next round is run in process, for up to `REFORM_TIMEOUT_S` ("In-process rounds" in the
+        module docstring); 0 when this node's workers re-form in it, else at least 1 (torch restarts
+        them). Never raises for the in-process round: torch ends the agent on any error here (findings.md 4)."""
         if self._round is None:
             return 0
         try:
@@ -254,13 +336,160 @@ class RoundRendezvousHandler(RendezvousHandler):
                 logger.exception("could not read this node's workers' verdicts (logged once); silent nodes are left "
                                  "out when their leases end")
                 self._verdict_fault_logged = True
-        waiting = self._board.waiting(self._round.round + 1)
-        count = waiting_count(waiting, self._round, self._settings.max_nodes)
+        current = self._round
+        waiting = self._board.waiting(current.round + 1)
+        count = waiting_count(waiting, current, self._settings.max_nodes)
         if count == 0 and waiting:
             alive = self._board.alive()
-            if any(member not in alive for member in self._round.members):
-                return len(waiting)
+            if any(member not in alive for member in current.members):
+                count = len(waiting)
+        if self._settings.in_process and self._reform_wanted(current, waiting):
+            return self._reform(current, count)
         return count
+
+    # --- in-process rounds (module docstring) --------------------------------------------------
+
+    def _mark_key(self, round_number: int, node: NodeDesc) -> str:
+        """The board store's key that says `node` arrived at `round_number` for an in-process round."""
+        return f"rdzv/{self._settings.run_id}/in_process/{round_number}/{node_name(node)}"
+
+    def _outcome_key(self, round_number: int) -> str:
+        """The board store's key that says, once for every node, whether `round_number` was taken in process."""
+        return f"rdzv/{self._settings.run_id}/in_process_outcome/{round_number}"
+
+    def _unmarked(self, round_number: int, nodes: tuple[NodeDesc, ...] | list[NodeDesc]) -> list[NodeDesc]:
+        """Those of `nodes` that arrived at `round_number` without the in-process mark (one request
+        when all have it). `check`, not `get`: a get of a missing key waits for the store's timeout."""
+        store = self._board.store
+        if store.check([self._mark_key(round_number, node) for node in nodes]):
+            return []
+        return [node for node in nodes if not store.check([self._mark_key(round_number, node)])]
+
+    def _reform_wanted(self, current: RoundRecord, waiting: list[NodeDesc]) -> bool:
+        """Whether to run round `current + 1` in process now: every local worker is capable, and one
+        of them asked for it (its group of `current` broke) or only members of `current` that run it
+        in process wait at it; and no node decided that round's outcome yet. False (today's answer) when
+        that cannot be read."""
+        try:
+            if current.rank_of(self._node) is None or round_handoff.all_workers_capable(self.agent_pid) is None:
+                return False
+            requests = round_handoff.reform_requests(self.agent_pid).values()
+            asked = any(request.broken_round == current.round for request in requests)
+            if not asked and not (waiting and set(waiting) <= set(current.members)
+                                  and not self._unmarked(current.round + 1, waiting)):
+                return False
+            return not self._board.store.check([self._outcome_key(current.round + 1)])  # not decided yet
+        except Exception:  # never raise to torch's monitor loop (findings.md 4)
+            if not self._reform_fault_logged:
+                logger.exception("could not tell whether to re-form in process (logged once); torchrun restarts "
+                                 "this node's workers on a change of membership instead")
+                self._reform_fault_logged = True
+            return False
+
+    def _reform(self, current: RoundRecord, count: int) -> int:
+        """Run round `current + 1` in process; 0 when this node's workers re-form in it, else
+        `max(count, 1)` once they were told to exit (torch restarts them, into that round)."""
+        started, target = time.monotonic(), current.round + 1
+        try:
+            self._board.store.set(self._mark_key(target, self._node), b"1")  # before the arrival: readers trust it
+            self._silence.start(self._board.alive)
+            self._board.arrive(target, self._node)
+            record, problem = self._close_in_process(current)
+            taken = self._agree(target, problem is None)
+            if taken and record is None:  # this node gave up, but another one had taken the round in process
+                record = self._board.view(target).record
+                problem = "no round record" if record is None else self._not_in_process(record, current)
+            elif not taken and problem is None:
+                problem = f"another node gave round {target} up"
+            if problem is None:
+                self._reformed(record, current, started)
+                return 0
+        except Exception as exc:  # noqa: BLE001 - never raise to torch's monitor loop (findings.md 4)
+            problem = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):  # so that no other node takes the round in process without this one
+                self._agree(target, False)
+        self._pending = target
+        logger.warning("node %s: round %d of '%s' is not run in process (%s); torchrun restarts this node's workers",
+                       node_name(self._node), target, self._settings.run_id, problem)
+        if self._announced is not None:
+            self._announce(dataclasses.replace(self._announced, round=target, in_process=False, reason=problem))
+        return max(count, 1)
+
+    def _close_in_process(self, current: RoundRecord) -> tuple[RoundRecord | None, str | None]:
+        """Wait (and close, as the closer) round `current + 1`, already arrived at: its record, or None
+        after `REFORM_TIMEOUT_S`; and why it cannot be taken in process (None: it can)."""
+        target = current.round + 1
+        try:
+            record = self._await_round(target, time.monotonic() + REFORM_TIMEOUT_S,
+                                       f"{REFORM_TIMEOUT_S:g} s (an in-process round)", REFORM_POLL_S, follow=False)
+        except RendezvousTimeoutError as exc:
+            return None, str(exc)
+        return record, self._not_in_process(record, current)
+
+    def _agree(self, round_number: int, in_process: bool) -> bool:
+        """Whether every node takes `round_number` in process: the first node to decide writes the
+        outcome (one `compare_set`), the others follow it. `in_process`: what this node would do."""
+        verdict = IN_PROCESS_OUTCOME if in_process else b"restart"
+        return bytes(self._board.store.compare_set(self._outcome_key(round_number), "", verdict)) == IN_PROCESS_OUTCOME
+
+    def _not_in_process(self, record: RoundRecord, current: RoundRecord) -> str | None:
+        """Why the workers cannot re-form in process in `record`, the round closed after `current`;
+        None if they can: it holds this node, and only members of `current` that arrived for it in process."""
+        target = current.round + 1
+        if record.round != target or record.rank_of(self._node) is None:
+            return f"round {record.round} closed without this node"
+        newcomers = [node for node in record.members if node not in current.members]
+        if newcomers:
+            return f"round {target} takes in node {newcomers[0]}, which was not in round {current.round}"
+        unmarked = self._unmarked(target, record.members)
+        if unmarked:
+            return f"node {unmarked[0]} arrived at round {target} with its workers stopped"
+        return None
+
+    def _reformed(self, record: RoundRecord, current: RoundRecord, started: float) -> None:
+        """This node's workers re-form in `record`: enter it, count the lost nodes in torch's exit
+        barrier (group rank 0), and tell the workers."""
+        _, rank, bootstrap = self._enter(record)
+        if rank == 0:
+            self._count_in_for_torch(len(current.members) - len(record.members))
+        round_handoff.clear_requests(self.agent_pid)  # before the round: a request of the new round must stay
+        self._announce(RoundAnnouncement(record.round, rank, len(record.members), bootstrap.master_addr,
+                                         bootstrap.master_port, in_process=True))
+        logger.info("node %s re-formed round %d of '%s' in process: rank %d of %d in %.2f s", node_name(self._node),
+                    record.round, self._settings.run_id, rank, len(record.members), time.monotonic() - started)
+
+    def _count_in_for_torch(self, lost: int) -> None:
+        """Add `lost` nodes to torch's exit barrier of the round torch's agent holds, as if they had
+        reached it (`torch_internals.exit_barrier_keys`): else every survivor would wait out its
+        timeout (300 s) at the end of the job for nodes that are gone."""
+        if lost <= 0 or self._torch_store is None or self._torch_round is None:
+            return
+        counter, last_member = exit_barrier_keys()
+        # >=, where torch's barrier has ==: a node lost while it waited at the barrier counts twice.
+        if self._torch_store.add(counter, lost) >= len(self._torch_round.members):
+            self._torch_store.set(last_member, "<val_ignored>")
+
+    def _open_handoff(self) -> None:
+        """Empty this agent's hand-off directory (torch starts fresh workers); nothing with `in_process` off."""
+        self._announced = None
+        if not self._settings.in_process:
+            return
+        try:
+            round_handoff.open_handoff(self.agent_pid)
+        except OSError as exc:
+            logger.warning("this node's workers cannot re-form in process (%s); torchrun restarts them on a change "
+                           "of membership", exc)
+
+    def _announce(self, announcement: RoundAnnouncement) -> None:
+        """Tell this node's workers `announcement` (round.json), if the hand-off directory is there."""
+        if not self._settings.in_process:
+            return
+        try:
+            round_handoff.publish_round(self.agent_pid, announcement)
+        except OSError as exc:
+            logger.warning("could not tell this node's workers round %d: %s", announcement.round, exc)
+            return
+        self._announced = announcement
 
     def get_run_id(self) -> str:
         """See base class."""
@@ -273,6 +502,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         revokes this node's liveness: its keys go at once."""
         self._witness.close()
         self._silence.forget()
+        if self._settings.in_process:
+            round_handoff.close_handoff(self.agent_pid)
         try:
             self._board.set_closed()
             self._board.leave()

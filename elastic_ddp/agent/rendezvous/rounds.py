@@ -16,6 +16,9 @@ from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 
 # The `--rdzv_conf` key that turns prompt completion off (`prompt_completion=0`). Default on.
 PROMPT_COMPLETION_KEY = "prompt_completion"
+# The `--rdzv_conf` key that turns in-process rounds off (`in_process=0`: torchrun restarts the
+# workers on every change of membership, as before). Default on.
+IN_PROCESS_KEY = "in_process"
 
 
 def prompt_completion_enabled(params: RendezvousParameters) -> bool:
@@ -43,6 +46,9 @@ class RendezvousSettings:
     prompt_completion: bool = True
     # Beacon probes find a killed member before its lease expires (`probe_dead_nodes=0`: off).
     probe_dead_nodes: bool = True
+    # After a lost node, the survivors' workers re-form their group in process (`handler`,
+    # "In-process rounds"; `in_process=0`: off).
+    in_process: bool = True
 
     @property
     def lease_ttl(self) -> int:
@@ -71,7 +77,8 @@ class RendezvousSettings:
                    join_timeout=number("join_timeout"), last_call_timeout=number("last_call_timeout"),
                    keep_alive_interval=number("keep_alive_interval"),
                    keep_alive_max_attempt=int(number("keep_alive_max_attempt", int)),
-                   prompt_completion=prompt_completion_enabled(params), probe_dead_nodes=probes_enabled(params))
+                   prompt_completion=prompt_completion_enabled(params), probe_dead_nodes=probes_enabled(params),
+                   in_process=conf_switch(params, IN_PROCESS_KEY))
 
 
 def may_close(arrivals: list[NodeDesc], previous: RoundRecord | None, alive: set[NodeDesc],

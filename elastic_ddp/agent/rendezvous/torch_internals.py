@@ -1,18 +1,34 @@
-"""The one private name of torch's rendezvous that elastic_ddp relies on, named in one place.
+"""The private names of torch's elastic agent and rendezvous that elastic_ddp relies on, named in one place.
 
-The elastic-c10d store is hosted where torch's `c10d` would host it too (`matches_machine_hostname`,
-in `c10d.store`; the same in torch 2.4 to 2.13). Nothing else in the package touches a private name
-of torch's rendezvous (elastic_ddp's rendezvous names its nodes with `state.NodeDesc`, its own);
-tests/unit/test_torch_internals.py pins this one (it exists, with the shape used here) so that a
-torch upgrade that moves it fails there first, with the name.
+- The elastic-c10d store is hosted where torch's `c10d` would host it too (`matches_machine_hostname`,
+  in `c10d.store`; the same in torch 2.4 to 2.13).
+- torch's agent ends a job with a barrier on the store of the last round *it* saw
+  (`SimpleElasticAgent._exit_barrier`: `store_util.barrier(store, group_world_size,
+  key_prefix=_TERMINAL_STATE_SYNC_ID)`): a counter every agent adds 1 to, and a key the agent that
+  brings it to the world size sets. After an in-process round torch still holds the round before,
+  so `handler` counts the lost nodes in for it (`exit_barrier_keys`).
+
+Nothing else in the package touches a private name of torch's (elastic_ddp's rendezvous names its
+nodes with `state.NodeDesc`, its own); tests/unit/test_torch_internals.py pins the first one and
+tests/unit/test_rendezvous_in_process.py runs torch's own barrier over the second, so that a torch
+upgrade that moves either fails there first, with the name.
 """
 
 from __future__ import annotations
 
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 
 
 def matches_machine_hostname(host: str) -> bool:
     """torch's rule for whether this machine hosts the c10d store at `host` (its host name or an
     address it resolves to); `c10d.store` hosts where this or its own interface rule says so."""
     return _matches_machine_hostname(host)
+
+
+def exit_barrier_keys() -> tuple[str, str]:
+    """(counter, last member) keys of torch's exit barrier, relative to the round's store that torch's
+    agent holds: the counter every agent `add`s 1 to when its workers end, and the key set by the one
+    whose add makes the counter the agent's world size (`store_util._barrier_nonblocking`)."""
+    return _TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN

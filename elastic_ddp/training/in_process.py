@@ -1,0 +1,294 @@
+"""A worker's side of re-forming the process group in process when a node is lost (issue 44).
+
+torchrun ends every worker of every node when the membership changes, and starts new ones. With our
+rendezvous (`--rdzv_backend elastic-c10d` or `etcd-v3`, `--rdzv_conf in_process=1`, the default), a
+worker whose process group broke because a peer died keeps its process instead:
+
+1. `ElasticRun` catches the broken collective where the run owns the call (the gradients'
+   all-reduce in `step.backward`, the drain vote at a step boundary, the run's own work after a
+   commit: `lost_peer`), abandons the step in progress, keeps the last committed step in node
+   memory (the insurance a restart would use) and closes the incarnation (log, snapshots, watchdog).
+2. `Regroup.rejoin` asks this node's agent for a new round (`round_handoff.request_reform`),
+   destroys the broken group, and waits for the agent's answer: the round the survivors' handlers
+   ran for their workers (agent/rendezvous/handler.py), or a refusal (then the worker ends as
+   before and torchrun restarts it: the fallback).
+3. It rewrites RANK, WORLD_SIZE, GROUP_RANK, ... and MASTER_ADDR/MASTER_PORT from the round, and
+   initialises the default group on the round's fresh port (env://; the new rank 0 hosts its
+   store); `ElasticRun` opens a new incarnation on it: restore agreement (every survivor offers the
+   step it just kept), a new DDP, and the steps go on from the last committed one.
+
+When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
+its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
+DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
+(gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
+failure in the loop's own code (its forward, its collectives), a join (slice 1: torchrun restarts
+the workers), a step that broke again right after a re-form (no re-form loop on a bug). Each
+ends in torchrun's restart with the last committed step kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp import round_handoff
+from elastic_ddp.round_handoff import IN_PROCESS_ENV, RoundAnnouncement
+from elastic_ddp.runtime.distributed import (
+    DistributedContext,
+    agent_pid,
+    destroy_default_group,
+    end_worker_now,
+    init_default_group,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long a worker waits for its agent's round and the new group, at most, before it ends itself
+# (the agent's own bound on its round is 10 s; init and the first collective come after it).
+REJOIN_DEADLINE_S = 30.0
+ROUND_WAIT_S = 20.0  # for the agent's answer, then the restart takes over (the agent's own bound is 10 s)
+ROUND_POLL_S = 0.005
+# The exit code of a worker whose re-form hung past the deadline: a failure, torchrun restarts it.
+REJOIN_TIMED_OUT_EXIT_CODE = 1
+ALARM_POLL_S = 0.01  # how often a worker waiting on a collective looks for the agent's next round
+# What a collective that the agent's next round made pointless fails with (`BrokenGroupAlarm`).
+REPLACED_GROUP = "elastic_ddp: the agent re-formed the group while this collective waited"
+# What gloo's TCP transport says when a peer's process is gone (docs/in-process-regroup.md): it
+# raises a plain RuntimeError, so the message is what tells a lost peer from a bug.
+_LOST_PEER_MARKS = ("gloo/transport/tcp", "by peer", REPLACED_GROUP)
+
+
+class RejoinRefused(RuntimeError):
+    """The agent could not re-form the group in process; torchrun restarts the workers."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a collective, says that a peer of the group is gone."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _LOST_PEER_MARKS)
+
+
+def what_broke(exc: BaseException) -> str:
+    """`exc`'s message, short: gloo's own words, without the future's wrapping or its advice."""
+    message = str(exc).split("RuntimeError: ")[-1].split(". This is typically")[0]
+    return (message.splitlines()[0] if message else type(exc).__name__)[:200]
+
+
+class BrokenGroupAlarm:
+    """Fails the run's collectives still waiting in a group that the agent has replaced.
+
+    A rank whose collective waits on a peer that is alive (a neighbour in gloo's ring that failed
+    and left) sees no error until the collective's timeout: only the lost node's neighbours do, and
+    the group's connections close only when it is freed, which itself waits for its collectives.
+    So the run's collectives (the gradients' all-reduce through a DDP comm hook, the drain vote)
+    go through `guard`: while one waits, a thread looks every ALARM_POLL_S at the round the agent
+    announces, and once it is newer than this worker's group it fails them with REPLACED_GROUP;
+    the worker then re-forms as its neighbours do. The abandoned collective stays in gloo's thread
+    until its timeout (the group is kept referenced, never freed while it waits)."""
+
+    def __init__(self, regroup: Regroup):
+        self._regroup = regroup
+        self._waiting: set[torch.futures.Future] = set()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    def guard(self, collective: torch.futures.Future) -> torch.futures.Future:
+        """A future with `collective`'s result, or REPLACED_GROUP once the agent announced a newer round."""
+        guarded: torch.futures.Future = torch.futures.Future()
+
+        def forward(done: torch.futures.Future) -> None:
+            with self._lock:  # whoever takes it out of the waiting set completes it: this, or the alarm
+                if guarded not in self._waiting:
+                    return
+                self._waiting.discard(guarded)
+            try:
+                value = done.value()
+            except Exception as exc:  # noqa: BLE001 - the collective's own error, handed on as it is
+                guarded.set_exception(exc)
+                return
+            guarded.set_result(value)
+
+        with self._changed:
+            self._waiting.add(guarded)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="elastic-ddp-group-alarm", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        collective.add_done_callback(forward)
+        return guarded
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._waiting))
+            time.sleep(ALARM_POLL_S)
+            if not self._regroup.replaced():
+                continue
+            with self._lock:
+                waiting, self._waiting = self._waiting, set()
+            for future in waiting:
+                future.set_exception(RuntimeError(REPLACED_GROUP))
+
+
+class InterruptibleCommHook:
+    """The comm hook of every DDP the run builds while it can re-form in process: the loop's own
+    hook (`register`, which takes the place of that DDP's `register_comm_hook`: DDP takes one hook
+    only) or DDP's default all-reduce (each bucket divided by the world size, then summed: the same
+    numbers), its future waited for through `alarm`. The loop's hook carries over to the DDP of a
+    re-formed group, so its state must not hold a process group (pass None: the default group of
+    the moment is used); one bound to the group it was registered in fails after a re-form."""
+
+    def __init__(self, alarm: BrokenGroupAlarm):
+        self.alarm = alarm
+        self.loops_hook: tuple[object, Callable[[object, dist.GradBucket], torch.futures.Future]] | None = None
+
+    def install(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        ddp.register_comm_hook(self, _interruptible_hook)
+        ddp.register_comm_hook = self.register  # the loop's hook goes through this one
+
+    def register(self, state: object, hook: Callable[[object, dist.GradBucket], torch.futures.Future]) -> None:
+        """What `run.model.register_comm_hook(state, hook)` does: `hook` runs in place of the default
+        all-reduce, in this DDP and every later one. Once, as DDP allows."""
+        if self.loops_hook is not None:
+            raise RuntimeError("register_comm_hook: a comm hook is registered already; DDP takes one")
+        self.loops_hook = (state, hook)
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self.loops_hook is not None:
+            state, hook = self.loops_hook
+            return self.alarm.guard(hook(state, bucket))
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size())
+        reduced = dist.all_reduce(tensor, async_op=True).get_future()
+        return self.alarm.guard(reduced.then(lambda done: done.value()[0]))
+
+
+def _interruptible_hook(hook: InterruptibleCommHook, bucket: dist.GradBucket) -> torch.futures.Future:
+    return hook(bucket)
+
+
+# DDP checks a hook's annotations against the classes themselves; `from __future__ import
+# annotations` made them strings.
+_interruptible_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+class Regroup:
+    """This worker's re-forms. `enabled` once `start` found everything it needs."""
+
+    def __init__(self, context: DistributedContext, sharding: str, timeout: timedelta):
+        self.context = context
+        self.sharding = sharding
+        self.timeout = timeout
+        self.enabled = False
+        self.round: int | None = None  # the round this worker's group belongs to
+        self.alarm = BrokenGroupAlarm(self)
+        self.comm_hook = InterruptibleCommHook(self.alarm)
+        self._agent = 0
+
+    def replaced(self) -> bool:
+        """Whether the agent announced a round after this worker's group (not a collective)."""
+        announced = round_handoff.read_round(self._agent) if self.enabled else None
+        return announced is not None and self.round is not None and announced.round > self.round
+
+    def start(self) -> None:
+        """Declare this worker able to re-form in process, or log once why it is not."""
+        reason = self._why_not()
+        if reason is not None:
+            if os.environ.get(IN_PROCESS_ENV) == "1":
+                logger.info("a lost node restarts this worker (no in-process re-form): %s", reason)
+            return
+        try:
+            round_handoff.declare_capable(self._agent, self.context.local_rank, self.context.local_world_size)
+        except OSError as exc:
+            logger.info("a lost node restarts this worker: the agent's handoff directory refused it (%s)", exc)
+            return
+        self.enabled = True
+
+    def _why_not(self) -> str | None:
+        if os.environ.get(IN_PROCESS_ENV) != "1":
+            return "the rendezvous does not re-form in process (torch's own backend, or --rdzv_conf in_process=0)"
+        if not self.context.in_process_group:
+            return "no process group"
+        if self.context.backend != "gloo":
+            return f"the {self.context.backend} backend (only gloo re-forms in process so far)"
+        if self.sharding != "none":
+            return f"--sharding {self.sharding} (only plain DDP re-forms in process so far)"
+        self._agent = agent_pid()
+        announced = round_handoff.read_round(self._agent)
+        if announced is None:
+            return "the agent published no round for its workers"
+        self.round = announced.round
+        return None
+
+    def stop(self) -> None:
+        """This worker no longer re-forms (it is leaving the run)."""
+        if self.enabled:
+            round_handoff.withdraw_capable(self._agent, self.context.local_rank)
+            self.enabled = False
+
+    def rejoin(self, reason: str, stop_requested: Callable[[], bool]) -> DistributedContext:
+        """Leave the broken group and join the round the agent runs for its workers; the new
+        context, its default group initialised. `stop_requested` (SIGTERM: torchrun stops the
+        workers) ends the wait. RejoinRefused when the agent falls
+        back to a restart, or on SIGTERM. Ends the process (a failure) when the whole takes over
+        REJOIN_DEADLINE_S: any step of it may hang on a peer lost in the meantime."""
+        assert self.enabled and self.round is not None
+        started = time.monotonic()
+        timer = threading.Timer(REJOIN_DEADLINE_S, self._give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            round_handoff.request_reform(self._agent, self.context.local_rank, self.round, reason)
+            destroy_default_group()
+            announced = self._wait_for_round(started, stop_requested)
+            if not announced.in_process:
+                raise RejoinRefused(f"the agent restarts the workers instead: {announced.reason}")
+            apply_round(announced, self.context.local_rank, self.context.local_world_size)
+            context = DistributedContext.from_env(self.context.device.type, self.context.backend)
+            init_default_group(context, self.timeout)
+        finally:
+            timer.cancel()
+        self.context, self.round = context, announced.round
+        logger.info("re-formed in process as rank %d of %d (round %d) in %.2f s", context.rank, context.world_size,
+                    announced.round, time.monotonic() - started)
+        return context
+
+    def _wait_for_round(self, started: float, stop_requested: Callable[[], bool]) -> RoundAnnouncement:
+        while True:
+            announced = round_handoff.read_round(self._agent)
+            if announced is not None and announced.round > self.round:
+                return announced
+            if stop_requested():
+                raise RejoinRefused("SIGTERM while waiting for the agent's round (torchrun stops the workers)")
+            if time.monotonic() - started > ROUND_WAIT_S:
+                raise RejoinRefused(f"no round from the agent within {ROUND_WAIT_S:g} s")
+            time.sleep(ROUND_POLL_S)
+
+    def _give_up(self) -> None:
+        logger.error("the in-process re-form did not end within %.0f s; ending this worker (torchrun restarts it)",
+                     REJOIN_DEADLINE_S)
+        end_worker_now(REJOIN_TIMED_OUT_EXIT_CODE)
+
+
+def apply_round(announced: RoundAnnouncement, local_rank: int, local_world_size: int) -> None:
+    """torchrun's variables of a worker of this node in `announced`'s round, as torchrun would
+    set them for a fresh worker (every node runs `local_world_size` workers: the agents check)."""
+    os.environ.update({
+        "RANK": str(announced.group_rank * local_world_size + local_rank),
+        "WORLD_SIZE": str(announced.group_world_size * local_world_size),
+        "GROUP_RANK": str(announced.group_rank),
+        "GROUP_WORLD_SIZE": str(announced.group_world_size),
+        "ROLE_RANK": str(announced.group_rank * local_world_size + local_rank),
+        "ROLE_WORLD_SIZE": str(announced.group_world_size * local_world_size),
+        "MASTER_ADDR": announced.master_addr,
+        "MASTER_PORT": str(announced.master_port),
+    })

@@ -1,0 +1,301 @@
+"""In-process rounds of the rendezvous (`handler`, "In-process rounds"): handlers of one process as
+the agents, one real TCPStore (the elastic-c10d board), real beacons, and each handler's hand-off
+directory (`round_handoff`) under a TMPDIR of the test, with a fake agent pid of its own. The
+"workers" are this test: it declares them capable (with this process's pid, which runs) and
+writes their requests, as `training.in_process` does.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.utils import store as store_util
+
+from elastic_ddp import round_handoff
+from elastic_ddp.agent.rendezvous import handler as handler_module
+from elastic_ddp.agent.rendezvous.agent_setup import prepare_agent
+from elastic_ddp.agent.rendezvous.boards.c10d import C10D_KEYS, StoreRoundBoard
+from elastic_ddp.agent.rendezvous.defaults import MONITOR_INTERVAL_S
+from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
+from elastic_ddp.agent.rendezvous.probes import ExitWitness
+from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
+from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
+from elastic_ddp.round_handoff import IN_PROCESS_ENV
+from elastic_ddp.testbed.local_cluster import wait_for
+from tests.support.rendezvous import Background, ranks_by_node
+
+pytestmark = pytest.mark.timeout(60)
+
+A, B, C = (NodeDesc("127.0.0.1", 101 + i, 0) for i in range(3))  # ranks A, B, C: names sort so
+FAKE_AGENT_PIDS = {A: 4_000_001, B: 4_000_002, C: 4_000_003}  # above Linux's pid_max: no real agent
+
+MADE: list[RoundRendezvousHandler] = []
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the hand-off directories of this test
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
+    yield store
+    while MADE:  # their heartbeat threads stop before the store does
+        made = MADE.pop()
+        made._board.leave()
+        made._witness.close()
+
+
+def settings(in_process: bool = True) -> RendezvousSettings:
+    """Heartbeats that never expire within a test: a lost node is found by its beacon only."""
+    return RendezvousSettings("run", 1, 3, join_timeout=30, last_call_timeout=0.3, keep_alive_interval=0.2,
+                              keep_alive_max_attempt=1000, in_process=in_process)
+
+
+def handler(server: TCPStore, node: NodeDesc, chosen: RendezvousSettings) -> RoundRendezvousHandler:
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
+    made = RoundRendezvousHandler(StoreRoundBoard(client, "run", chosen), node, chosen, ExitWitness(), poll_s=0.02)
+    made.agent_pid = FAKE_AGENT_PIDS[node]
+    MADE.append(made)
+    return made
+
+
+def first_round(server: TCPStore, nodes, chosen: RendezvousSettings | None = None) -> list[RoundRendezvousHandler]:
+    """Handlers of `nodes` in round 0, each with its one worker capable and every beacon reached."""
+    made = [handler(server, node, chosen or settings()) for node in nodes]
+    assert ranks_by_node(made) == {node: (rank, len(nodes)) for rank, node in enumerate(nodes)}
+    for each in made:
+        if each.settings.in_process:
+            round_handoff.declare_capable(each.agent_pid, 0, 1)
+        wait_for(lambda each=each: len(each._witness._reached) == len(nodes) - 1, 20, "the other beacons reached")
+    return made
+
+
+def lose(lost: RoundRendezvousHandler) -> None:
+    """As a SIGKILL of its agent looks to the others: no more heartbeats (the last one stays fresh
+    here) and a beacon that refuses."""
+    lost._board._stop.set()
+    lost._witness.close()
+
+
+def monitor(made: RoundRendezvousHandler, until, timeout: float = 20) -> list[int]:
+    """torch's monitor loop: `num_nodes_waiting()` every monitor interval until `until()` holds; what it returned."""
+    answers, deadline = [], time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"num_nodes_waiting answered {answers[-5:]} for {timeout} s"
+        answers.append(made.num_nodes_waiting())
+        time.sleep(MONITOR_INTERVAL_S)
+    return answers
+
+
+def monitor_together(handlers, until) -> list[list[int]]:
+    """`monitor` of each handler, each in a thread of its own (each agent's main loop)."""
+    answers: list = [None] * len(handlers)
+
+    def run(index: int) -> None:
+        try:
+            answers[index] = monitor(handlers[index], lambda: until(handlers[index]))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            answers[index] = exc
+
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=40)
+    assert not any(thread.is_alive() for thread in threads)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return answers
+
+
+def announced(made: RoundRendezvousHandler) -> round_handoff.RoundAnnouncement | None:
+    return round_handoff.read_round(made.agent_pid)
+
+
+def arrivals_at(server: TCPStore, round_number: int) -> int:
+    return int(server.add(f"rdzv/run/arrivals/{round_number}/count", 0))
+
+
+def test_the_survivors_of_a_lost_node_run_the_next_round_in_process_and_torch_sees_nothing(server) -> None:
+    a, b, c = first_round(server, [A, B, C])
+    baseline = announced(a)
+    assert (baseline.round, baseline.in_process, baseline.reason) == (0, False, "started by torchrun")
+    lose(c)
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")  # A's worker saw it first
+
+    answers = monitor_together([a, b], lambda made: (announced(made) or baseline).round == 1)
+
+    assert all(answer == 0 for each in answers for answer in each)  # never a restart, never an error
+    first, second = announced(a), announced(b)
+    assert (first.round, first.group_rank, first.group_world_size, first.in_process) == (1, 0, 2, True)
+    assert (second.round, second.group_rank, second.group_world_size, second.in_process) == (1, 1, 2, True)
+    assert (first.master_addr, first.master_port) == (second.master_addr, second.master_port) == ("127.0.0.1",
+                                                                                                  first.master_port)
+    assert round_handoff.reform_requests(a.agent_pid) == {}
+    assert a._round == b._round == RoundRecord(1, (A, B))
+    assert server.get("rdzv/run/in_process_outcome/1") == b"in_process"
+    assert a._torch_round.round == 0  # torch's agent still holds round 0 and its store ...
+    assert int(server.add(f"torch.rendezvous.run.0/{_TERMINAL_STATE_SYNC_ID}/num_members", 0)) == 1  # ... C counted
+
+    # The job ends: torch's own exit barrier, over the store and the world size torch holds, lets the
+    # two survivors go at once (C never comes), not after its 300 s.
+    ended = []
+
+    def exit_barrier(made: RoundRendezvousHandler) -> None:
+        store_util.barrier(made._torch_store, 3, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+        ended.append(made.node)
+
+    barriers = [threading.Thread(target=exit_barrier, args=(made,), daemon=True) for made in (a, b)]
+    for barrier in barriers:
+        barrier.start()
+    for barrier in barriers:
+        barrier.join(timeout=15)
+    assert sorted(ended) == [A, B]
+
+
+def test_the_exit_barrier_counts_the_lost_node_in_whether_the_survivors_end_before_or_after(server) -> None:
+    """torch's `_barrier_nonblocking` sets the last-member key only on the add that makes the count
+    equal the world size: the count of the lost node may come before or after the survivors'."""
+    assert ended_together(server, "p0", lost_counted_first=False) == [1, 1]
+    assert ended_together(server, "p1", lost_counted_first=True) == [1, 1]
+
+
+def ended_together(server: TCPStore, prefix: str, lost_counted_first: bool) -> list[int]:
+    """Two survivors of a world of 3 in torch's exit barrier over `prefix`; the third counted in by
+    the handler of group rank 0 before or after they reach it. One 1 per survivor that passed.
+    Each agent has a store client of its own (a client's `wait` holds its connection)."""
+    def client() -> PrefixStore:
+        return PrefixStore(prefix, TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
+
+    made = RoundRendezvousHandler.__new__(RoundRendezvousHandler)  # only torch's round and store are read
+    made._torch_round, made._torch_store = RoundRecord(0, (A, B, C)), client()
+    passed: list[int] = []
+
+    def end(store: PrefixStore) -> None:
+        store_util.barrier(store, 3, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+        passed.append(1)
+
+    if lost_counted_first:
+        made._count_in_for_torch(1)
+    survivors = [threading.Thread(target=end, args=(client(),), daemon=True) for _ in range(2)]
+    for survivor in survivors:
+        survivor.start()
+    if not lost_counted_first:
+        counter = f"{_TERMINAL_STATE_SYNC_ID}/num_members"
+        wait_for(lambda: int(made._torch_store.add(counter, 0)) == 2, 10, "both survivors at the barrier")
+        assert not passed
+        made._count_in_for_torch(1)
+    for survivor in survivors:
+        survivor.join(timeout=15)
+    return passed
+
+
+def test_a_joiner_takes_the_restart_path_and_the_round_closes_as_before(server) -> None:
+    a, b = first_round(server, [A, B])
+    joining = Background(handler(server, C, settings()))
+    wait_for(lambda: arrivals_at(server, 1) == 1, 10, "the joiner's arrival")
+    assert a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1  # torch restarts A's and B's workers
+    assert not server.check(["rdzv/run/in_process/1/127.0.0.1_101_0"]) and arrivals_at(server, 1) == 1
+    assert ranks_by_node([a, b]) == {A: (0, 3), B: (1, 3)}  # torch's restart: the round closes as before
+    assert (joining.result().rank, joining.result().world_size) == (2, 3)
+    for made in (a, b):
+        told = announced(made)
+        assert (told.round, told.group_world_size, told.in_process) == (1, 3, False)
+        assert round_handoff.all_workers_capable(made.agent_pid) is None  # torch starts fresh workers
+
+
+def test_a_member_restarted_by_torchrun_makes_the_round_a_restart_and_the_restart_takes_that_round(server) -> None:
+    a, b, c = first_round(server, [A, B, C])
+    restarted = Background(c)  # C's workers failed: its torchrun restarted them, its agent arrives unmarked
+    wait_for(lambda: arrivals_at(server, 1) == 1, 10, "C's arrival")
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+    answer: list = []
+    reforming = threading.Thread(target=lambda: answer.append(a.num_nodes_waiting()), daemon=True)
+    reforming.start()
+    wait_for(lambda: arrivals_at(server, 1) == 2, 10, "A's arrival for an in-process round")
+    assert b.num_nodes_waiting() == 2  # C is no member that runs it in process: B restarts as today
+    b_info = Background(b)
+    reforming.join(timeout=20)
+    assert answer and answer[0] >= 1  # torch restarts A's workers ...
+    told = announced(a)
+    assert (told.round, told.in_process) == (1, False) and "with its workers stopped" in told.reason  # ... at once
+    a_info = a.next_rendezvous()  # torch's restart: round 1, as it closed, without a new arrival
+    infos = {A: a_info, B: b_info.result(), C: restarted.result()}
+    assert {node: (info.rank, info.world_size) for node, info in infos.items()} == {A: (0, 3), B: (1, 3), C: (2, 3)}
+    assert len({(info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port)
+                for info in infos.values()}) == 1
+    assert arrivals_at(server, 1) == 3 and arrivals_at(server, 2) == 0
+    assert a._round == a._torch_round == RoundRecord(1, (A, B, C)) and a._pending is None
+
+
+def test_a_round_that_does_not_close_in_time_is_given_up_for_every_node_and_restarted_into(server,
+                                                                                         monkeypatch) -> None:
+    """B's agent does not come (busy, frozen): A gives the round up after the bound, and its
+    outcome keeps B from taking it in process later; torch's restarts then meet in that round."""
+    monkeypatch.setattr(handler_module, "REFORM_TIMEOUT_S", 0.5)
+    a, b = first_round(server, [A, B])
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+    assert a.num_nodes_waiting() == 1  # torch restarts A's workers ...
+    told = announced(a)
+    assert (told.round, told.in_process) == (1, False) and "within 0.5 s" in told.reason  # ... which exit at once
+    assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
+    assert b.num_nodes_waiting() == 1 and announced(b).round == 0  # B sees A's marked arrival: too late
+    assert ranks_by_node([a, b]) == {A: (0, 2), B: (1, 2)}
+    assert arrivals_at(server, 1) == 2 and arrivals_at(server, 2) == 0  # A did not arrive again
+
+
+def test_a_board_error_in_an_in_process_round_is_a_restart_never_an_error_to_torch(server, monkeypatch) -> None:
+    a, b = first_round(server, [A, B])
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+
+    def unreachable(round_number, node):
+        raise RendezvousConnectionError("the store did not answer")
+
+    monkeypatch.setattr(a._board, "arrive", unreachable)
+    assert a.num_nodes_waiting() == 1
+    told = announced(a)
+    assert (told.round, told.in_process) == (1, False) and "RendezvousConnectionError" in told.reason
+    assert server.get("rdzv/run/in_process_outcome/1") == b"restart"  # B cannot take round 1 in process without A
+    assert b.num_nodes_waiting() == 0 and announced(b).round == 0  # until torch's restart of A arrives
+
+
+def test_with_in_process_off_a_lost_node_is_todays_restart(server) -> None:
+    a, b, c = first_round(server, [A, B, C], settings(in_process=False))
+    assert announced(a) is None  # no hand-off directory at all
+    round_handoff.open_handoff(a.agent_pid)  # as if workers asked anyway
+    round_handoff.declare_capable(a.agent_pid, 0, 1)
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+    lose(c)
+    assert [a.num_nodes_waiting() for _ in range(5)] == [0] * 5  # the workers fail; torch restarts them
+    assert arrivals_at(server, 1) == 0 and announced(a) is None
+    assert ranks_by_node([a, b]) == {A: (0, 2), B: (1, 2)}  # torch's restart, as before
+
+
+def test_unless_every_local_worker_is_capable_a_lost_node_is_todays_restart(server) -> None:
+    a, b, c = (handler(server, node, settings()) for node in (A, B, C))
+    assert ranks_by_node([a, b, c]) == {A: (0, 3), B: (1, 3), C: (2, 3)}
+    round_handoff.declare_capable(a.agent_pid, 0, 2)  # local rank 1 of 2 never declared itself
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+    lose(c)
+    assert [a.num_nodes_waiting() for _ in range(5)] == [0] * 5
+    assert arrivals_at(server, 1) == 0 and announced(a).round == 0
+
+
+def test_in_process_is_a_switch_of_rdzv_conf_exported_to_the_workers(monkeypatch) -> None:
+    monkeypatch.delenv(IN_PROCESS_ENV, raising=False)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    for value, expected in ((None, "1"), ("0", "0"), ("1", "1")):
+        conf = {} if value is None else {"in_process": value}
+        chosen = prepare_agent(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, local_addr="127.0.0.1",
+                                                    **conf), C10D_KEYS)
+        assert chosen.in_process is (expected == "1")
+        assert os.environ[IN_PROCESS_ENV] == expected
+    with pytest.raises(ValueError, match=r"^--rdzv_conf in_process: got 'maybe'; expected 1 or 0"):
+        prepare_agent(RendezvousParameters("elastic-c10d", "127.0.0.1:1", "run", 1, 4, in_process="maybe"), C10D_KEYS)
