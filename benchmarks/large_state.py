@@ -23,7 +23,8 @@ is durable, then:
 
 Per run it records the times above, the peak resident memory (VmHWM) of each worker after its
 restore, the longest heartbeat gap and the watchdog's evictions from the workers' logs, and the
-snapshots' `blocked_seconds` (rank 0's training thread blocked by a snapshot). Memory is given
+snapshots' `blocked_seconds` (rank 0's training thread blocked by a snapshot; the first snapshot
+of the kill's and of the join's group, right after their restore, apart). Memory is given
 against the smallest size's run of the same setting (interpreter, torch, data): what the state
 adds, in units of the state (1 is the state itself, so the goal "at most 2x the state beside it
 during a restore" is a figure of at most 3).
@@ -132,6 +133,12 @@ def _startup(events: EventFollower, group: WorkerGroup, origin: float) -> dict[s
     return {name: round(startup["process_started"] + seconds - origin, 2) for name, seconds in marks.items()}
 
 
+def _first_snapshot_blocked(events: EventFollower, group: WorkerGroup) -> float | None:
+    """How long the group's first snapshot (right after its restore) blocked rank 0's training."""
+    return next((e["blocked_seconds"] for e in events.of_kind(schema.SNAPSHOT_CAPTURED)
+                 if e["incarnation"] == group.incarnation), None)
+
+
 def _restored_seconds(phases: dict[str, float]) -> float | None:
     return round(phases["restored"] - phases["built"], 2) if {"restored", "built"} <= phases.keys() else None
 
@@ -183,7 +190,10 @@ def measure_once(setting: str, size_mb: int, run_dir: Path, pythonpath: str) -> 
         for node in job.nodes:
             shutil.rmtree(job.node_memory_dir(node.name), ignore_errors=True)
     logs = "\n".join(node.log_text() for node in job.nodes)
+    events.poll()
     blocked = [e["blocked_seconds"] for e in events.of_kind(schema.SNAPSHOT_CAPTURED)]
+    kill["first_snapshot_s"], join["first_snapshot_s"] = (_first_snapshot_blocked(events, group)
+                                                          for group in (alone, both))
     return {"setting": setting, "size_mb": size_mb, "kill": kill, "join": join,
             "longest_gap_s": max((float(gap) for gap in GAP_LINE.findall(logs)), default=None),
             "evictions": sum(len(EVICTION_LINE.findall(text)) for text in watched),
@@ -272,6 +282,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
                 "peak_states": (_stats([round((p - base_peak) / size, 2) for p in peak]) if size != smallest else None),
                 "longest_gap_s": _stats([r["longest_gap_s"] for r in runs]),
                 "evictions": sum(r["evictions"] for r in runs),
+                "first_snapshot_s": _stats([r["kill"].get("first_snapshot_s") for r in runs]
+                                           + [r["join"].get("first_snapshot_s") for r in runs]),
                 "snapshot_blocked_s": _stats([r["snapshot_blocked_s"]["median"] for r in runs]),
                 "snapshot_blocked_max_s": _stats([r["snapshot_blocked_s"]["max"] for r in runs]),
             }
@@ -280,7 +292,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
 
 COLUMNS = {"kill_s": "kill->step s", "keep_s": "keep s", "join_s": "join->step s", "restore_s": "restore s",
            "peak_mb": "peak MB", "peak_states": "(peak-base)/state", "longest_gap_s": "longest gap s",
-           "snapshot_blocked_s": "snap blocked s", "snapshot_blocked_max_s": "snap blocked max s"}
+           "first_snapshot_s": "1st snap after restore s", "snapshot_blocked_s": "snap blocked s",
+           "snapshot_blocked_max_s": "snap blocked max s"}
 
 
 def print_table(result: dict[str, Any]) -> None:

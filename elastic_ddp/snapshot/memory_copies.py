@@ -46,7 +46,9 @@ nobody touched for `ABANDONED_AFTER_S` (a day): a run cancelled or failed for go
 run's copies are never removed there; another run relaunched after more than a day loses only its
 memory copy (it resumes from its snapshot files).
 
-Limits: a copy is written at memory speed (about 1-2 GB/s on one core), while torchrun waits for
+Limits: a copy is written at memory speed (its pages allocated in tmpfs as it is written, the hash
+on a second thread alongside: 0.42 s per GB alone on this project's 2-core VM, 0.6-2.1 s per GB at a
+kill beside a snapshot write; docs/benchmarks.md, "Large state"), while torchrun waits for
 the worker (it SIGKILLs it 30 s after SIGTERM: a state that takes longer to write is not kept, and
 the temporary file the kill leaves is removed by the next keep or restore on that node). A state
 that does not fit in the memory directory's free space is not kept (a warning says so, and the
@@ -112,7 +114,7 @@ class MemoryCopy:
     incarnation: int  # the incarnation that committed the step (see the module docstring)
     checksum: str
     size_bytes: int
-    snapshot: Snapshot  # loaded from the file: the copy's bytes are not held (`verified_file.map_file`)
+    snapshot: Snapshot  # loaded from the file; the model's tensors are views onto it, mapped privately
 
 
 @dataclass(frozen=True)
@@ -443,7 +445,7 @@ class MemoryTier:
         for path, step, incarnation in self._files():
             try:  # verified, then its header checked, and only then its payload loaded
                 snapshot, seal = snapshot_from_file(path, str(path), functools.partial(
-                    self._check_header, path=path, step=step, incarnation=incarnation))
+                    self._check_header, path=path, step=step, incarnation=incarnation), model_as_views=True)
                 check_compatible(snapshot, {key: value for key, value in self.fingerprint.items()
                                             if key != SCOPE_KEY}, str(path))
                 check_finite(snapshot.states, str(path))  # a copy kept by a version that did not check

@@ -10,8 +10,8 @@ from benchmarks.large_state import ratios, summarise
 
 def record(setting: str, size_mb: int, kill_s: float, peaks: list[int], gap: float, evictions: int = 0) -> dict:
     return {"setting": setting, "size_mb": size_mb, "evictions": evictions, "longest_gap_s": gap, "restarts": 0,
-            "kill": {"seconds": kill_s, "keep_s": 0.1, "restore_s": 0.2, "peak_mb": [peaks[0]]},
-            "join": {"seconds": 2 * kill_s, "restore_s": 0.3, "peak_mb": peaks[1:]},
+            "kill": {"seconds": kill_s, "keep_s": 0.1, "restore_s": 0.2, "peak_mb": [peaks[0]], "first_snapshot_s": 0.4},
+            "join": {"seconds": 2 * kill_s, "restore_s": 0.3, "peak_mb": peaks[1:], "first_snapshot_s": None},
             "snapshot_blocked_s": {"max": 0.5, "median": 0.1, "n": 3}}
 
 
@@ -23,6 +23,7 @@ def test_the_peak_is_counted_in_states_over_the_smallest_sizes_run():
     assert summary[1024]["peak_states"]["median"] == round((3364 - 340) / 1024, 2)
     assert summary[1024]["kill_s"]["median"] == 4.0 and summary[1024]["join_s"]["median"] == 8.0
     assert summary[1024]["evictions"] == 1
+    assert summary[1024]["first_snapshot_s"] == {"median": 0.4, "min": 0.4, "max": 0.4, "n": 1}  # a join without one
 
 
 def test_ratios_pair_each_repeat_of_the_baseline_with_the_same_repeat_of_this_tree():

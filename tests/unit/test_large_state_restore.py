@@ -13,6 +13,7 @@ peers must keep running (a copy inside torch.load held the GIL for 0.25 s per 40
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -27,10 +28,13 @@ from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot import memory_copies
 from elastic_ddp.snapshot.exchange import restore_agreement
 from elastic_ddp.snapshot.exchange.restore_agreement import FILE, MEMORY, agree_on_latest_snapshot
-from elastic_ddp.snapshot.exchange.transport import CHUNK_BYTES, FrameLimits, ProcessGroupTransport
+from elastic_ddp.snapshot.exchange.transport import CHUNK_BYTES, Frame, FrameLimits, ProcessGroupTransport
+from elastic_ddp.snapshot.files import file_layout
+from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.file_layout import verify
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.memory_copies import MemoryTier
-from elastic_ddp.snapshot.serialization import snapshot_from_bytes, write_snapshot
+from elastic_ddp.snapshot.serialization import snapshot_from_bytes, snapshot_to_bytes, write_snapshot
 from elastic_ddp.snapshot.training_state import Snapshot
 
 STATE_MB = 384
@@ -190,8 +194,8 @@ def sources(tmp_path, monkeypatch):
     for module in (restore_agreement, memory_copies):
         real = module.snapshot_from_file
 
-        def spying(path, source, check_seal=None, real=real):
-            snapshot, seal = real(path, source, check_seal)
+        def spying(path, source, check_seal=None, real=real, **options):
+            snapshot, seal = real(path, source, check_seal, **options)
             loaded.append(os.path.basename(path))
             return snapshot, seal
 
@@ -235,3 +239,139 @@ def test_a_listed_file_that_is_gone_is_skipped_with_its_reason(sources):
     assert restored.snapshot.global_step == 5 and torch.equal(restored.snapshot.states["model"]["w"],
                                                                torch.full((4,), 5.0))
     assert [(item["global_step"], "cannot be read" in item["reason"]) for item in restored.refused] == [(6, True)]
+
+
+# ------------------------------------------------------------------ a state received from a peer
+
+@pytest.fixture
+def received_from_rank_0(monkeypatch):
+    """Rank 1 of 2, which holds nothing: rank 0 offers the state of step 7 and sends what
+    `deliver[0]` holds (the transport's broadcasts stand-ins); returns that list and the bytes
+    the state hashed (`hashed`)."""
+    data = bytearray(snapshot_to_bytes(small_snapshot(7)))
+    checksum = verify(bytes(data), "offer").checksum
+    offer = restore_agreement.Offer(7, FILE, checksum, len(data), "peer")
+    monkeypatch.setattr(restore_agreement, "_exchange",
+                        lambda mine, context: [offer, dataclasses.replace(mine, refused=())])
+    deliver = [data]
+    monkeypatch.setattr(ProcessGroupTransport, "receive", lambda self, source, limits: Frame({}, deliver[0]))
+    hashed: list[int] = []
+    real = file_layout.new_hasher
+
+    def counting(*args, **kwargs):
+        return _Counting(real(*args, **kwargs), hashed)
+
+    monkeypatch.setattr(file_layout, "new_hasher", counting)
+    return deliver, hashed
+
+
+class _Counting:
+    def __init__(self, hasher, hashed: list[int]):
+        self.hasher, self.hashed = hasher, hashed
+
+    def update(self, chunk):
+        self.hashed.append(memoryview(chunk).nbytes)
+        self.hasher.update(chunk)
+
+    def digest(self):
+        return self.hasher.digest()
+
+    def hexdigest(self):
+        return self.hasher.hexdigest()
+
+
+def peer_context() -> DistributedContext:
+    return DistributedContext(rank=1, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"),
+                              backend="gloo")
+
+
+def test_a_state_received_from_a_peer_is_hashed_once_before_it_is_loaded(tmp_path, received_from_rank_0):
+    deliver, hashed = received_from_rank_0
+    restored = agree_on_latest_snapshot(SnapshotStore(tmp_path / "ck"), peer_context(), FINGERPRINT)
+    assert restored.snapshot.global_step == 7 and restored.source_rank == 0 and restored.entry is None
+    assert torch.equal(restored.snapshot.states["model"]["w"], torch.full((4,), 7.0))
+    assert sum(hashed) == len(deliver[0]) - file_layout.TRAILER_BYTES, f"hashed {hashed}: once, not two or three times"
+
+
+def test_a_state_received_damaged_is_refused(tmp_path, received_from_rank_0):
+    deliver, _ = received_from_rank_0
+    deliver[0] = bytearray(deliver[0])
+    deliver[0][len(deliver[0]) // 2] ^= 0xFF
+    with pytest.raises(SnapshotError, match="arrived damaged"):
+        agree_on_latest_snapshot(SnapshotStore(tmp_path / "ck"), peer_context(), FINGERPRINT)
+
+
+# ------------------------------------------------------------------ the model's tensors read where they lie
+
+def _address_range(buffer) -> range:
+    view = torch.frombuffer(buffer, dtype=torch.uint8)
+    return range(view.data_ptr(), view.data_ptr() + len(view))
+
+
+def _mixed_snapshot() -> Snapshot:
+    weight = torch.arange(12.0).reshape(3, 4)
+    return Snapshot(states={"progress": {"global_step": 3}, "sampler": {"epoch": 0, "samples_consumed": 3},
+                            "model": {"weight": weight, "tied": weight, "steps": torch.tensor(7),
+                                      "empty": torch.zeros(0)},
+                            "optimizer": {"state": {0: {"exp_avg": torch.full((3, 4), 2.0)}}, "param_groups": []}},
+                    rng_per_rank=[{"torch": torch.get_rng_state()}], fingerprint=FINGERPRINT, world_size=1,
+                    incarnation=0, wall_time=0.0)
+
+
+def test_a_restored_models_tensors_are_views_onto_the_buffer_and_the_rest_copies():
+    """The model's state is copied into the model by the restore: loading it into new memory first
+    was a pass of its own (0.5-0.6 s per GB). The optimizer keeps what it is given: its state must
+    not alias the buffer, which is written to disk and served to peers afterwards."""
+    data = bytearray(snapshot_to_bytes(_mixed_snapshot()))
+    plain = snapshot_from_bytes(bytes(data), "plain")
+    viewed = snapshot_from_bytes(data, "viewed", model_as_views=True)
+    inside = _address_range(data)
+    model, optimizer = viewed.states["model"], viewed.states["optimizer"]["state"][0]["exp_avg"]
+    assert all(model[name].data_ptr() in inside for name in ("weight", "steps"))
+    assert (model["weight"].data_ptr() - inside.start) % 64 == 0, "the payload starts aligned, as do torch's records"
+    assert model["tied"].data_ptr() == model["weight"].data_ptr(), "a storage the model shares stays shared"
+    assert optimizer.data_ptr() not in inside and viewed.rng_per_rank[0]["torch"].data_ptr() not in inside
+    for name, value in plain.states["model"].items():
+        assert torch.equal(model[name], value) and model[name].dtype == value.dtype
+    assert torch.equal(optimizer, plain.states["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(viewed.rng_per_rank[0]["torch"], plain.rng_per_rank[0]["torch"])
+
+
+def test_read_only_bytes_are_copied_out_not_viewed():
+    data = snapshot_to_bytes(_mixed_snapshot())
+    viewed = snapshot_from_bytes(data, "read-only", model_as_views=True)
+    assert viewed.states["model"]["weight"].data_ptr() not in _address_range(bytearray(data))
+    assert torch.equal(viewed.states["model"]["weight"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_record_that_lies_outside_the_payload_is_refused(monkeypatch):
+    """Record offsets are file content: a forged archive must not make a view past the buffer."""
+    from elastic_ddp.snapshot import serialization
+
+    data = bytearray(snapshot_to_bytes(_mixed_snapshot()))
+    real_load = torch.load
+
+    def forged(*args, **kwargs):
+        structure = real_load(*args, **kwargs)
+        for tensor in structure["states"]["model"].values():
+            tensor.untyped_storage()._checkpoint_offset = 2**40
+        return structure
+
+    monkeypatch.setattr(serialization.torch, "load", forged)
+    with pytest.raises(SnapshotError, match="lies outside the payload"):
+        snapshot_from_bytes(data, "forged", model_as_views=True)
+
+
+def test_a_memory_copy_restores_its_model_from_the_mapped_file(tmp_path):
+    memory = MemoryTier(tmp_path / "memory", "run", str(tmp_path / "ck"), FINGERPRINT, "c" * 32)
+    memory.open()
+    kept = memory.keep(_mixed_snapshot())
+    copy = memory.newest()
+    assert copy is not None and copy.path == kept.path
+    weight = copy.snapshot.states["model"]["weight"]
+    assert torch.equal(weight, torch.arange(12.0).reshape(3, 4))
+    model = torch.nn.Linear(4, 3, bias=False)
+    model.load_state_dict({"weight": weight})
+    assert torch.equal(model.weight.detach(), weight)
+    model.weight.data.add_(1)  # the model's own memory: the copy's file is untouched
+    assert memory.newest().snapshot.states["model"]["weight"][0, 0].item() == 0.0

@@ -6,6 +6,7 @@ good snapshot must stay intact and nothing half-written may be left behind.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 
@@ -20,7 +21,7 @@ from elastic_ddp.snapshot.files.backends import LocalDirectoryStorage
 from elastic_ddp.snapshot.files.manifest import SNAPSHOT_PATTERN
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from tests.support.disk import run_through_a_full_disk
-from tests.support.snapshots import make_snapshot
+from tests.support.snapshots import make_snapshot, snapshot_bytes
 from tests.support.training import make_trainer, small_config
 
 # ------------------------------------------------------------------ the next snapshot point arrives
@@ -252,3 +253,58 @@ def test_a_full_disk_injected(tmp_path, monkeypatch, caplog):
     run_through_a_full_disk(config, full.set, full.clear, caplog)
     newest = SnapshotStore(tmp_path / "ck").manifest_entries()[-1]
     assert newest.global_step == 30 and (tmp_path / "ck" / newest.file).exists()
+
+
+
+class ChunkGatedStorage(LocalDirectoryStorage):
+    """A local directory whose snapshot-file writes pause in their first chunk until `gate` opens."""
+
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.gate = threading.Event()
+        self.writing = threading.Event()
+
+    def write_stream_atomically(self, name, produce):
+        if not SNAPSHOT_PATTERN.match(name):
+            return super().write_stream_atomically(name, produce)
+
+        def slow(file):
+            class Paused:
+                def __init__(self):
+                    self.chunks = 0
+
+                def write(inner, data):
+                    inner.chunks += 1
+                    if inner.chunks == 1:
+                        self.writing.set()
+                        assert self.gate.wait(timeout=60), "the test never opened the gate"
+                    return file.write(data)
+
+                def flush(inner):
+                    file.flush()
+
+            return produce(Paused())
+
+        return super().write_stream_atomically(name, slow)
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_point_stops_the_write_of_a_restored_state_and_writes_its_newer_one(tmp_path, caplog):
+    """The first snapshot after a restore from memory or a peer waited for the whole write of the
+    restored state (3-4.7 s at 1 GB): its newer state supersedes that write, which stops between
+    two chunks, lists nothing and leaves no file behind."""
+    storage = ChunkGatedStorage(tmp_path)
+    failures: list = []
+    writer = SnapshotWriter(SnapshotStore(storage), on_failed=lambda step, why: failures.append((step, why)))
+    restored = snapshot_bytes(1, model={"w": torch.zeros(6 * 2**20)})  # 24 MB: two chunks
+    writer.submit_serialized(1, 0, 1, restored)
+    assert storage.writing.wait(timeout=30)
+
+    threading.Timer(0.3, storage.gate.set).start()  # the chunk in flight ends; the next is not written
+    with caplog.at_level(logging.INFO):
+        blocked = writer.submit(lambda staging: tiny_snapshot(2, staging))
+    assert writer.close(timeout=30) and failures == [] and writer.failed_writes == 0
+    assert blocked < 10
+    assert [e.global_step for e in writer.store.manifest_entries()] == [2]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+    assert "the write of the restored state of step 1 stopped: a newer snapshot is being taken" in caplog.text

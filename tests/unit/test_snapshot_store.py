@@ -168,11 +168,12 @@ def test_transient_errors_are_retried_a_bounded_number_of_times(tmp_path, monkey
     store = SnapshotStore(tmp_path, retry=RetryPolicy(attempts=3, first_wait_s=0.01, max_wait_s=0.05))
     attempts = []
 
-    def flaky(self, name, data):
+    def flaky(self, name, produce):
         attempts.append(name)
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(LocalDirectoryStorage, "write_atomically", flaky)
+    # Every local write goes through it: a snapshot's bytes are hashed as they are written.
+    monkeypatch.setattr(LocalDirectoryStorage, "write_stream_atomically", flaky)
     with pytest.raises(SnapshotWriteError, match="Input/output error"):
         write(store, 1)
     assert len(attempts) == 3 and all(name.startswith("snapshot-000000001-") for name in attempts)
@@ -285,3 +286,60 @@ def test_a_format_1_file_that_keep_last_drops_from_a_readable_manifest_is_pruned
     write(store, 5)
     write(store, 6)
     assert not (tmp_path / "snapshot-000000004.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bytes_that_do_not_match_their_checksum_are_refused_as_they_are_written_and_nothing_is_lost(tmp_path):
+    """A restored state's bytes are hashed while they go to disk (one pass, no check before): a
+    damaged one is refused, its temporary file removed, and the listed snapshots stay as they were."""
+    store = SnapshotStore(tmp_path, keep_last=2)
+    good = write(store, 1)
+    manifest_before = (tmp_path / MANIFEST_NAME).read_bytes()
+    damaged = bytearray(snapshot_bytes(2))
+    damaged[len(damaged) // 2] ^= 0xFF
+    with pytest.raises(SnapshotWriteError, match="refused to store it: .*does not match its own"):
+        store.write(2, epoch=0, samples_consumed=2, data=bytes(damaged))
+    assert (tmp_path / MANIFEST_NAME).read_bytes() == manifest_before
+    assert store.latest_valid()[1] == good and len(snapshot_files(tmp_path)) == 1
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "the damaged bytes must not stay behind"
+
+
+def test_bytes_are_hashed_once_on_their_way_to_a_local_disk(tmp_path, monkeypatch):
+    from elastic_ddp.snapshot.files import file_layout
+
+    data = snapshot_bytes(3)
+    hashed: list[int] = []
+    real = file_layout.new_hasher
+
+    class CountingHasher:
+        def __init__(self, *args, **kwargs):
+            self.hasher = real(*args, **kwargs)
+
+        def update(self, chunk):
+            hashed.append(memoryview(chunk).nbytes)
+            self.hasher.update(chunk)
+
+        def digest(self):
+            return self.hasher.digest()
+
+        def hexdigest(self):
+            return self.hasher.hexdigest()
+
+    monkeypatch.setattr(file_layout, "new_hasher", CountingHasher)
+    store = SnapshotStore(tmp_path)
+    store.write(3, epoch=0, samples_consumed=3, data=data)
+    assert sum(hashed) == len(data) - file_layout.TRAILER_BYTES, "every byte before the trailer, once"
+    assert store.latest_valid()[1] == data
+
+
+def test_a_write_stopped_by_its_caller_lists_nothing_and_leaves_nothing(tmp_path):
+    from elastic_ddp.snapshot.files.errors import WriteCancelled
+
+    store = SnapshotStore(tmp_path)
+    good = write(store, 1)
+    manifest_before = (tmp_path / MANIFEST_NAME).read_bytes()
+    with pytest.raises(WriteCancelled):
+        store.write(2, epoch=0, samples_consumed=2, data=snapshot_bytes(2), cancelled=lambda: True)
+    assert (tmp_path / MANIFEST_NAME).read_bytes() == manifest_before
+    assert store.latest_valid()[1] == good and len(snapshot_files(tmp_path)) == 1
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -25,13 +25,17 @@ Snapshot files count as the same only with the same checksum.
 
 Memory and the GIL at size: a rank ranks its two sources by what their files say about
 themselves (copy names, the manifest, the newest file's header) and loads the better one first,
-the other only if it may still win; a local file or copy is verified with a streamed checksum and
-loaded through a window onto the open file (`files.verified_file`), so a rank holds one loaded
-state beside its model in the common case (two at most, when the better source's newest is
-refused) and no copy of the bytes; these stay in the file, mapped, until served or written. A
-receiver holds the bytes that arrived and the state loaded from them (2x the state). No step of
-this holds the GIL for long, so the peer watchdog's heartbeat goes on during a restore
-(tests/unit/test_large_state_restore.py, docs/benchmarks-history.md "Large state").
+the other only if it may still win; a local file is verified with a streamed checksum and loaded
+through a window onto the open file (`files.verified_file`), so a rank holds one loaded state
+beside its model in the common case (two at most, when the better source's newest is refused)
+and no copy of the bytes; these stay in the file, mapped, until served or written. A memory copy
+is mapped privately and hashed where it lies, on every core (nothing trains yet), and the model's
+tensors are views onto the mapping (`serialization.load_model_as_views`): the restore copies them
+into the model, one pass, where they were loaded into new memory and then copied. Bytes received
+from a peer are hashed once, on every core, and loaded the same way: a receiver holds them and the
+rest of the state (the optimizer's), not a second copy of the model. No step of this holds the GIL
+for long, so the peer watchdog's heartbeat goes on during a restore
+(tests/unit/test_large_state_restore.py, docs/benchmarks.md "Large state").
 
 When no rank has a usable state but some rank found only snapshots of an incompatible run, every
 rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than silently
@@ -63,7 +67,7 @@ from elastic_ddp.snapshot.files.errors import (
     SnapshotError,
     SnapshotStoreError,
 )
-from elastic_ddp.snapshot.files.file_layout import FORMAT_VERSION, Seal, file_matches, format_of
+from elastic_ddp.snapshot.files.file_layout import FORMAT_VERSION, Seal, file_matches, format_of, verify
 from elastic_ddp.snapshot.files.manifest import ManifestEntry
 from elastic_ddp.snapshot.files.snapshot_store import SnapshotStore
 from elastic_ddp.snapshot.files.verified_file import map_file
@@ -288,15 +292,15 @@ def agree_on_latest_snapshot(store: SnapshotStore, context: DistributedContext,
     source_rank = next(rank for rank, offer in enumerate(offers) if offer.rank == best.rank)
     best = offers[source_rank]
     holds_it = mine.same_state(best)
-    data = local.data if holds_it else None
+    data, seal = (local.data if holds_it else None), None
     if not all(offer.same_state(best) for offer in offers):
-        data = _share(data, source_rank, best, context, [offer.same_state(best) for offer in offers])
+        data, seal = _share(data, source_rank, best, context, [offer.same_state(best) for offer in offers])
     if holds_it:
         snapshot, entry, description = local.snapshot, local.entry, local.description
     else:
         entry = None
         description = f"{best.source} state of step {best.step} received from rank {source_rank} on {best.host}"
-        snapshot = snapshot_from_bytes(data, description)
+        snapshot = snapshot_from_bytes(data, description, verified=seal, model_as_views=True)
     return RestoredSnapshot(snapshot=snapshot, entry=entry, checksum=mine.checksum if holds_it else best.checksum,
                             source=best.source, source_rank=source_rank, source_host=best.host,
                             description=description, data=data, refused=_refused_newer(offers, best.step))
@@ -311,9 +315,10 @@ def _exchange(mine: Offer, context: DistributedContext) -> list[Offer]:
 
 
 def _share(data: Buffer | None, source_rank: int, offer: Offer, context: DistributedContext,
-           holders: list[bool]) -> Buffer:
+           holders: list[bool]) -> tuple[Buffer, Seal | None]:
     """The bytes of `source_rank`'s state on every rank that lacks it, checked against the offer's
-    checksum (collective over the default group: every rank takes part, holders drop what arrives)."""
+    checksum (collective over the default group: every rank takes part, holders drop what arrives),
+    and, where they arrived, their verified seal (None for a format-1 file, and where nothing arrived)."""
     transport = ProcessGroupTransport(device=context.collective_device)
     if context.rank == source_rank:
         accepted = transport.send(source_rank, {"global_step": offer.step, "checksum": offer.checksum}, data)
@@ -321,18 +326,29 @@ def _share(data: Buffer | None, source_rank: int, offer: Offer, context: Distrib
         if refused:
             raise SnapshotError(f"rank(s) {refused} refused the state of step {offer.step} ({offer.size_bytes} "
                                 f"bytes) that rank {source_rank} serves (see their logs)")
-        return data
+        return data, None
     if holders[context.rank]:  # takes part, keeps nothing: its own copy is the same state
         try:
             transport.receive(source_rank, FrameLimits(max_payload_bytes=0))
         except FrameRefused:
-            return data
+            return data, None
         raise SnapshotError(f"rank {context.rank} was sent the state of step {offer.step} it holds")
     try:
         received = transport.receive(source_rank, FrameLimits(max_payload_bytes=offer.size_bytes)).payload
     except FrameError as exc:
         raise SnapshotError(f"the state of step {offer.step} from rank {source_rank} was refused ({exc})") from exc
-    if len(received) != offer.size_bytes or not file_matches(received, offer.checksum):
-        raise SnapshotError(f"the state of step {offer.step} from rank {source_rank} arrived damaged "
+    damaged = SnapshotError(f"the state of step {offer.step} from rank {source_rank} arrived damaged "
                             f"(its checksum is not {offer.checksum[:20]}...)")
-    return received
+    if len(received) != offer.size_bytes:
+        raise damaged
+    if format_of(bytes(received[:8])) != FORMAT_VERSION:
+        if not file_matches(received, offer.checksum):
+            raise damaged
+        return received, None
+    try:  # hashed once, on every core (nothing trains yet): the load below takes this seal
+        seal = verify(received, f"the state of step {offer.step} from rank {source_rank}", all_cores=True)
+    except SnapshotError as exc:
+        raise damaged from exc
+    if seal.checksum != offer.checksum:
+        raise damaged
+    return received, seal

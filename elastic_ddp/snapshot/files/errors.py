@@ -30,3 +30,7 @@ class SnapshotStoreError(Exception):
 
 class SnapshotWriteError(SnapshotStoreError):
     """A snapshot could not be made durable; the previous snapshots are untouched."""
+
+
+class WriteCancelled(SnapshotStoreError):
+    """A write stopped on its caller's request (a newer state superseded it); nothing was listed."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM, checksum_text, matches, new_hasher, parse_checksum
-from elastic_ddp.snapshot.files.errors import SnapshotError
+from elastic_ddp.snapshot.files.errors import SnapshotError, WriteCancelled
 from elastic_ddp.snapshot.files.strict_json import StrictJSONError, encode_object, parse_object
 
 FORMAT_VERSION = 2
@@ -39,6 +39,11 @@ PREFIX_BYTES = len(MAGIC) + _LENGTH.size  # before the header
 TRAILER_BYTES = _TRAILER.size
 # The most of a file's start that `read_seal` needs: everything up to the end of a largest header.
 HEAD_BYTES = PREFIX_BYTES + MAX_HEADER_BYTES
+# Where the payload starts in the files written now (the header padded with spaces; older files put
+# it anywhere): torch.save aligns its records on 64 bytes too, so in a mapped file every tensor's
+# bytes are aligned for its dtype, and a restore can use them where they lie
+# (`serialization.load_model_as_views`).
+PAYLOAD_ALIGNMENT = 64
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's container: a format-1 file
 
 
@@ -151,6 +156,8 @@ def write_framed(file: BinaryIO, header: SnapshotHeader, write_payload: Callable
     """Write one format-2 file into `file`: the header, then what `write_payload(f)` writes into the
     file-like `f`, then the trailer; hashed on the way (one pass, no copy held in memory)."""
     raw_header = header.to_bytes()
+    # JSON allows trailing spaces: they start the payload on a multiple of PAYLOAD_ALIGNMENT.
+    raw_header += b" " * (-(PREFIX_BYTES + len(raw_header)) % PAYLOAD_ALIGNMENT)
     if len(raw_header) > MAX_HEADER_BYTES:
         raise SnapshotError(f"snapshot header of {len(raw_header)} bytes (a fingerprint that large?); "
                             f"at most {MAX_HEADER_BYTES}")
@@ -200,16 +207,46 @@ def read_seal(head: bytes, tail: bytes, size_bytes: int, source: str) -> Seal:
     return Seal(header, checksum, header_bytes, payload_bytes, size_bytes)
 
 
-def verify(data: bytes, source: str) -> Seal:
-    """The seal of a whole format-2 file, once its checksum is recomputed and matches."""
+def verify(data: bytes, source: str, *, all_cores: bool = False) -> Seal:
+    """The seal of a whole format-2 file, once its checksum is recomputed (on every core with
+    `all_cores`: for a restore, which trains nothing meanwhile) and matches."""
     seal = read_seal(data[:HEAD_BYTES], data[-TRAILER_BYTES:], len(data), source)
     algorithm, expected = parse_checksum(seal.checksum)
-    hasher = new_hasher(algorithm)
+    hasher = new_hasher(algorithm, all_cores=all_cores)
     hasher.update(memoryview(data)[:len(data) - TRAILER_BYTES])
-    if hasher.hexdigest() != expected:
-        raise SnapshotError(f"{source}: {algorithm} {hasher.hexdigest()[:12]}... does not match its own "
-                            f"{expected[:12]}... (corrupt)")
+    _check_digest(hasher.hexdigest(), expected, algorithm, source)
     return seal
+
+
+WRITE_CHUNK_BYTES = 16 * 2**20  # `write_verified`: the unit of early writeback, and of stopping
+
+
+def write_verified(data: bytes, file: BinaryIO, source: str, cancelled: Callable[[], bool] = lambda: False) -> Seal:
+    """Write the whole format-2 file `data` into `file`, hashing it on the way (one pass over its
+    bytes, each chunk hashed on a helper thread beside its write), and return its seal;
+    SnapshotError when it does not match its own checksum, WriteCancelled as soon as `cancelled()`
+    (asked before each chunk) says so. Either way `file` then holds bytes that must not be used:
+    write it under a temporary name and rename it only once this returns."""
+    seal = read_seal(data[:HEAD_BYTES], data[-TRAILER_BYTES:], len(data), source)
+    algorithm, expected = parse_checksum(seal.checksum)
+    hashing = _HashingWriter(file, algorithm)
+    view, end = memoryview(data), len(data) - TRAILER_BYTES
+    try:
+        for start in range(0, end, WRITE_CHUNK_BYTES):
+            if cancelled():
+                raise WriteCancelled(f"{source}: the write was stopped after {start} of {len(data)} bytes")
+            hashing.write(view[start:min(start + WRITE_CHUNK_BYTES, end)])
+    finally:
+        hashing.close()
+    _check_digest(hashing.hasher.hexdigest(), expected, algorithm, source)
+    file.write(data[-TRAILER_BYTES:])
+    return seal
+
+
+def _check_digest(actual: str, expected: str, algorithm: str, source: str) -> None:
+    if actual != expected:
+        raise SnapshotError(f"{source}: {algorithm} {actual[:12]}... does not match its own "
+                            f"{expected[:12]}... (corrupt)")
 
 
 def file_matches(data: bytes, checksum: str) -> bool:

@@ -51,6 +51,7 @@ from elastic_ddp.snapshot.files.file_layout import (
     format_of,
     read_seal,
     verify,
+    write_verified,
 )
 from elastic_ddp.snapshot.files.manifest import (
     SNAPSHOT_PATTERN,
@@ -216,32 +217,49 @@ class SnapshotStore:
     # ----------------------------------------------------------------------------------- writing
 
     def write(self, global_step: int, epoch: int, samples_consumed: int, data: bytes,
-              checksum: str | None = None) -> ManifestEntry:
+              checksum: str | None = None, cancelled: Callable[[], bool] = lambda: False) -> ManifestEntry:
         """Durably add the snapshot `data` (bytes received from a peer or rank 0), then prune.
 
-        A format-2 `data` is verified against its own checksum (and against `checksum` if given);
-        a format-1 `data` is listed with `checksum` (default: its sha256). Raises
-        SnapshotWriteError when it could not be made durable (after bounded retries of transient
-        I/O errors); the listed snapshots and the manifest are then unchanged.
+        A format-2 `data` is verified against its own checksum (and against `checksum` if given):
+        into a local directory as it is written (one pass; the file is renamed into place only once
+        it matched), elsewhere before; a format-1 `data` is listed with `checksum` (default: its
+        sha256). Raises SnapshotWriteError when it was refused or could not be made durable (after
+        bounded retries of transient I/O errors), and WriteCancelled when `cancelled()` said so
+        before the write into a local directory ended; the listed snapshots and the manifest are
+        then unchanged.
         """
-        if format_of(data[:8]) == FORMAT_VERSION:
-            try:
-                seal = verify(data, f"snapshot of step {global_step}")
-            except SnapshotError as exc:
-                raise SnapshotWriteError(f"refused to store it: {exc}") from exc
-            if checksum is not None and checksum != seal.checksum:
-                raise SnapshotWriteError(f"refused to store it: its checksum is not the announced {checksum[:20]}...")
-            if seal.header.global_step != global_step:
-                raise SnapshotWriteError(f"refused to store it: the file is a snapshot of step "
-                                         f"{seal.header.global_step}, not of step {global_step}")
-            checksum = seal.checksum
-        checksum = checksum or checksum_of(data, "sha256")
+        where = f"snapshot of step {global_step}"
+        if format_of(data[:8]) != FORMAT_VERSION:
+            checksum = checksum or checksum_of(data, "sha256")
+            return self._write(global_step, epoch, samples_consumed,
+                               lambda name: self._write_whole(name, data, checksum), known_checksum=checksum)
+        streamed = self.storage.local_directory is not None
+        try:
+            seal = (read_seal(data[:HEAD_BYTES], data[-TRAILER_BYTES:], len(data), where) if streamed
+                    else verify(data, where))
+        except SnapshotError as exc:
+            raise SnapshotWriteError(f"refused to store it: {exc}") from exc
+        if checksum is not None and checksum != seal.checksum:
+            raise SnapshotWriteError(f"refused to store it: its checksum is not the announced {checksum[:20]}...")
+        if seal.header.global_step != global_step:
+            raise SnapshotWriteError(f"refused to store it: the file is a snapshot of step "
+                                     f"{seal.header.global_step}, not of step {global_step}")
+        if not streamed:
+            return self._write(global_step, epoch, samples_consumed,
+                               lambda name: self._write_whole(name, data, seal.checksum), known_checksum=seal.checksum)
 
         def write_file(name: str) -> tuple[str, int]:
-            self.storage.write_atomically(name, data)
-            return checksum, len(data)
+            self.storage.write_stream_atomically(name, lambda file: write_verified(data, file, where, cancelled))
+            return seal.checksum, len(data)
 
-        return self._write(global_step, epoch, samples_consumed, write_file, known_checksum=checksum)
+        try:
+            return self._write(global_step, epoch, samples_consumed, write_file, known_checksum=seal.checksum)
+        except SnapshotError as exc:  # its bytes did not match its checksum: the temporary file is gone
+            raise SnapshotWriteError(f"refused to store it: {exc}") from exc
+
+    def _write_whole(self, name: str, data: bytes, checksum: str) -> tuple[str, int]:
+        self.storage.write_atomically(name, data)
+        return checksum, len(data)
 
     def write_stream(self, global_step: int, epoch: int, samples_consumed: int,
                      produce: Callable[[BinaryIO], Seal]) -> ManifestEntry:

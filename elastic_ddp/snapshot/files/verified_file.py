@@ -43,13 +43,14 @@ def read_at(fd: int, size: int, offset: int) -> bytes:
 
 def verify_file(fd: int, size_bytes: int, source: str) -> Seal:
     """The seal of the format-2 file open as `fd` (of `size_bytes`), once its checksum, recomputed
-    over the file in chunks, matches; SnapshotError naming `source` otherwise."""
+    over the file in chunks on every core (it is called as a worker restores, before it trains),
+    matches; SnapshotError naming `source` otherwise."""
     if size_bytes < TRAILER_BYTES:
         raise SnapshotError(f"{source}: {size_bytes} bytes, too short to be a snapshot (torn write?)")
     head = read_at(fd, min(size_bytes, HEAD_BYTES), 0)
     seal = read_seal(head, read_at(fd, TRAILER_BYTES, size_bytes - TRAILER_BYTES), size_bytes, source)
     algorithm, expected = parse_checksum(seal.checksum)
-    hasher = new_hasher(algorithm)
+    hasher = new_hasher(algorithm, all_cores=True)  # a restore: nothing trains meanwhile
     buffer = memoryview(bytearray(min(CHUNK_BYTES, size_bytes - TRAILER_BYTES) or 1))
     offset, end = 0, size_bytes - TRAILER_BYTES
     while offset < end:
