@@ -6,16 +6,20 @@ worker whose process group broke because a peer died keeps its process instead:
 
 1. `ElasticRun` catches the broken collective where the run owns the call (the gradients'
    all-reduce in `step.backward`, the drain vote at a step boundary, the run's own work after a
-   commit: `lost_peer`), abandons the step in progress, keeps the last committed step in node
-   memory (the insurance a restart would use) and closes the incarnation (log, snapshots, watchdog).
+   commit: `lost_peer`), abandons the step in progress and stops its watchdog. A rank whose
+   collective waits on a neighbour that left rather than died sees no error from gloo: its
+   collectives are waited for through `BrokenGroupAlarm`, which fails them once the agent
+   announces a newer round.
 2. `Regroup.rejoin` asks this node's agent for a new round (`round_handoff.request_reform`),
    destroys the broken group, and waits for the agent's answer: the round the survivors' handlers
    ran for their workers (agent/rendezvous/handler.py), or a refusal (then the worker ends as
-   before and torchrun restarts it: the fallback).
+   before, keeping its last committed step in node memory on the way out, and torchrun restarts
+   it: the fallback).
 3. It rewrites RANK, WORLD_SIZE, GROUP_RANK, ... and MASTER_ADDR/MASTER_PORT from the round, and
    initialises the default group on the round's fresh port (env://; the new rank 0 hosts its
-   store); `ElasticRun` opens a new incarnation on it: restore agreement (every survivor offers the
-   step it just kept), a new DDP, and the steps go on from the last committed one.
+   store); `ElasticRun` closes the old incarnation and opens one on the new group: every survivor
+   holding the same committed step keeps its own state (`SnapshotSession.resume_live`; else they
+   restore as after a restart), a new DDP, and the steps go on from the last committed one.
 
 When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
