@@ -129,10 +129,6 @@ class SnapshotSession:
         self._save_now(state, final=False)
         return True
 
-    def committed_in(self, global_step: int) -> int:
-        """The incarnation that committed `global_step` (this one, or the restored state's)."""
-        return self._committed_in(global_step)
-
     def _keep_restored_copies(self, restored: RestoredSnapshot) -> None:
         """Rank 0: write the restored state here if it came from memory or a peer, and to the
         replicas, so that losing the node it came from next (or the whole job) does not lose it."""
@@ -224,7 +220,7 @@ class SnapshotSession:
                     return None
                 snapshot = Snapshot(states=states, rng_per_rank=[], fingerprint=self.fingerprint,
                                     world_size=self.context.world_size,
-                                    incarnation=self._committed_in(state.global_step), wall_time=time.time())
+                                    incarnation=self.committed_in(state.global_step), wall_time=time.time())
                 kept = self.memory.keep(snapshot)
         finally:
             state.lock.release()
@@ -239,7 +235,7 @@ class SnapshotSession:
                          size_bytes=kept.size_bytes, seconds=round(kept.seconds, 4), written=kept.written)
         return kept
 
-    def _committed_in(self, global_step: int) -> int:
+    def committed_in(self, global_step: int) -> int:
         """The incarnation that committed `global_step`: the restored state's, until a step is trained
         (so that a copy of it is the same state as the one restored, see memory_copies)."""
         if self._restored is not None and self._restored[0] == global_step:

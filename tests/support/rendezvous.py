@@ -6,14 +6,15 @@ import threading
 from typing import Any
 
 
-def rendezvous_together(handlers, timeout: float = 90) -> list:
-    """Every handler's next_rendezvous, run at once; their RendezvousInfo (or exception), in order.
-    Fails the test if one has not returned within `timeout` seconds."""
+def each_together(handlers, call, timeout: float, what: str = "a call") -> list:
+    """`call(handler)` for every handler at once, each in a thread of its own (each agent's main
+    loop); their results (or exception), in order. Fails the test if one has not returned within
+    `timeout` seconds."""
     results: list = [None] * len(handlers)
 
     def run(index):
         try:
-            results[index] = handlers[index].next_rendezvous()
+            results[index] = call(handlers[index])
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results[index] = exc
 
@@ -22,8 +23,14 @@ def rendezvous_together(handlers, timeout: float = 90) -> list:
         thread.start()
     for thread in threads:
         thread.join(timeout=timeout)
-    assert not any(thread.is_alive() for thread in threads), "a rendezvous did not return"
+    assert not any(thread.is_alive() for thread in threads), f"{what} did not return"
     return results
+
+
+def rendezvous_together(handlers, timeout: float = 90) -> list:
+    """Every handler's next_rendezvous, run at once; their RendezvousInfo (or exception), in order.
+    Fails the test if one has not returned within `timeout` seconds."""
+    return each_together(handlers, lambda handler: handler.next_rendezvous(), timeout, "a rendezvous")
 
 
 def ranks_by_node(handlers, timeout: float = 30) -> dict:

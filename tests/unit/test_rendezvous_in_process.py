@@ -30,7 +30,7 @@ from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.round_handoff import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import wait_for
-from tests.support.rendezvous import Background, ranks_by_node
+from tests.support.rendezvous import Background, each_together, ranks_by_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,20 +95,7 @@ def monitor(made: RoundRendezvousHandler, until, timeout: float = 20) -> list[in
 
 def monitor_together(handlers, until) -> list[list[int]]:
     """`monitor` of each handler, each in a thread of its own (each agent's main loop)."""
-    answers: list = [None] * len(handlers)
-
-    def run(index: int) -> None:
-        try:
-            answers[index] = monitor(handlers[index], lambda: until(handlers[index]))
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            answers[index] = exc
-
-    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(len(handlers))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=40)
-    assert not any(thread.is_alive() for thread in threads)
+    answers = each_together(handlers, lambda made: monitor(made, lambda: until(made)), 40, "a monitor loop")
     for answer in answers:
         if isinstance(answer, BaseException):
             raise answer
