@@ -3,7 +3,9 @@
 The torchrun agent runs our rendezvous handler (`--rdzv_backend=elastic-c10d` or `etcd-v3`, and
 `c10d` under `python -m elastic_ddp.agent.launcher`); `count_rounds(handler)` wraps its
 `next_rendezvous`, so that every round, from the agent's entry to the worker group's world, is
-counted. After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
+counted, and its `reform_in_process`, the rounds it runs for its running workers (a lost node's
+survivors re-form in process, issue 44): one taken in process counts as a round; one given up
+counts its time only (torchrun's restart then enters that round through `next_rendezvous`). After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
 whose format and checks `elastic_ddp.rendezvous_figures` holds, the whole contract with the node's
 metrics server (runlog/metrics_agent.py), which serves them as `elastic_ddp_agent_rendezvous_*`.
 
@@ -26,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,18 +51,19 @@ class RendezvousRounds:
         self._lock = threading.Lock()
         self._broken = False
 
-    def wrap(self, next_rendezvous):
-        """`next_rendezvous`, counted."""
-        @functools.wraps(next_rendezvous)
+    def wrap(self, call, completed: Callable[[Any], bool] = lambda result: True):
+        """`call`, a round, counted: as a round when it returns a result that `completed` accepts,
+        as a failure when it raises, else its time only."""
+        @functools.wraps(call)
         def counted(*args, **kwargs):
             self._round_began()
-            ok = False
+            outcome: bool | None = False
             try:
-                result = next_rendezvous(*args, **kwargs)
-                ok = True
+                result = call(*args, **kwargs)
+                outcome = True if completed(result) else None
                 return result
             finally:
-                self._round_ended(ok)
+                self._round_ended(outcome)
         return counted
 
     def figures(self) -> dict[str, Any]:
@@ -94,14 +98,14 @@ class RendezvousRounds:
             self.round_started = time.time()
             self.write()
 
-    def _round_ended(self, ok: bool) -> None:
+    def _round_ended(self, ok: bool | None) -> None:
         with self._lock:
             # The server adds `now - round_started` for a round in progress: the same clock here keeps
             # the served total from going down when the round ends.
             seconds = max(0.0, time.time() - self.round_started) if self.round_started is not None else 0.0
             if ok:
                 self.rounds += 1
-            else:
+            elif ok is not None:
                 self.failures += 1
             self.seconds += seconds
             self.last_round_seconds = seconds
@@ -117,6 +121,8 @@ def count_rounds(handler: Handler) -> Handler:
     remove_files_of_ended_agents(rounds.path.parent)
     atexit.register(rounds.remove)
     handler.next_rendezvous = rounds.wrap(handler.next_rendezvous)
+    if hasattr(handler, "reform_in_process"):  # 0: this node's workers re-formed in the round
+        handler.reform_in_process = rounds.wrap(handler.reform_in_process, completed=lambda waiting: waiting == 0)
     return handler
 
 

@@ -38,8 +38,9 @@ overhead budget, the memory copy of the last committed step kept whenever traini
 boundary, after a final durable snapshot), events, the report and live metrics. Leaving the `with`
 block early without an exception (a `break`) makes the last committed step durable, as a drain does.
 With our rendezvous, a lost node's survivors keep their processes (in_process.py): the step in
-progress is abandoned (its backward, clipping and commit do nothing, `run.group_broken` is True)
-and redone in the re-formed group, whose rank and world size the run's accessors then give.
+progress is abandoned (a forward whose DDP collectives broke runs on the module alone; backward,
+clipping and commit do nothing; no further micro-batch is read; `run.group_broken` is True) and
+redone in the re-formed group, whose rank and world size the run's accessors then give.
 
 Not guaranteed: one optimizer (a second one of the loop's own is neither stepped nor checked, but
 its state may travel in `extra_state`); a loop that changes the model or the optimizer's
@@ -75,7 +76,7 @@ from elastic_ddp.runtime.distributed import (
 from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
 from elastic_ddp.snapshot.training_state import Stateful, run_fingerprint
-from elastic_ddp.training.in_process import Regroup, lost_peer, what_broke
+from elastic_ddp.training.in_process import InterruptibleDDP, Regroup, lost_peer, what_broke
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.training.sharding import ShardingError, place_model
 from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
@@ -219,6 +220,8 @@ class ElasticRun:
         first (then it propagates); without one, the last step's snapshot is waited for."""
         exits, self._exits = self._exits, None
         self.current_step = None
+        if exc_info[0] is not None:  # first: the agent must not run a round in process for a worker on its way out
+            self.regroup.stop()
         return exits.__exit__(*exc_info)
 
     def _enter_incarnation(self, re_formed: _ReFormed | None = None) -> None:
@@ -279,10 +282,13 @@ class ElasticRun:
         if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
             device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
             # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
-            self.ddp_model = DistributedDataParallel(self.module, device_ids=device_ids, init_sync=not restored)
-            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
-            if self.regroup.enabled:  # its all-reduce must give way when the agent re-forms the group
+            settings = {"device_ids": device_ids, "init_sync": not restored}
+            if self.regroup.enabled:  # its collectives must give way when a peer is lost or the agent re-forms
+                self.ddp_model = InterruptibleDDP(self.module, self._absorbs_ddps_lost_peer, **settings)
                 self.regroup.comm_hook.install(self.ddp_model)
+            else:
+                self.ddp_model = DistributedDataParallel(self.module, **settings)
+            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
             if not self.config.compile:
                 self.ddp_model.register_forward_pre_hook(self._count_model_call)
         # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
@@ -345,10 +351,25 @@ class ElasticRun:
         try:
             yield
         except RuntimeError as exc:
-            if not (self.regroup.enabled and lost_peer(exc)) or self._regrouped_at == self.global_step:
+            if not self._absorbs_lost_peer(what, exc):
                 raise
+
+    def _absorbs_lost_peer(self, what: str, exc: RuntimeError) -> bool:
+        """Whether `exc`, raised by `what`, marks the group broken under the step in progress (the
+        first such error names it): a lost peer, this worker re-forms in process, a step is in
+        progress, and a step was committed since the last re-form."""
+        if (not (self.regroup.enabled and lost_peer(exc)) or self._regrouped_at == self.global_step
+                or self.current_step is None):
+            return False
+        if self._lost_peer is None:
             self._lost_peer = f"{what}: {what_broke(exc)}"
             logger.warning("a peer is lost (%s); re-forming the group in process", self._lost_peer)
+        return True
+
+    def _absorbs_ddps_lost_peer(self, exc: RuntimeError) -> bool:
+        step = self.current_step
+        what = f"step {step.number}'s forward (DDP's own collectives)" if step is not None else "DDP's forward"
+        return self._absorbs_lost_peer(what, exc)
 
     def _re_form_in_process(self) -> None:
         """The group broke under the step in progress: stop the watchdog, leave the broken group, join
@@ -481,7 +502,7 @@ class Step:
         last = len(self.plan.micro_batches) - 1
         for index, indices in enumerate(self.plan.micro_batches):
             if run._lost_peer is not None:
-                return  # the step is abandoned (only the last micro-batch synchronises: it was that one)
+                return  # the step is abandoned: its other micro-batches are not read
             batch = run._device_batch(indices, self.batches)
             self._read += 1
             self._calls_at_read = run._model_calls
@@ -506,6 +527,9 @@ class Step:
         if isinstance(run.model, DistributedDataParallel) and run._model_calls == self._calls_at_read:
             raise LoopContractError("step.backward(): the loss was not computed through run.model (DDP); calling "
                                     "your own module skips the gradients' all-reduce and the ranks drift apart")
+        if run._lost_peer is not None:  # abandoned (its forward ran on the module alone): nothing to reduce
+            self._backwards += 1
+            return
         losses = losses.float()
         scaler = run.state.grad_scaler.scaler
         with run._owned_collective(f"step {self.number}'s gradient all-reduce"):

@@ -6,7 +6,8 @@ worker whose process group broke because a peer died keeps its process instead:
 
 1. `ElasticRun` catches the broken collective where the run owns the call (the gradients'
    all-reduce in `step.backward`, the drain vote at a step boundary, the run's own work after a
-   commit: `lost_peer`), abandons the step in progress and stops its watchdog. A rank whose
+   commit, and DDP's own collectives in its forward: `InterruptibleDDP`; `lost_peer`), abandons
+   the step in progress and stops its watchdog. A rank whose
    collective waits on a neighbour that left rather than died sees no error from gloo: its
    collectives are waited for through `BrokenGroupAlarm`, which fails them once the agent
    announces a newer round.
@@ -25,7 +26,7 @@ When it applies (`Regroup.start` says why not, in one log line): the agent publi
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
 DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
 (gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
-failure in the loop's own code (its forward, its collectives), a join (slice 1: torchrun restarts
+failure in the loop's own code (its model's own collectives, its own all-reduces), a join (slice 1: torchrun restarts
 the workers), a step that broke again right after a re-form (no re-form loop on a bug). Each
 ends in torchrun's restart with the last committed step kept.
 """
@@ -41,6 +42,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ddp import round_handoff
 from elastic_ddp.round_handoff import IN_PROCESS_ENV, RoundAnnouncement
@@ -174,6 +176,31 @@ class InterruptibleCommHook:
         tensor.div_(dist.get_world_size())
         reduced = dist.all_reduce(tensor, async_op=True).get_future()
         return self.alarm.guard(reduced.then(lambda done: done.value()[0]))
+
+
+class InterruptibleDDP(DistributedDataParallel):
+    """DDP whose own collectives in its forward give way to an in-process re-form: the broadcast of
+    the module's buffers from rank 0 (every forward of a model with buffers, BatchNorm's) and the
+    buckets' rebuild (the second forward of every DDP). A lost peer there is handed to `absorbs`,
+    the run's (`lost_peer` and its own rules); when it takes it, the step in progress is
+    abandoned and the forward runs on the module alone, so that the loop's body goes on to
+    `step.backward` and the commit, which do nothing for an abandoned step. Anything else
+    propagates, as does an error of that local forward (a model with collectives of its own,
+    SyncBatchNorm's, on the broken group: torchrun's restart takes over)."""
+
+    def __init__(self, module: torch.nn.Module, absorbs: Callable[[RuntimeError], bool], **kwargs):
+        super().__init__(module, **kwargs)
+        self._absorbs = absorbs
+
+    # Eager under torch.compile, as DDP's own forward is; the module's forward inside it is compiled.
+    @torch.compiler.disable(recursive=False)
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if not self._absorbs(exc):
+                raise
+        return self.module(*inputs, **kwargs)
 
 
 def _interruptible_hook(hook: InterruptibleCommHook, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -28,6 +28,7 @@ from elastic_ddp.round_handoff import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, free_port, signal_tree, wait_for
 from tests.support.cluster import (
     EXTRA_TRAINING_ARGS,
+    FAULT_MODULE,
     HELD_MODULE,
     assert_exactly_once,
     hold_settings,
@@ -35,6 +36,7 @@ from tests.support.cluster import (
     release,
     world_reached,
 )
+from tests.support.fault_switch import FAULT_VARIABLE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -116,7 +118,7 @@ class StandInNode:
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "stand-in",
                       IN_PROCESS_ENV: "1", "OMP_NUM_THREADS": "1",
                       "TMPDIR": tempfile.gettempdir()}  # where this process writes the handoff directory
-        command = [sys.executable, "-c", AGENT_STAND_IN, sys.executable, "-m", HELD_MODULE, *training_args,
+        command = [sys.executable, "-c", AGENT_STAND_IN, sys.executable, "-m", FAULT_MODULE, *training_args,
                    "--memory_dir", str(run_dir / f"memory{group_rank}")]
         with open(self.log_path, "wb") as log:
             self.agent = subprocess.Popen(command, env=worker_env, stdin=subprocess.PIPE, stdout=log,
@@ -173,18 +175,24 @@ def events(tmp_path, kind: str) -> list[dict]:
 
 
 def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step_kept(tmp_path, stand_in_nodes):
-    """The worker's side alone, the agents played by the test: a lost peer, a round in process
-    (the survivors re-form on a new port and keep their own state), then a second loss, whose round
-    the agent answers with a restart: the worker ends (torchrun would restart it), its last
-    committed step kept in its node's memory, and nothing hangs."""
+    """The worker's side alone, the agents played by the test: a peer lost as the step's forward
+    begins (the survivors' DDP rebuilds its buckets there, a collective of its own: they abandon
+    the step there), a round in process (the survivors re-form on a new port and keep their own
+    state), then a second loss, whose round the agent answers with a restart: the worker ends
+    (torchrun would restart it), its last committed step kept in its node's memory, and nothing hangs."""
     hold = tmp_path / "hold"
-    nodes = stand_in_nodes(3, stand_in_args(tmp_path), hold_settings(hold)["env"])
-    wait_for(lambda: len(events(tmp_path, "step")) >= 6, 120, "six steps of the group of three",
-             still_possible=lambda: None if all(node.agent.poll() is None for node in nodes) else "a worker ended")
+    env = hold_settings(hold)["env"]
+    # Rank 2 dies as step 2's forward begins: the group's second step, whose forward rebuilds DDP's buckets.
+    env[FAULT_VARIABLE] = f"rank=2,step=2,at=forward,once={tmp_path / 'fired'}"
+    nodes = stand_in_nodes(3, stand_in_args(tmp_path), env)
+    nodes[2].agent.wait(timeout=120)
+    assert (tmp_path / "fired").exists(), nodes[2].log_text()
     first = events(tmp_path, "start")[0]
-    signal_tree(nodes[2].agent.pid, signal.SIGKILL)
     survivors = nodes[:2]
-    wait_for(lambda: all(node.requests() for node in survivors), 60, "both survivors' requests")
+    wait_for(lambda: all(node.requests() for node in survivors), 60, "both survivors' requests",
+             still_possible=lambda: None if all(node.agent.poll() is None for node in survivors) else "a worker ended")
+    assert any("step 2's forward (DDP's own collectives)" in node.log_text() for node in survivors), \
+        "a survivor abandoned the step in DDP's forward"
     assert all(node.requests()[0].broken_round == 0 for node in survivors)
     port = free_port()
     for rank, node in enumerate(survivors):

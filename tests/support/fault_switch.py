@@ -10,6 +10,10 @@ kill from outside can only hit by chance:
   before it applies the step itself (an optimizer pre-step hook that waits until every other rank
   has written its audit line for step 30, that is, committed it): the survivors committed a step
   whose audit line rank 3 never wrote.
+- `at=forward`: rank 3 dies as DDP's forward of step 30 begins (a forward pre-hook), after the
+  step boundary's collectives: the other ranks' first collective of the step is one of DDP's own
+  in its forward (the buckets' rebuild in a group's second step, the buffers' broadcast of a model
+  with buffers).
 `once` names a file created when the fault fires, so that it fires once per job, whatever the
 restarts. Several faults, one per moment, are separated by `;` (each with its own `once`).
 Every rank installs the same hooks (with `at=allreduce`, the comm hook of torch's default
@@ -31,7 +35,7 @@ from elastic_ddp.runtime.distributed import exit_worker
 from elastic_ddp.testbed.local_cluster import wait_for
 
 FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
-FAULT_MOMENTS = ("allreduce", "after_allreduce")
+FAULT_MOMENTS = ("allreduce", "after_allreduce", "forward")
 PEERS_COMMIT_TIMEOUT_S = 120
 
 
@@ -53,6 +57,8 @@ class FaultSwitch:
         if self.moment == "allreduce":  # (DDP takes one comm hook)
             # State None: the default group of the moment (a group re-formed in process is a new one).
             trainer.run.ddp_model.register_comm_hook(None, self._all_reduce)
+        elif self.moment == "forward":
+            trainer.run.ddp_model.register_forward_pre_hook(self._before_forward)
         else:
             trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
@@ -68,6 +74,10 @@ class FaultSwitch:
         if self._armed("allreduce"):
             self._die()
         return default_hooks.allreduce_hook(process_group, bucket)
+
+    def _before_forward(self, module, inputs) -> None:
+        if self._armed("forward"):
+            self._die()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not self._armed("after_allreduce"):

@@ -238,6 +238,35 @@ def test_a_round_that_does_not_close_in_time_is_given_up_for_every_node_and_rest
     assert arrivals_at(server, 1) == 2 and arrivals_at(server, 2) == 0  # A did not arrive again
 
 
+def test_a_worker_that_ends_while_its_node_runs_the_round_makes_the_round_a_restart_for_every_node(
+        server, monkeypatch) -> None:
+    """A's worker failed otherwise (it withdrew its mark on its way out) while A's agent ran the
+    round: A gives the round up, and B, which decides after A, follows."""
+    a, b, c = first_round(server, [A, B, C])
+    lose(c)
+    round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")
+    close = a._close_in_process
+
+    def closed_as_the_worker_leaves(current):
+        closed = close(current)
+        round_handoff.withdraw_capable(a.agent_pid, 0)
+        return closed
+
+    agree = b._agree
+
+    def after_a(round_number, in_process):
+        wait_for(lambda: server.check(["rdzv/run/in_process_outcome/1"]), 20, "A's outcome")
+        return agree(round_number, in_process)
+
+    monkeypatch.setattr(a, "_close_in_process", closed_as_the_worker_leaves)
+    monkeypatch.setattr(b, "_agree", after_a)
+    answers = monitor_together([a, b], lambda made: (announced(made).round == 1))
+    assert all(each[-1] >= 1 for each in answers), answers  # torch restarts the workers of both
+    assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
+    assert "a worker of this node ended or withdrew during the round" in announced(a).reason
+    assert (announced(b).in_process, announced(b).reason) == (False, "another node gave round 1 up")
+
+
 def test_a_board_error_in_an_in_process_round_is_a_restart_never_an_error_to_torch(server, monkeypatch) -> None:
     a, b = first_round(server, [A, B])
     round_handoff.request_reform(a.agent_pid, 0, 0, "gloo: connection reset by peer")

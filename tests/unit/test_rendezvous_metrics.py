@@ -160,3 +160,27 @@ def test_the_seconds_served_never_go_down_when_a_round_ends_between_a_scrape_and
     after = scrape({"seconds": 1.0 + 0.19, "round_started": None})  # the agent's own measure: 0.19
     assert after >= during > 1.19
     assert scrape({"seconds": 5.0, "round_started": None}) == 5.0, "the total is served again once it passes"
+
+
+class InProcessStandIn(StandInHandler):
+    """Stands for our handler's in-process rounds: 0 when this node's workers re-formed in the round."""
+
+    def __init__(self, answers: list[int]):
+        super().__init__()
+        self.answers = answers
+
+    def reform_in_process(self, current, count):
+        return self.answers.pop(0)
+
+
+def test_a_round_run_in_process_counts_and_one_given_up_counts_its_time_only(tmp_path):
+    handler = agent_side.count_rounds(InProcessStandIn([0, 1]))
+    pid = os.getpid()
+    assert handler.reform_in_process("round 3", 0) == 0  # the workers re-formed in round 4
+    taken = served(pid, tmp_path)
+    assert taken[f"{NAME}_rounds_total"] == 1 and taken[f"{NAME}_failures_total"] == 0
+    assert handler.reform_in_process("round 4", 0) == 1  # given up: torchrun's restart enters it
+    given_up = served(pid, tmp_path)
+    assert given_up[f"{NAME}_rounds_total"] == 1 and given_up[f"{NAME}_failures_total"] == 0
+    assert given_up[f"{NAME}_seconds_total"] >= taken[f"{NAME}_seconds_total"] > 0
+    assert given_up[f"{NAME}_in_progress"] == 0

@@ -344,7 +344,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             if any(member not in alive for member in current.members):
                 count = len(waiting)
         if self._settings.in_process and self._reform_wanted(current, waiting):
-            return self._reform(current, count)
+            return self.reform_in_process(current, count)
         return count
 
     # --- in-process rounds (module docstring) --------------------------------------------------
@@ -386,15 +386,20 @@ class RoundRendezvousHandler(RendezvousHandler):
                 self._reform_fault_logged = True
             return False
 
-    def _reform(self, current: RoundRecord, count: int) -> int:
+    def reform_in_process(self, current: RoundRecord, count: int) -> int:
         """Run round `current + 1` in process; 0 when this node's workers re-form in it, else
-        `max(count, 1)` once they were told to exit (torch restarts them, into that round)."""
+        `max(count, 1)` once they were told to exit (torch restarts them, into that round). Called
+        by `num_nodes_waiting`; public so that the agent's metrics count these rounds
+        (agent/rendezvous_metrics.py)."""
         started, target = time.monotonic(), current.round + 1
         try:
             self._board.store.set(self._mark_key(target, self._node), b"1")  # before the arrival: readers trust it
             self._silence.start(self._board.alive)
             self._board.arrive(target, self._node)
             record, problem = self._close_in_process(current)
+            if problem is None and round_handoff.all_workers_capable(self.agent_pid) is None:
+                # (a worker that failed otherwise while the round ran: torchrun restarts it, into this round)
+                problem = "a worker of this node ended or withdrew during the round"
             taken = self._agree(target, problem is None)
             if taken and record is None:  # this node gave up, but another one had taken the round in process
                 record = self._board.view(target).record
