@@ -284,7 +284,8 @@ class ElasticRun:
             # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
             settings = {"device_ids": device_ids, "init_sync": not restored}
             if self.regroup.enabled:  # its collectives must give way when a peer is lost or the agent re-forms
-                self.ddp_model = InterruptibleDDP(self.module, self._absorbs_ddps_lost_peer, **settings)
+                self.ddp_model = InterruptibleDDP(self.module, self.regroup.alarm, self._absorbs_ddps_lost_peer,
+                                                **settings)
                 self.regroup.comm_hook.install(self.ddp_model)
             else:
                 self.ddp_model = DistributedDataParallel(self.module, **settings)
@@ -379,6 +380,7 @@ class ElasticRun:
         reason, self._lost_peer = self._lost_peer, None
         self.current_step = None
         self.run_log.training_interrupted()
+        self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
         self.drain.forget_vote()
         self.state.optimizer.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ ends in torchrun's restart with the last committed step kept.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import threading
@@ -179,28 +180,54 @@ class InterruptibleCommHook:
 
 
 class InterruptibleDDP(DistributedDataParallel):
-    """DDP whose own collectives in its forward give way to an in-process re-form: the broadcast of
-    the module's buffers from rank 0 (every forward of a model with buffers, BatchNorm's) and the
-    buckets' rebuild (the second forward of every DDP). A lost peer there is handed to `absorbs`,
-    the run's (`lost_peer` and its own rules); when it takes it, the step in progress is
-    abandoned and the forward runs on the module alone, so that the loop's body goes on to
-    `step.backward` and the commit, which do nothing for an abandoned step. Anything else
-    propagates, as does an error of that local forward (a model with collectives of its own,
-    SyncBatchNorm's, on the broken group: torchrun's restart takes over)."""
+    """DDP whose own collectives in its forward give way to an in-process re-form.
 
-    def __init__(self, module: torch.nn.Module, absorbs: Callable[[RuntimeError], bool], **kwargs):
-        super().__init__(module, **kwargs)
+    - The module's buffers (BatchNorm's statistics) are broadcast from rank 0 before a forward, as
+      DDP's `broadcast_buffers` does, but by this class (DDP's own is switched off), asynchronously
+      and waited for through `alarm`: a rank whose neighbour left rather than died sees no error
+      from gloo, and the alarm fails the wait once the agent announces the next round.
+    - A lost peer there, or in DDP's rebuild of its buckets (the second forward of every DDP), is
+      handed to `absorbs`, the run's (`lost_peer` and its own rules); when it takes it, the step in
+      progress is abandoned and the forward runs on the module alone, so that the loop's body goes
+      on to `step.backward` and the commit, which do nothing for an abandoned step.
+
+    Anything else propagates, as does an error of that local forward (a model with collectives of
+    its own, SyncBatchNorm's, on the broken group). Not guaranteed: the buckets' rebuild is one
+    blocking call of DDP's; a rank waiting in it on a neighbour that left waits for the group's
+    timeout (its watchdog ends it sooner), and the restart takes over."""
+
+    def __init__(self, module: torch.nn.Module, alarm: BrokenGroupAlarm, absorbs: Callable[[RuntimeError], bool],
+                 **kwargs):
+        super().__init__(module, forward_sync_buffers=False, **kwargs)
+        self._alarm = alarm
         self._absorbs = absorbs
 
     # Eager under torch.compile, as DDP's own forward is; the module's forward inside it is compiled.
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs, **kwargs):
         try:
+            if self.require_forward_param_sync:  # when DDP itself would broadcast them
+                self._broadcast_buffers()
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:
             if not self._absorbs(exc):
                 raise
         return self.module(*inputs, **kwargs)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, one broadcast per dtype and device."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in self.module.buffers():
+            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for buffers in groups.values():
+            flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+            self._alarm.guard(dist.broadcast(flat, src=0, async_op=True).get_future()).wait()
+            if dist.get_rank() != 0:
+                offset = 0
+                for buffer in buffers:
+                    buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+                    offset += buffer.numel()
 
 
 def _interruptible_hook(hook: InterruptibleCommHook, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -285,7 +312,7 @@ class Regroup:
                 raise RejoinRefused(f"the agent restarts the workers instead: {announced.reason}")
             apply_round(announced, self.context.local_rank, self.context.local_world_size)
             context = DistributedContext.from_env(self.context.device.type, self.context.backend)
-            init_default_group(context, self.timeout)
+            self._form_group(context, stop_requested)
         finally:
             timer.cancel()
         self.context, self.round = context, announced.round
@@ -304,9 +331,33 @@ class Regroup:
                 raise RejoinRefused(f"no round from the agent within {ROUND_WAIT_S:g} s")
             time.sleep(ROUND_POLL_S)
 
+    def _form_group(self, context: DistributedContext, stop_requested: Callable[[], bool]) -> None:
+        """Initialise the new default group in a thread of its own while this one watches for
+        SIGTERM: rank 0's store and gloo's connections wait for every rank of the round, and a rank
+        that never comes (its workers ended otherwise: torchrun restarts them) would hold this
+        worker, deaf to torchrun's SIGTERM, until the group's timeout. RejoinRefused on SIGTERM
+        (the thread is left waiting; the worker ends)."""
+        failed: list[BaseException] = []
+
+        def form() -> None:
+            try:
+                init_default_group(context, self.timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                failed.append(exc)
+
+        forming = threading.Thread(target=form, name="elastic-ddp-form-group", daemon=True)
+        forming.start()
+        while forming.is_alive():
+            forming.join(ROUND_POLL_S)
+            if stop_requested():
+                raise RejoinRefused("SIGTERM while the new group formed (torchrun stops the workers)")
+        if failed:
+            raise failed[0]
+
     def _give_up(self) -> None:
-        logger.error("the in-process re-form did not end within %.0f s; ending this worker (torchrun restarts it)",
-                     REJOIN_DEADLINE_S)
+        logger.error("the in-process re-form did not end within %.0f s; ending this worker (torchrun restarts it); "
+                     "where its threads are:", REJOIN_DEADLINE_S)
+        faulthandler.dump_traceback(all_threads=True)  # to stderr: what held the re-form up
         end_worker_now(REJOIN_TIMED_OUT_EXIT_CODE)
 
 

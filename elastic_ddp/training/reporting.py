@@ -142,12 +142,18 @@ class RunLog:
                     "yes" if durable else "see rank 0" if durable is None else "NO")
 
     def stopped_early(self, reason: str) -> None:
-        """Training stopped before its end (`reason`; call `steps_counted` first). The audit log gets
-        every rank's share of the last step that counted here: a finished gradient all-reduce means
-        every rank trained its share, and a rank that died right after cannot write its line
-        (docs/failure-semantics.md)."""
+        """Training stopped before its end (`reason`; call `steps_counted` first); the audit log gets
+        every rank's share of the last step that counted (`record_every_ranks_share`)."""
         last = self._last_counted
         logger.info("training stopped at step %s (the last that counts): %s", last and last.global_step, reason)
+        self.record_every_ranks_share()
+
+    def record_every_ranks_share(self) -> None:
+        """The audit log gets every rank's share of the last step that counted here: a finished
+        gradient all-reduce means every rank trained its share, and a rank that died right after
+        cannot write its line (docs/failure-semantics.md). On every way this group ends: a stop,
+        and an in-process re-form."""
+        last = self._last_counted
         if self.audit is not None and last is not None:
             world_size = self.context.world_size
             for rank in range(world_size):

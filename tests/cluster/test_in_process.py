@@ -29,7 +29,6 @@ from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, free_port, signal_
 from tests.support.cluster import (
     EXTRA_TRAINING_ARGS,
     FAULT_MODULE,
-    HELD_MODULE,
     assert_exactly_once,
     hold_settings,
     node_logs,
@@ -59,10 +58,15 @@ def test_a_lost_node_is_absorbed_by_the_survivors_workers_in_their_own_processes
     first = world_reached(job, 6)
     reference = reference_runs([*TRAINING_ARGS, *EXTRA_TRAINING_ARGS])  # trains while the job is held
     # Mid-epoch (the newest file is of step 24), and once the group of six trains: the first two
-    # nodes may have trained without the third before it came.
-    job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == first["incarnation"]
-                       and e["global_step"] > STEPS_PER_EPOCH and e["global_step"] % STEPS_PER_EPOCH > 2, 120,
-                       "a step of the group of six, mid-epoch")
+    # nodes may have trained without the third before it came. Past the group's second step, whose
+    # forward rebuilds DDP's buckets in one blocking call (a loss there takes the restart path:
+    # in_process.InterruptibleDDP).
+    def third_step_of_six_mid_epoch() -> bool:
+        steps = [e["global_step"] for e in job.events("step") if e["incarnation"] == first["incarnation"]]
+        return len(steps) >= 3 and steps[-1] > STEPS_PER_EPOCH and steps[-1] % STEPS_PER_EPOCH > 2
+
+    wait_for(third_step_of_six_mid_epoch, 120, "a third step of the group of six, mid-epoch",
+             still_possible=lambda: None if all(node.is_running() for node in [*survivors, lost]) else "a node ended")
     killed_at = time.time()
     lost.kill()
     committed = job.last_step()
@@ -72,7 +76,9 @@ def test_a_lost_node_is_absorbed_by_the_survivors_workers_in_their_own_processes
     restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["incarnation"] == start["incarnation"], 30,
                                  "the re-formed group's restore")
     assert restore["lost_steps"] == 0 and restore["global_step"] >= committed, (restore, committed)
-    assert restore["source"] == "live", ("every survivor held the same step: nothing loaded", restore)
+    # `live` when every survivor held the same step (nothing loaded); a ring all-reduce broken at its
+    # end lets some ranks commit a step the others did not: then the newest is served from memory.
+    assert restore["source"] in ("live", "memory"), restore
     first_step = job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == start["incarnation"], 30,
                                     "the first step of the re-formed group")
     print(f"kill -> first step, in process: {first_step['time'] - killed_at:.2f} s")
@@ -175,29 +181,32 @@ def events(tmp_path, kind: str) -> list[dict]:
 
 
 def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step_kept(tmp_path, stand_in_nodes):
-    """The worker's side alone, the agents played by the test: a peer lost as the step's forward
-    begins (the survivors' DDP rebuilds its buckets there, a collective of its own: they abandon
-    the step there), a round in process (the survivors re-form on a new port and keep their own
+    """The worker's side alone, the agents played by the test: a peer lost as a step's forward
+    begins (a model with BatchNorm: the survivors' first collective of the step is the broadcast of
+    its buffers, in_process.InterruptibleDDP; they abandon the step there), a round in process (the survivors re-form on a new port and keep their own
     state), then a second loss, whose round the agent answers with a restart: the worker ends
     (torchrun would restart it), its last committed step kept in its node's memory, and nothing hangs."""
     hold = tmp_path / "hold"
     env = hold_settings(hold)["env"]
-    # Rank 2 dies as step 2's forward begins: the group's second step, whose forward rebuilds DDP's buckets.
-    env[FAULT_VARIABLE] = f"rank=2,step=2,at=forward,once={tmp_path / 'fired'}"
-    nodes = stand_in_nodes(3, stand_in_args(tmp_path), env)
+    # Rank 2 dies as step 3's forward begins (past the group's second step, whose forward rebuilds
+    # DDP's buckets in one blocking call of DDP's).
+    env[FAULT_VARIABLE] = f"rank=2,step=3,at=forward,once={tmp_path / 'fired'}"
+    nodes = stand_in_nodes(3, [*stand_in_args(tmp_path), "--model", "mini_resnet"], env)
     nodes[2].agent.wait(timeout=120)
     assert (tmp_path / "fired").exists(), nodes[2].log_text()
     first = events(tmp_path, "start")[0]
     survivors = nodes[:2]
-    wait_for(lambda: all(node.requests() for node in survivors), 60, "both survivors' requests",
-             still_possible=lambda: None if all(node.agent.poll() is None for node in survivors) else "a worker ended")
-    assert any("step 2's forward (DDP's own collectives)" in node.log_text() for node in survivors), \
-        "a survivor abandoned the step in DDP's forward"
-    assert all(node.requests()[0].broken_round == 0 for node in survivors)
+    running = lambda: None if all(node.agent.poll() is None for node in survivors) else "a worker ended"  # noqa: E731
+    # As the agents do: the round runs once one worker asks. A survivor whose broadcast waits on the
+    # one that asked (gloo tells only the dead rank's neighbours) is freed by the announcement.
+    wait_for(lambda: any(node.requests() for node in survivors), 60, "a survivor's request", still_possible=running)
     port = free_port()
     for rank, node in enumerate(survivors):
         node.announce(round_handoff.RoundAnnouncement(1, rank, 2, "127.0.0.1", port, True))
-    wait_for(lambda: len(events(tmp_path, "start")) == 2, 60, "the survivors' group")
+    wait_for(lambda: len(events(tmp_path, "start")) == 2, 60, "the survivors' group", still_possible=running)
+    logs = [node.log_text() for node in survivors]
+    assert any("step 3's forward (DDP's own collectives)" in log for log in logs), logs
+    assert not any("Timed out waiting" in log for log in logs), ("the announcement, not gloo's timeout", logs)
     start = events(tmp_path, "start")[1]
     assert start["in_process"] is True and start["world_size"] == 2, start
     assert {rank["pid"] for rank in start["ranks"]} == {rank["pid"] for rank in first["ranks"][:2]}, (first, start)
