@@ -80,6 +80,9 @@ class SnapshotCadence:
         """Rank 0, after saving `global_step` at a cost of `blocked_seconds` on the training thread
         and `writer_cpu_seconds` of a background write that competes with training (0 where a core
         is spare): the step the next budgeted snapshot is due at (to be agreed: see `agree`)."""
+        if self._clock is None:  # saved before this group's first step (an in-process re-form): probe first
+            self._clock = (global_step, time.monotonic())
+            return global_step + PROBE_STEPS
         self._blocked_total += blocked_seconds
         start_step, start_time = self._clock
         steps = max(1, global_step - start_step)

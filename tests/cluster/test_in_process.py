@@ -196,7 +196,10 @@ def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step
     assert (tmp_path / "fired").exists(), nodes[2].log_text()
     first = events(tmp_path, "start")[0]
     survivors = nodes[:2]
-    running = lambda: None if all(node.agent.poll() is None for node in survivors) else "a worker ended"  # noqa: E731
+
+    def running() -> str | None:
+        return None if all(node.agent.poll() is None for node in survivors) else "a worker ended"
+
     # As the agents do: the round runs once one worker asks. A survivor whose broadcast waits on the
     # one that asked (gloo tells only the dead rank's neighbours) is freed by the announcement.
     wait_for(lambda: any(node.requests() for node in survivors), 60, "a survivor's request", still_possible=running)

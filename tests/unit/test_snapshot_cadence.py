@@ -118,3 +118,13 @@ def test_a_ceiling_below_one_step_saves_every_step_after_the_probe(tmp_path):
     make_trainer(config).fit()
     saved = [e["global_step"] for e in snapshot_events(config, "snapshot")]
     assert saved == list(range(PROBE_STEPS, config.epochs * config.steps_per_epoch + 1)), saved
+
+
+def test_a_save_before_the_groups_first_step_probes_the_cost_again_from_there(clock):
+    """A group re-formed in process saves the state it kept before it trains a step
+    (SnapshotSession.resume_live): the budget has no step time yet, so the next snapshot is a probe."""
+    cadence = SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600)
+    assert cadence.next_due(40, blocked_seconds=0.02) == 40 + PROBE_STEPS
+    cadence.agree(40 + PROBE_STEPS)
+    clock.now += 1.0
+    assert [step for step in range(41, 41 + PROBE_STEPS) if cadence.due(step, False, False)] == [40 + PROBE_STEPS]
