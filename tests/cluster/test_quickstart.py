@@ -63,8 +63,10 @@ def test_the_quick_start_shows_a_node_killed_mid_epoch_and_back_and_the_report(c
     # still starting on a loaded machine: elastic_ddp/tools/quickstart.py), the survivors, all three again.
     assert re.search(r"World size +3 on 3 nodes \([^)]*\) -> 2 on 2 nodes \([^)]*\) -> 3 on 3 nodes \([^)]*\)$", out,
                      re.MULTILINE), out
-    lost = re.search(r"node lost: world 3 -> 2, resumed from step (\d+) from memory .*, lost 0 steps "
-                     r"\(0\.0 s\), (\d+\.\d) s without training", out)
+    # The survivors re-form in process and keep their own state (issue 44), or, where that falls
+    # back to torchrun's restart, restore from node memory.
+    lost = re.search(r"node lost: world 3 -> 2, resumed from step (\d+) from (memory .*|the survivors' own state "
+                     r"\(re-formed in process\)), lost 0 steps \(0\.0 s\), (\d+\.\d) s without training", out)
     assert lost, out
     assert int(lost.group(1)) % STEPS_PER_EPOCH != 0, "the node is killed mid-epoch"
     assert "node joined: world 2 -> 3" in out
