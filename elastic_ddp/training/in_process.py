@@ -202,8 +202,6 @@ class InterruptibleDDP(DistributedDataParallel):
         self._alarm = alarm
         self._absorbs = absorbs
 
-    # Eager under torch.compile, as DDP's own forward is; the module's forward inside it is compiled.
-    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs, **kwargs):
         try:
             if self.require_forward_param_sync:  # when DDP itself would broadcast them

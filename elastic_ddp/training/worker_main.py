@@ -13,11 +13,14 @@ torchrun reads a worker's exit code, so how a worker ends is part of the contrac
   this machine) ends it with `BAD_INPUT_EXIT_CODE` and one line, before any process group;
 - an error ends the process at once with `FAILED_EXIT_CODE`, after logging it and without tearing
   down a process group whose peer may be gone (torchrun sees the failure sooner). The run has kept
-  its last committed step before the exception reached here.
+  its last committed step before the exception reached here;
+- a fatal signal (a segmentation fault in a C++ extension, an abort) prints every thread's Python
+  stack to stderr first (`faulthandler`), so that a worker that vanished says where it was.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,6 +44,7 @@ def run_worker(config: TrainingConfig, train: Callable[[DistributedContext], Non
     process group (`--collective_timeout_s` bounds its collectives); 0 when it returns, the exit
     codes of the module docstring otherwise. `context`: from a caller that needed it first (its
     logging configured); without, it is read from torchrun's environment and logging configured."""
+    faulthandler.enable(all_threads=True)
     if context is None:
         context = DistributedContext.from_env(config.device, config.dist_backend)
         configure_worker_logging(context.rank, context.world_size)

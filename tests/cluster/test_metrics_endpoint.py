@@ -227,6 +227,10 @@ def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs
 
     # 1. The other node's worker dies: the whole group is torn down and re-formed, rank 0's process too.
     go_on(hold, before)  # (rank 0 trains: its next all-reduce fails, no SIGTERM stops it first)
+    # Past the group's second step, whose forward rebuilds DDP's buckets in one blocking call
+    # (training/in_process.py, InterruptibleDDP): the kill lands where a lost peer is told at once.
+    restored = next(e["global_step"] for e in job.events("restore") if e["incarnation"] == group["incarnation"])
+    watch.until(lambda v: v.get(f"{P}global_step", 0) >= restored + 3, 60, "the group's third step", job)
     killed_at = time.time()
     os.kill(next(r["pid"] for r in group["ranks"] if r["rank"] == 1), signal.SIGKILL)
     restarted = watch.until(new_group(2, groups + 1, before.get(f"{P}downtime_seconds_total", 0.0)), 120,
