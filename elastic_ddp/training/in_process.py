@@ -105,11 +105,11 @@ class BrokenGroupAlarm:
         self._regroup = regroup
         self._waiting: set[torch.futures.Future] = set()
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
-    def guard(self, collective: torch.futures.Future) -> torch.futures.Future:
-        """A future with `collective`'s result, or REPLACED_GROUP once the agent announced a newer round."""
+    def guard(self, collective: torch.futures.Future, first: bool = False) -> torch.futures.Future:
+        """A future with `collective`'s result (`first`: the first item of it, as a list of tensors
+        holds an all-reduce's), or REPLACED_GROUP once the agent announced a newer round."""
         guarded: torch.futures.Future = torch.futures.Future()
 
         def forward(done: torch.futures.Future) -> None:
@@ -122,23 +122,22 @@ class BrokenGroupAlarm:
             except Exception as exc:  # noqa: BLE001 - the collective's own error, handed on as it is
                 guarded.set_exception(exc)
                 return
-            guarded.set_result(value)
+            guarded.set_result(value[0] if first else value)
 
-        with self._changed:
+        with self._lock:
             self._waiting.add(guarded)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="elastic-ddp-group-alarm", daemon=True)
-                self._thread.start()
-            self._changed.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="elastic-ddp-group-alarm", daemon=True)
+            self._thread.start()
         collective.add_done_callback(forward)
         return guarded
 
     def _watch(self) -> None:
+        # A poll, not a wake-up per collective: a thread woken at every step costs the step a
+        # thread switch (docs/benchmarks.md, "What in-process re-forms cost in steady state").
         while True:
-            with self._changed:
-                self._changed.wait_for(lambda: bool(self._waiting))
             time.sleep(ALARM_POLL_S)
-            if not self._regroup.replaced():
+            if not self._waiting or not self._regroup.replaced():
                 continue
             with self._lock:
                 waiting, self._waiting = self._waiting, set()
@@ -157,8 +156,12 @@ class InterruptibleCommHook:
     def __init__(self, alarm: BrokenGroupAlarm):
         self.alarm = alarm
         self.loops_hook: tuple[object, Callable[[object, dist.GradBucket], torch.futures.Future]] | None = None
+        self._group: dist.ProcessGroup | None = None  # the default group of the DDP installed last
+        self._world_size = 1
 
     def install(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Hook `ddp`, a DDP of the default group of the moment (each re-form builds a new one)."""
+        self._group, self._world_size = dist.group.WORLD, dist.get_world_size()
         ddp.register_comm_hook(self, _interruptible_hook)
         ddp.register_comm_hook = self.register  # the loop's hook goes through this one
 
@@ -174,9 +177,9 @@ class InterruptibleCommHook:
             state, hook = self.loops_hook
             return self.alarm.guard(hook(state, bucket))
         tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size())
-        reduced = dist.all_reduce(tensor, async_op=True).get_future()
-        return self.alarm.guard(reduced.then(lambda done: done.value()[0]))
+        tensor.div_(self._world_size)
+        # The group's own call, as DDP's C++ hook makes it (dist.all_reduce adds its Python checks and logging).
+        return self.alarm.guard(self._group.allreduce([tensor]).get_future(), first=True)
 
 
 class InterruptibleDDP(DistributedDataParallel):
@@ -201,10 +204,11 @@ class InterruptibleDDP(DistributedDataParallel):
         super().__init__(module, forward_sync_buffers=False, **kwargs)
         self._alarm = alarm
         self._absorbs = absorbs
+        self._has_buffers = any(True for _ in module.buffers())  # (walking the modules costs every forward)
 
     def forward(self, *inputs, **kwargs):
         try:
-            if self.require_forward_param_sync:  # when DDP itself would broadcast them
+            if self._has_buffers and self.require_forward_param_sync:  # when DDP itself would broadcast them
                 self._broadcast_buffers()
             return super().forward(*inputs, **kwargs)
         except RuntimeError as exc:
