@@ -100,8 +100,9 @@ class ChaosReport:
             lines.append(f"  [{record.index}] {record.description}: {', '.join(details)}")
         lines.append(f"  final step {self.final_step} (expected {self.expected_final_step}); "
                      f"exactly once: {'yes' if not self.exactly_once_problems else 'NO'}; "
-                     f"{len(self.restores)} restores ({sum(r['source'] in ('memory', 'live') for r in self.restores)} "
-                     f"from memory), all trusted: {'yes' if all(r['trusted'] for r in self.restores) else 'NO'}; "
+                     f"{len(self.restores)} restores ({sum(r['source'] == 'memory' for r in self.restores)} from memory, "
+                     f"{sum(r['source'] == 'live' for r in self.restores)} kept in process), "
+                     f"all trusted: {'yes' if all(r['trusted'] for r in self.restores) else 'NO'}; "
                      f"steps lost: {[r['lost_steps'] for r in self.restores]}")
         lines += [f"  problem: {problem}" for problem in self.problems]
         return "\n".join(lines)

@@ -112,3 +112,4 @@ def test_the_report_trusts_the_survivors_own_state_of_a_committed_step_when_they
     ])
     assert [(r["source"], r["trusted"]) for r in report.restores] == [("live", True), ("live", False)]
     assert "restore of step 9 from memory is not a verified copy of a committed step" in report.problems
+    assert "2 restores (0 from memory, 2 kept in process)" in report.summary()
