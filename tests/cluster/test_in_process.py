@@ -227,3 +227,35 @@ def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step
     assert "the agent restarts the workers instead: a member arrived without the in-process mark" in log, log
     kept = [event for event in events(tmp_path, "memory_copy") if event["reason"].startswith("RejoinRefused")]
     assert kept and kept[-1]["global_step"] >= restore["global_step"], "the last step kept for torchrun's restart"
+
+
+def test_a_node_lost_while_the_survivors_re_form_ends_in_torchruns_restart_not_a_hang(local_jobs, tmp_path):
+    """Two nodes lost one after the other, the second while the survivors form the group of the
+    round their agents took in process: the last survivor's group never forms. It waits at most
+    the collective timeout, keeps its step, and torchrun restarts it; the job ends with every promise."""
+    epochs = 4  # (paced: the job outlasts the scenario)
+    settings = hold_settings(tmp_path / "hold")
+    settings["module"] = FAULT_MODULE
+    settings["env"][FAULT_VARIABLE] = f"rank=1,step=1,at=reform,once={tmp_path / 'fired'}"
+    args = [*TRAINING_ARGS, "--epochs", str(epochs), "--collective_timeout_s", "5"]
+    job = local_jobs(args, launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None, monitor_interval=None,
+                     **settings)
+    nodes = [job.add_node(name) for name in ("a", "b", "c")]
+    first = world_reached(job, 3)
+    node_of = {rank["rank"]: next(node for node in nodes if node.pid == rank["agent_pid"]) for rank in first["ranks"]}
+    wait_for(lambda: len([e for e in job.events("step") if e["incarnation"] == first["incarnation"]]) >= 3, 120,
+             "a third step of the group of three (past the buckets' rebuild)",
+             still_possible=lambda: None if all(node.is_running() for node in nodes) else "a node ended")
+    killed_at = time.time()
+    node_of[2].kill()  # the first loss; rank 1's node dies as the survivors form their group (the fault)
+    wait_for(lambda: (tmp_path / "fired").exists(), 60, "the second loss, during the re-form")
+    alone = job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 1 and e["time"] > killed_at, 90,
+                               "the last survivor's group")
+    assert alone["in_process"] is False, ("torchrun's restart, not another re-form", alone)
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["incarnation"] == alone["incarnation"], 30,
+                                 "its restore")
+    assert restore["lost_steps"] == 0 and restore["source"] == "memory", restore
+    release(tmp_path / "hold")
+    assert node_of[0].wait(timeout=120) == 0, node_logs(job)
+    assert "the in-process re-form did not end" not in node_of[0].log_text(), "bounded by the group's timeout"
+    assert_exactly_once(job, DATASET, epochs, BATCH)

@@ -14,6 +14,10 @@ kill from outside can only hit by chance:
   step boundary's collectives: the other ranks' first collective of the step is one of DDP's own
   in its forward (the buckets' rebuild in a group's second step, the buffers' broadcast of a model
   with buffers).
+- `at=reform`: rank 3's whole node dies (its torchrun agent, then the worker itself, both
+  SIGKILLed) when, in an in-process re-form after step 30 (training/in_process.py), the round was
+  taken in process and the worker is about to form the new group: a second node lost during
+  the re-form itself.
 `once` names a file created when the fault fires, so that it fires once per job, whatever the
 restarts. Several faults, one per moment, are separated by `;` (each with its own `once`).
 Every rank installs the same hooks (with `at=allreduce`, the comm hook of torch's default
@@ -31,11 +35,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from elastic_ddp import train
 from elastic_ddp.chaos.held_train import held
-from elastic_ddp.runtime.distributed import exit_worker
+from elastic_ddp.runtime.distributed import agent_pid, exit_worker
 from elastic_ddp.testbed.local_cluster import wait_for
 
 FAULT_VARIABLE = "ELASTIC_DDP_TEST_FAULT"
-FAULT_MOMENTS = ("allreduce", "after_allreduce", "forward")
+FAULT_MOMENTS = ("allreduce", "after_allreduce", "forward", "reform")
 PEERS_COMMIT_TIMEOUT_S = 120
 
 
@@ -59,6 +63,19 @@ class FaultSwitch:
             trainer.run.ddp_model.register_comm_hook(None, self._all_reduce)
         elif self.moment == "forward":
             trainer.run.ddp_model.register_forward_pre_hook(self._before_forward)
+        elif self.moment == "reform":
+            regroup = trainer.run.regroup
+            form_group = regroup._form_group  # the test's way into the re-form: no public hook there
+
+            def form_group_unless_armed(*args, **kwargs):
+                if (trainer.context.rank == self.rank and trainer.global_step >= self.step
+                        and not self.once.exists()):
+                    self.once.touch()
+                    os.kill(agent_pid(), signal.SIGKILL)  # the node's agent: its beacon closes with it
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return form_group(*args, **kwargs)
+
+            regroup._form_group = form_group_unless_armed
         else:
             trainer.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
