@@ -5,7 +5,8 @@ The torchrun agent runs our rendezvous handler (`--rdzv_backend=elastic-c10d` or
 `next_rendezvous`, so that every round, from the agent's entry to the worker group's world, is
 counted, and its `reform_in_process`, the rounds it runs for its running workers (a lost node's
 survivors re-form in process, issue 44): one taken in process counts as a round; one given up
-counts its time only (torchrun's restart then enters that round through `next_rendezvous`). After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
+counts its time only (torchrun's restart then enters that round through `next_rendezvous`).
+After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
 whose format and checks `elastic_ddp.rendezvous_figures` holds, the whole contract with the node's
 metrics server (runlog/metrics_agent.py), which serves them as `elastic_ddp_agent_rendezvous_*`.
 

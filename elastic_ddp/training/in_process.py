@@ -7,8 +7,8 @@ worker whose process group broke because a peer died keeps its process instead:
 1. `ElasticRun` catches the broken collective where the run owns the call (the gradients'
    all-reduce in `step.backward`, the drain vote at a step boundary, the run's own work after a
    commit, and DDP's own collectives in its forward: `InterruptibleDDP`; `lost_peer`), abandons
-   the step in progress and stops its watchdog. A rank whose
-   collective waits on a neighbour that left rather than died sees no error from gloo: its
+   the step in progress and stops its watchdog. A rank whose collective waits on a neighbour
+   that left rather than died sees no error from gloo: its
    collectives are waited for through `BrokenGroupAlarm`, which fails them once the agent
    announces a newer round.
 2. `Regroup.rejoin` asks this node's agent for a new round (`round_handoff.request_reform`),
@@ -26,9 +26,10 @@ When it applies (`Regroup.start` says why not, in one log line): the agent publi
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
 DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
 (gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
-failure in the loop's own code (its model's own collectives, its own all-reduces), a join (slice 1: torchrun restarts
-the workers), a step that broke again right after a re-form (no re-form loop on a bug). Each
-ends in torchrun's restart with the last committed step kept.
+failure in the loop's own code (its model's own collectives, its own all-reduces), a join
+(slice 1: torchrun restarts the workers), a step that broke again right after a re-form (no
+re-form loop on a bug), a node lost while the new group forms (rank 0's store waits for it until
+the group's timeout). Each ends in torchrun's restart with the last committed step kept.
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ class InterruptibleCommHook:
 class InterruptibleDDP(DistributedDataParallel):
     """DDP whose own collectives in its forward give way to an in-process re-form.
 
-    - The module's buffers (BatchNorm's statistics) are broadcast from rank 0 before a forward, as
-      DDP's `broadcast_buffers` does, but by this class (DDP's own is switched off), asynchronously
+    - The module's buffers (BatchNorm's statistics) are broadcast from rank 0 before a forward, when
+      DDP's own `forward_sync_buffers` would, but by this class (DDP's is switched off), asynchronously
       and waited for through `alarm`: a rank whose neighbour left rather than died sees no error
       from gloo, and the alarm fails the wait once the agent announces the next round.
     - A lost peer there, or in DDP's rebuild of its buckets (the second forward of every DDP), is
