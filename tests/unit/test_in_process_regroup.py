@@ -229,11 +229,12 @@ def _params(model: torch.nn.Module) -> list:
 # 1. A lost peer.
 
 _KILL_AFTER_STEPS = 20
+_LOST_PEER_GROUP_TIMEOUT_S = 20
 
 
 def _lost_peer_rank(rank: int, out: Connection, commands: Connection, port: int, new_port: int,
                     remove_hooks: bool) -> None:
-    _init(rank, 3, port, timeout_s=20)
+    _init(rank, 3, port, timeout_s=_LOST_PEER_GROUP_TIMEOUT_S)
     model = _model(seed=0)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -287,13 +288,16 @@ def _lost_peer_rank(rank: int, out: Connection, commands: Connection, port: int,
     _report(out, "done", rank)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("remove_hooks", [pytest.param(True, marks=probe_only), False], ids=["hooks-removed", "hooks-kept"])
 def test_a_lost_peer_fails_fast_and_the_survivors_regroup_in_process(children: _Children, remove_hooks: bool):
     """Finding: after a SIGKILL of rank 2, ranks 0 and 1 fail in their next DDP backward with a plain
     `RuntimeError` from gloo's tcp transport ("Connection closed by peer" or "Read error ...
-    Connection reset by peer"), not a `DistError`, tens of milliseconds after the kill (not after
-    the 20 s group timeout). `destroy_process_group()` returns at once; a world-2 group forms on a
+    Connection reset by peer"), not a `DistError`: at least one of them tens of milliseconds after
+    the kill; the other one too, or, when its collective waited on the survivor that failed and
+    left rather than on the dead rank, only at the 20 s group timeout (seen once in CI,
+    2026-11-29: the reason the run waits for its own collectives through an alarm,
+    training/in_process.py). `destroy_process_group()` returns at once; a world-2 group forms on a
     new port in the same processes; a new DDP around the same module trains with gradients equal to
     the mean of the survivors' local gradients. Without `_remove_autograd_hooks()` the old DDP's
     hooks stay on the parameters but do nothing (its reducer no longer expects a backward): the
@@ -304,15 +308,16 @@ def test_a_lost_peer_fails_fast_and_the_survivors_regroup_in_process(children: _
     children.expect("reached", 2, timeout=_START_S)
     killed_at = children.signal(2, signal.SIGKILL)
 
-    failed = children.expect_all("failed", [0, 1], timeout=10)
+    failed = children.expect_all("failed", [0, 1], timeout=_LOST_PEER_GROUP_TIMEOUT_S + 5)
     regrouped = children.expect_all("regrouped", [0, 1], timeout=20)
+    assert min(failed[rank]["t"] for rank in (0, 1)) - killed_at < 5.0, failed  # fast, far below the timeout
     children.expect_all("done", [0, 1], timeout=10)
 
     for rank in (0, 1):
         report = failed[rank]
         assert report["mro"] == ["RuntimeError", "Exception", "BaseException", "object"], report
         assert "gloo/transport/tcp" in report["message"] and "peer" in report["message"], report
-        assert report["t"] - killed_at < 5.0, report  # fast, far below the 20 s group timeout
+        assert report["t"] - killed_at < _LOST_PEER_GROUP_TIMEOUT_S + 2, report  # at the latest, the timeout
         after = regrouped[rank]
         assert (after["rank_now"], after["world_now"]) == (rank, 2)
         assert after["destroy_s"] < 1.0
