@@ -382,12 +382,16 @@ class ElasticRun:
         self.run_log.training_interrupted()
         self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
+        # Kept before the round, not only on the way out of a fallback: a worker that torchrun's
+        # restart ends meanwhile must lose nothing however it ends (seen in CI: one vanished
+        # without a word after its agent gave the round up, and its step was not kept).
+        self.snapshots.keep_in_memory(self.state, f"in-process re-form: {reason}")
         self.drain.forget_vote()
         self.state.optimizer.zero_grad(set_to_none=True)
         self._unhook_the_broken_wrapper()
         re_formed = _ReFormed(reason, self.snapshots.committed_in(self.global_step), self.context.world_size)
         # RejoinRefused propagates with this incarnation still open: on its way out it keeps the last
-        # committed step in node memory, which torchrun's restart then restores.
+        # committed step in node memory (already there), which torchrun's restart then restores.
         context = self.regroup.rejoin(reason, lambda: self.drain.requested)
         self._leave_incarnation(GroupReformed, GroupReformed(reason), None)  # closes its log and snapshots
         self.context = context
