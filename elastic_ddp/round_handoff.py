@@ -15,7 +15,7 @@ One private directory per agent, made by the agent (`open_handoff`), removed by 
                                     my process group of round 3 broke; please run a new round (`request_reform`)
         round.json                  agent -> workers (`publish_round`):
         {"round": 4, "group_rank": 0, "group_world_size": 2, "master_addr": "10.0.0.1",
-         "master_port": 29517, "in_process": true, "reason": ""}
+         "master_port": 29517, "in_process": true, "joined": 0, "reason": ""}
 
 A worker finds the directory from its agent's pid (`runtime.distributed.agent_pid()`), so nothing
 is passed in the environment. Local ranks run from 0 to `MAX_LOCAL_WORLD_SIZE - 1`. Every file is
@@ -103,12 +103,16 @@ class RoundAnnouncement:
     # restart) the workers for this round.
     in_process: bool
     reason: str = ""  # one line: why not in process ("" when in process); <= 500 chars
+    # Nodes new to the group in this round (>= 0, < group_world_size): with newcomers the survivors
+    # restore as after a restart (theirs is the newest state, which the newcomers receive).
+    joined: int = 0
 
     def __post_init__(self) -> None:
         _check_int("round", self.round, 0, MAX_COUNT)
         _check_int("group_world_size", self.group_world_size, 1, MAX_COUNT)
         _check_int("group_rank", self.group_rank, 0, self.group_world_size - 1)
         _check_int("master_port", self.master_port, 1, 65535)
+        _check_int("joined", self.joined, 0, self.group_world_size - 1)
         if not isinstance(self.master_addr, str):
             raise TypeError(f"master_addr {self.master_addr!r}: a string is wanted")
         if not _is_address(self.master_addr):
@@ -184,6 +188,7 @@ def publish_round(agent_pid: int, announcement: RoundAnnouncement) -> None:
         "master_addr": announcement.master_addr,
         "master_port": announcement.master_port,
         "in_process": announcement.in_process,
+        "joined": announcement.joined,
         "reason": announcement.reason,
     }
     _write_whole(handoff_directory(agent_pid) / ROUND_FILE, fields)

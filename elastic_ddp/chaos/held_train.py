@@ -10,8 +10,9 @@ at full speed. What the file says decides how it holds:
 - empty: every optimizer step of every rank ends with a sleep of HELD_STEP_S, so the job keeps
   training (its collectives keep running, so failures are seen at once) at a slow pace;
 - `pause_at=N` (`pause_at`): the same pace, and every rank stops after step N until the file
-  changes or the worker gets SIGTERM (torchrun stopping the group for a join must not wait), so
-  that a scenario that takes long (a join) happens mid-epoch;
+  changes, the worker gets SIGTERM (torchrun stopping the group for a join must not wait) or its
+  agent took a new round in process (the group re-forms for a join), so that a scenario that
+  takes long (a join) happens mid-epoch;
 - `run_to=N` (`run_to`): full speed up to step N, then the same stop: for a player that knows
   the step of its next fault (the chaos harness), no step is slowed down.
 
@@ -95,7 +96,10 @@ def held(after_step: Callable | None = None, hold: str | None = None) -> Callabl
         paced, stop_after = read_hold(hold)
         if trainer.global_step >= stop_after:
             trainer.run.wait_until_counted()  # the step stopped after is reported while the job waits
-        while not trainer.run.drain.requested and trainer.global_step >= stop_after:
+        # SIGTERM (torchrun restarts the group) or a round the agent took in process (a join the
+        # workers take without a restart) ends a stop: the group must change before it goes on.
+        while not trainer.run.drain.requested and not trainer.run.regroup.replaced() \
+                and trainer.global_step >= stop_after:
             time.sleep(PAUSE_POLL_S)
             paced, stop_after = read_hold(hold)
         if paced:

@@ -40,7 +40,8 @@ block early without an exception (a `break`) makes the last committed step durab
 With our rendezvous, a lost node's survivors keep their processes (in_process.py): the step in
 progress is abandoned (a forward whose DDP collectives broke runs on the module alone; backward,
 clipping and commit do nothing; no further micro-batch is read; `run.group_broken` is True) and
-redone in the re-formed group, whose rank and world size the run's accessors then give.
+redone in the re-formed group, whose rank and world size the run's accessors then give. A joining
+node is let in at a step boundary the same way, without abandoning a step.
 
 Not guaranteed: one optimizer (a second one of the loop's own is neither stepped nor checked, but
 its state may travel in `extra_state`); a loop that changes the model or the optimizer's
@@ -87,6 +88,9 @@ from elastic_ddp.workload.losses import check_per_sample
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
+
+# How long a rank leaving a working group for a new round (a join) waits for the loss report in flight.
+SWITCH_REPORT_WAIT = timedelta(seconds=1)
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -238,12 +242,15 @@ class ElasticRun:
             exits.enter_context(guard.watching_peers(incarnation))
             log.started(in_process=re_formed is not None)
             snapshots.start()
-            if re_formed is not None and snapshots.resume_live(self.state, re_formed.committed_in):
+            # With newcomers, every rank restores as after a restart (the collectives of a fresh worker's
+            # entry): the survivors' kept step is the newest, served to the newcomers.
+            if re_formed is not None and not self.regroup.joined \
+                    and snapshots.resume_live(self.state, re_formed.committed_in):
                 sampler = self.state.sampler
                 log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
-            else:
-                if re_formed is not None:  # a broken all-reduce let some ranks commit a step the others did not
-                    guard.keep(f"in-process re-form: {re_formed.reason}")  # the newest one is served to the others
+            else:  # (after a re-form: newcomers, or a broken all-reduce let some ranks commit a step the others
+                # did not) each rank kept its step as the re-form began, with the world that committed it;
+                # the newest copy is served to the others
                 log.restored(snapshots.restore(self.state))
             self._wrap_model(restored=self.global_step > 0)
             exits.enter_context(guard.keeping_the_last_step())
@@ -329,6 +336,10 @@ class ElasticRun:
                                             "for; end every step with step.commit() (or `with step.committing():`)")
                 if self._lost_peer is None:
                     self._step_boundary()
+                if self._lost_peer is None and self.regroup.replaced():  # a join (or a loss elsewhere)
+                    self.run_log.group_changes(SWITCH_REPORT_WAIT)
+                    self._lost_peer = f"the agent took a new round in process after step {self.global_step}"
+                    logger.info("%s; re-forming the group", self._lost_peer)
                 if self._lost_peer is not None:
                     self._re_form_in_process()
                     return  # `steps()` plans the rest of the epoch for the new world

@@ -1,4 +1,4 @@
-"""A worker's side of re-forming the process group in process when a node is lost (issue 44).
+"""A worker's side of re-forming the process group in process when a node is lost or joins (issue 44).
 
 torchrun ends every worker of every node when the membership changes, and starts new ones. With our
 rendezvous (`--rdzv_backend elastic-c10d` or `etcd-v3`, `--rdzv_conf in_process=1`, the default), a
@@ -22,12 +22,17 @@ worker whose process group broke because a peer died keeps its process instead:
    holding the same committed step keeps its own state (`SnapshotSession.resume_live`; else they
    restore as after a restart), a new DDP, and the steps go on from the last committed one.
 
+A node that joins is let in the same way: its torchrun arrives at the next round, the running
+agents take that round in process, and each running worker switches at its next step boundary
+(`Regroup.replaced`), its step committed: every rank of the new group then restores as after a
+restart (the survivors' kept step is the newest; the newcomers' fresh workers receive it).
+
 When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
 DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
 (gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
-failure in the loop's own code (its model's own collectives, its own all-reduces), a join
-(slice 1: torchrun restarts the workers), a step that broke again right after a re-form (no
+failure in the loop's own code (its model's own collectives, its own all-reduces), a step that
+broke again right after a re-form (no
 re-form loop on a bug), a node lost while the new group forms (rank 0's store waits for it until
 the group's timeout). Each ends in torchrun's restart with the last committed step kept.
 """
@@ -251,14 +256,29 @@ class Regroup:
         self.timeout = timeout
         self.enabled = False
         self.round: int | None = None  # the round this worker's group belongs to
+        self.joined = 0  # nodes new to the group in the last re-form (RoundAnnouncement.joined)
         self.alarm = BrokenGroupAlarm(self)
         self.comm_hook = InterruptibleCommHook(self.alarm)
         self._agent = 0
+        self._seen_round_file: tuple[int, int] | None = None  # (inode, mtime) of round.json read last
 
     def replaced(self) -> bool:
-        """Whether the agent announced a round after this worker's group (not a collective)."""
-        announced = round_handoff.read_round(self._agent) if self.enabled else None
-        return announced is not None and self.round is not None and announced.round > self.round
+        """Whether the agent announced a round after this worker's group (not a collective). Cheap
+        enough for every step boundary: round.json is read only when it changed (the agent
+        replaces it whole: a new inode)."""
+        if not self.enabled or self.round is None:
+            return False
+        try:
+            info = os.stat(round_handoff.handoff_directory(self._agent) / round_handoff.ROUND_FILE)
+        except OSError:
+            return False
+        if (info.st_ino, info.st_mtime_ns) == self._seen_round_file:
+            return False
+        announced = round_handoff.read_round(self._agent)
+        if announced is not None and announced.round > self.round:
+            return True
+        self._seen_round_file = (info.st_ino, info.st_mtime_ns)  # nothing newer in it: not read again
+        return False
 
     def start(self) -> None:
         """Declare this worker able to re-form in process, or log once why it is not."""
@@ -308,7 +328,8 @@ class Regroup:
         timer.daemon = True
         timer.start()
         try:
-            round_handoff.request_reform(self._agent, self.context.local_rank, self.round, reason)
+            if not self.replaced():  # (a join: the agent took the round already)
+                round_handoff.request_reform(self._agent, self.context.local_rank, self.round, reason)
             destroy_default_group()
             announced = self._wait_for_round(started, stop_requested)
             if not announced.in_process:
@@ -318,9 +339,9 @@ class Regroup:
             self._form_group(context, stop_requested)
         finally:
             timer.cancel()
-        self.context, self.round = context, announced.round
-        logger.info("re-formed in process as rank %d of %d (round %d) in %.2f s", context.rank, context.world_size,
-                    announced.round, time.monotonic() - started)
+        self.context, self.round, self.joined = context, announced.round, announced.joined
+        logger.info("re-formed in process as rank %d of %d (round %d, %d new node(s)) in %.2f s", context.rank,
+                    context.world_size, announced.round, announced.joined, time.monotonic() - started)
         return context
 
     def _wait_for_round(self, started: float, stop_requested: Callable[[], bool]) -> RoundAnnouncement:

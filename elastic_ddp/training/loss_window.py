@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,18 +65,18 @@ class LossWindow:
         self._pending = (work, totals, global_step, epoch, lr, samples_per_second)
         self._reset()
 
-    def take_report(self, wait: bool = False) -> WindowReport | None:
-        """The last closed window once its reduce has completed (with `wait`, waits for it); None
-        when there is none or it is still in flight. Each window is returned once; a failed reduce
-        raises its error (and the window is gone)."""
+    def take_report(self, wait: bool = False, timeout: timedelta | None = None) -> WindowReport | None:
+        """The last closed window once its reduce has completed (with `wait`, waits for it, at most
+        `timeout` when given); None when there is none or it is still in flight. Each window is
+        returned once; a failed or timed-out reduce raises its error (and the window is gone)."""
         if self._pending is None:
             return None
         work, totals, global_step, epoch, lr, samples_per_second = self._pending
         if work is not None and not wait and not work.is_completed():
             return None
         self._pending = None  # before the wait: a failed reduce is raised once
-        if work is not None:
-            work.wait()  # at once when completed; raises if the reduce failed
+        if work is not None:  # at once when completed; raises if the reduce failed
+            work.wait() if timeout is None else work.wait(timeout)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         return WindowReport(global_step, epoch, lr, loss, samples_per_second)
 

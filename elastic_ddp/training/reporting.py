@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -254,6 +255,13 @@ class RunLog:
         if self.scalars is not None:
             self.scalars.add(global_step, time.time(), loss=loss, lr=lr, samples_per_second=samples_per_second,
                              world_size=world_size)
+
+    def group_changes(self, timeout: timedelta) -> None:
+        """The group is re-formed at this step boundary while it works (a join): report the window
+        whose reduce is in flight, waiting for it at most `timeout` (every rank closed it, so it
+        completes unless a peer is lost meanwhile; then it is dropped, as `training_interrupted` does)."""
+        with contextlib.suppress(Exception):
+            self._report(self.window.take_report(wait=True, timeout=timeout))
 
     def training_interrupted(self) -> None:
         """Training raised: report a window already reduced before the failure, never waiting for

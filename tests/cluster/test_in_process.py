@@ -1,10 +1,11 @@
-"""Survivors never restart (issue 44): a node lost mid-epoch costs the survivors' workers no process.
+"""Survivors never restart (issue 44): a node lost or joining mid-epoch costs the running workers no process.
 
 Real torchrun agents (stock torchrun, `--rdzv_backend=elastic-c10d`, the defaults: `in_process=1`)
 as three nodes of two workers on 127.0.0.1, real gloo, a real SIGKILL of a whole node. The
 survivors' workers catch the broken all-reduce, their agents run the next round for them while
 torchrun sees healthy workers, and they re-form the group in their own processes
-(elastic_ddp/training/in_process.py). Snapshot files are written only at epoch ends, so a restore
+(elastic_ddp/training/in_process.py); a node that joins later is let in the same way, its
+workers started by its torchrun and given the survivors' state. Snapshot files are written only at epoch ends, so a restore
 that loses nothing comes from the survivors' memory; exactly once is read from the audit log, and
 the model is compared with one uninterrupted process.
 """
@@ -24,6 +25,7 @@ import pytest
 from elastic_ddp import round_handoff
 from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs
+from elastic_ddp.chaos.held_train import pause_at
 from elastic_ddp.round_handoff import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, free_port, signal_tree, wait_for
 from tests.support.cluster import (
@@ -48,11 +50,14 @@ PARAMETER_TOLERANCE = 1e-4  # as tests/cluster/test_zero_loss.py
 RESTARTED = "will restart worker group"  # what torch's agent logs before it restarts its workers
 
 
-def test_a_lost_node_is_absorbed_by_the_survivors_workers_in_their_own_processes(local_jobs, tmp_path,
-                                                                                   reference_runs):
+def test_a_lost_node_and_a_joining_one_are_absorbed_by_the_survivors_workers_in_their_own_processes(
+        local_jobs, tmp_path, reference_runs):
     hold = tmp_path / "hold"
+    # Paced, and stopped before the last steps: the join below must come mid-epoch, before the end.
+    join_at = 2 * STEPS_PER_EPOCH - 4
     job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, rdzv_backend=BACKEND_NAME, rdzv_conf=None,
                      monitor_interval=None, nproc_per_node=2, **hold_settings(hold))
+    pause_at(hold, join_at)
     survivors = [job.add_node("host"), job.add_node("other")]
     lost = job.add_node("lost")
     first = world_reached(job, 6)
@@ -89,14 +94,32 @@ def test_a_lost_node_is_absorbed_by_the_survivors_workers_in_their_own_processes
     assert len(before) == 4 and after == before, ("the survivors' workers are the same processes", first, start)
     assert sorted(rank["rank"] for rank in start["ranks"]) == [0, 1, 2, 3], start
 
+    # A node joins: the survivors, stopped after step `join_at`, take it in process too.
+    job.wait_for_event(lambda e: e["event"] == "step" and e["global_step"] >= join_at, 60, f"step {join_at}")
+    joined_at = time.time()
+    joiner = job.add_node("joiner")
+    grown = job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == 6 and e["time"] > joined_at,
+                               90, "the group of the survivors and the joiner")
+    assert grown["in_process"] is True, grown
+    restored = job.wait_for_event(lambda e: e["event"] == "restore" and e["incarnation"] == grown["incarnation"], 30,
+                                  "the grown group's restore")
+    assert restored["lost_steps"] == 0 and restored["global_step"] >= join_at, restored
+    grown_step = job.wait_for_event(lambda e: e["event"] == "step" and e["incarnation"] == grown["incarnation"], 30,
+                                    "the first step of the grown group")
+    print(f"join -> first step of the grown group: {grown_step['time'] - joined_at:.2f} s")
+    still = {rank["pid"] for rank in grown["ranks"] if rank["agent_pid"] in survivor_agents}
+    assert still == before, ("the survivors' workers are still the same processes", start, grown)
+    assert sorted(rank["rank"] for rank in grown["ranks"]) == list(range(6)), grown
+
     release(hold)
-    # torch's agents still count the lost node in their exit barrier: without the handler's
-    # compensation they would wait 300 s for it.
-    assert all(node.wait(timeout=90) == 0 for node in survivors), node_logs(job)
+    # torch's agents still count the lost node in their exit barrier (and the joiner's counts the
+    # survivors, which hold an older round of torch's): without the handler's compensation they
+    # would wait 300 s for them.
+    assert all(node.wait(timeout=90) == 0 for node in [*survivors, joiner]), node_logs(job)
     for node in survivors:
         assert RESTARTED not in node.log_text(), node_logs(job)
-    assert [e["world_size"] for e in job.events("start") if e["time"] >= first["time"]] == [6, 4], \
-        "the group of six, then the survivors' group: no restart"
+    assert [e["world_size"] for e in job.events("start") if e["time"] >= first["time"]] == [6, 4, 6], \
+        "the group of six, the survivors' group, the group with the joiner: no restart"
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
     equivalence = compare_runs(reference.result(timeout=300), job.checkpoint_dir)
     # A step committed just before the node died may lack its loss (its reduction needed the dead ranks).

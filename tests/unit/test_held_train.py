@@ -19,6 +19,7 @@ def trainer_at(step: int, counted: list[int] | None = None) -> SimpleNamespace:
     """A trainer at `step`; its run's `wait_until_counted` appends the step to `counted`."""
     counted = [] if counted is None else counted
     return SimpleNamespace(global_step=step, run=SimpleNamespace(drain=SimpleNamespace(requested=False),
+                                                                 regroup=SimpleNamespace(replaced=lambda: False),
                                                                  wait_until_counted=lambda: counted.append(step)))
 
 
@@ -70,7 +71,7 @@ def test_run_to_trains_at_full_speed_and_stops_until_the_file_changes(tmp_path, 
     assert held_train.HELD_STEP_S not in sleeps
 
 
-def test_the_pace_sleeps_every_step_and_a_drain_ends_a_stop(tmp_path, sleeps):
+def test_the_pace_sleeps_every_step_and_a_drain_or_an_in_process_round_ends_a_stop(tmp_path, sleeps):
     hold = tmp_path / "hold"
     held_train.pause_at(hold, 3)
     hook = held_train.held(hold=str(hold))
@@ -79,9 +80,12 @@ def test_the_pace_sleeps_every_step_and_a_drain_ends_a_stop(tmp_path, sleeps):
     draining = trainer_at(3)
     draining.run.drain.requested = True  # torchrun stops the group for a join: it must not wait
     hook(draining)
+    joining = trainer_at(3)
+    joining.run.regroup.replaced = lambda: True  # the agent took a join in process: nor must it wait
+    hook(joining)
     held_train.release(hold)
     hook(trainer_at(4))
-    assert sleeps == [held_train.HELD_STEP_S] * 2
+    assert sleeps == [held_train.HELD_STEP_S] * 3
 
 
 def test_the_harness_stops_the_job_at_each_faults_step_and_releases_it_after_the_last(tmp_path):

@@ -12,10 +12,11 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, SimpleElasticAgent, WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.utils import store as store_util
 
@@ -35,7 +36,7 @@ from tests.support.rendezvous import Background, each_together, ranks_by_node
 pytestmark = pytest.mark.timeout(60)
 
 A, B, C = (NodeDesc("127.0.0.1", 101 + i, 0) for i in range(3))  # ranks A, B, C: names sort so
-FAKE_AGENT_PIDS = {A: 4_000_001, B: 4_000_002, C: 4_000_003}  # above Linux's pid_max: no real agent
+FAKE_AGENT_PIDS = {A: 4_000_001, B: 4_000_002, C: 4_000_003, NodeDesc("127.0.0.1", 100, 0): 4_000_004}  # above Linux's pid_max: no real agent
 
 MADE: list[RoundRendezvousHandler] = []
 
@@ -136,7 +137,9 @@ def test_the_survivors_of_a_lost_node_run_the_next_round_in_process_and_torch_se
     ended = []
 
     def exit_barrier(made: RoundRendezvousHandler) -> None:
-        store_util.barrier(made._torch_store, 3, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+        store = PrefixStore("torch.rendezvous.run.0",
+                            TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
+        store_util.barrier(store, 3, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
         ended.append(made.node)
 
     barriers = [threading.Thread(target=exit_barrier, args=(made,), daemon=True) for made in (a, b)]
@@ -154,15 +157,19 @@ def test_the_exit_barrier_counts_the_lost_node_in_whether_the_survivors_end_befo
     assert ended_together(server, "p1", lost_counted_first=True) == [1, 1]
 
 
-def ended_together(server: TCPStore, prefix: str, lost_counted_first: bool) -> list[int]:
-    """Two survivors of a world of 3 in torch's exit barrier over `prefix`; the third counted in by
-    the handler of group rank 0 before or after they reach it. One 1 per survivor that passed.
-    Each agent has a store client of its own (a client's `wait` holds its connection)."""
+def ended_together(server: TCPStore, run_id: str, lost_counted_first: bool) -> list[int]:
+    """Two survivors of torch's round 0 of 3 nodes in torch's exit barrier; the third counted in
+    by the handler of group rank 0 of the in-process round 1 before or after they reach it. One 1
+    per survivor that passed. Each agent has a store client of its own (a client's `wait` holds its
+    connection)."""
     def client() -> PrefixStore:
-        return PrefixStore(prefix, TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
+        return PrefixStore(f"torch.rendezvous.{run_id}.0",
+                           TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
 
-    made = RoundRendezvousHandler.__new__(RoundRendezvousHandler)  # only torch's round and store are read
-    made._torch_round, made._torch_store = RoundRecord(0, (A, B, C)), client()
+    made = RoundRendezvousHandler.__new__(RoundRendezvousHandler)  # only the board's store and the run id are read
+    made._board, made._settings = SimpleNamespace(store=server), SimpleNamespace(run_id=run_id)
+    for node in (A, B):  # the survivors' in-process marks: torch's round 0, of 3 nodes
+        server.set(made._mark_key(1, node), b"0 3")
     passed: list[int] = []
 
     def end(store: PrefixStore) -> None:
@@ -170,22 +177,73 @@ def ended_together(server: TCPStore, prefix: str, lost_counted_first: bool) -> l
         passed.append(1)
 
     if lost_counted_first:
-        made._count_in_for_torch(1)
+        made._settle_exit_barriers(RoundRecord(1, (A, B)), [])
     survivors = [threading.Thread(target=end, args=(client(),), daemon=True) for _ in range(2)]
     for survivor in survivors:
         survivor.start()
     if not lost_counted_first:
         counter = f"{_TERMINAL_STATE_SYNC_ID}/num_members"
-        wait_for(lambda: int(made._torch_store.add(counter, 0)) == 2, 10, "both survivors at the barrier")
+        wait_for(lambda: int(client().add(counter, 0)) == 2, 10, "both survivors at the barrier")
         assert not passed
-        made._count_in_for_torch(1)
+        made._settle_exit_barriers(RoundRecord(1, (A, B)), [])
+    made._settle_exit_barriers(RoundRecord(1, (A, B)), [])  # again (a retried round): counted once
     for survivor in survivors:
         survivor.join(timeout=15)
+    assert int(client().add(f"{_TERMINAL_STATE_SYNC_ID}/num_members", 0)) == 3
     return passed
 
 
-def test_a_joiner_takes_the_restart_path_and_the_round_closes_as_before(server) -> None:
+def torch_assigns_ranks(info, local_world_size: int = 1) -> list[tuple[int, int]]:
+    """What torch's agent does after `next_rendezvous` (its slow path, over the round's store): the
+    (global rank, world size) of each of its workers."""
+    spec = WorkerSpec(role="default", local_world_size=local_world_size, rdzv_handler=None, entrypoint="train.py")
+    workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size, spec)
+    return [(worker.global_rank, worker.world_size) for worker in workers]
+
+
+@pytest.mark.parametrize("joiner", [C, NodeDesc("127.0.0.1", 100, 0)], ids=["ranked-last", "ranked-first"])
+def test_a_joiner_is_taken_in_process_by_the_members_and_torch_assigns_its_ranks(server, joiner) -> None:
+    """The members' workers stay; the joiner's torch agent assigns its workers' ranks over the
+    round's store, with the members' handlers doing their agents' part (group rank 0's computing
+    when a member is it; torch's own code when the joiner is). Every exit barrier then ends."""
     a, b = first_round(server, [A, B])
+    joining = Background(handler(server, joiner, settings()))
+    wait_for(lambda: arrivals_at(server, 1) >= 1, 10, "the joiner's arrival")
+    joined_ranks: list = []
+    answers = each_together([a, b, None], lambda made: monitor(made, lambda: announced(made).round == 1) if made
+                            else joined_ranks.append(torch_assigns_ranks(joining.result())), 40, "an agent")
+    assert not [answer for answer in answers if isinstance(answer, BaseException)], answers
+    assert all(answer == 0 for each in answers[:2] for answer in each)  # torch never restarts A's and B's workers
+    order = sorted([A, B, joiner])
+    joined = joining.result()
+    assert (joined.rank, joined.world_size) == (order.index(joiner), 3)
+    assert joined_ranks == [[(order.index(joiner), 3)]]  # torch's own rank assignment of the joiner's worker
+    for made, node in ((a, A), (b, B)):
+        told = announced(made)
+        assert (told.round, told.group_rank, told.group_world_size, told.in_process, told.joined) == \
+            (1, order.index(node), 3, True, 1)
+        assert (told.master_addr, told.master_port) == (joined.bootstrap_store_info.master_addr,
+                                                        joined.bootstrap_store_info.master_port)
+        assert made._torch_round.round == 0 and made._round == RoundRecord(1, tuple(order))
+    assert arrivals_at(server, 1) == 3
+
+    # The job ends: A and B wait on torch's round 0 (2 nodes), the joiner on round 1 (3 nodes).
+    ended = []
+
+    def exit_barrier(torch_round: int, world_size: int) -> None:
+        store = PrefixStore(f"torch.rendezvous.run.{torch_round}",
+                            TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20)))
+        store_util.barrier(store, world_size, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+        ended.append(torch_round)
+
+    each_together([(0, 2), (0, 2), (1, 3)], lambda held: exit_barrier(*held), 15, "an exit barrier")
+    assert sorted(ended) == [0, 0, 1]
+
+
+def test_a_joiner_takes_the_restart_path_when_the_members_workers_cannot_re_form(server) -> None:
+    a, b = first_round(server, [A, B])
+    for made in (a, b):
+        round_handoff.withdraw_capable(made.agent_pid, 0)  # (a script without ElasticRun, --sharding fsdp)
     joining = Background(handler(server, C, settings()))
     wait_for(lambda: arrivals_at(server, 1) == 1, 10, "the joiner's arrival")
     assert a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1  # torch restarts A's and B's workers

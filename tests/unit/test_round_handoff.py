@@ -20,7 +20,7 @@ AGENT = 4242  # any pid: the directory is named after it, nothing signals it
 ANNOUNCEMENT = RoundAnnouncement(round=4, group_rank=1, group_world_size=3, master_addr="10.0.0.1",
                                  master_port=29517, in_process=True)
 VALID_ROUND = {"round": 4, "group_rank": 1, "group_world_size": 3, "master_addr": "10.0.0.1",
-               "master_port": 29517, "in_process": True, "reason": ""}
+               "master_port": 29517, "in_process": True, "joined": 0, "reason": ""}
 OTHER_UID = 65534  # nobody
 
 
@@ -233,6 +233,9 @@ def test_a_round_file_nested_deep_within_the_size_limit_is_no_round(directory):
     {"group_world_size": 0},
     {"in_process": 1},
     {"in_process": None},
+    {"joined": -1},
+    {"joined": 3},  # = group_world_size: at least one node was in the group before
+    {"joined": True},
     {"master_port": 0},
     {"master_port": 70000},
     {"master_port": False},
@@ -324,7 +327,7 @@ def test_writers_refuse_values_out_of_range(directory, call):
 
 @pytest.mark.parametrize("change", [
     {"round": -1}, {"group_rank": 3}, {"group_world_size": True}, {"master_port": 0}, {"master_port": 65536},
-    {"master_addr": ""}, {"in_process": "yes"}, {"reason": None},
+    {"master_addr": ""}, {"in_process": "yes"}, {"joined": 3}, {"reason": None},
 ])
 def test_an_announcement_out_of_range_cannot_be_made(change):
     fields = {**VALID_ROUND, **change}

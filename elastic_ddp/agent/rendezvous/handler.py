@@ -44,25 +44,29 @@ joins through `next_rendezvous` is told to its workers (`round_handoff`: round.j
 false: torchrun starts them in it). While they train, torch's agent calls `num_nodes_waiting` every
 monitor interval; once every local worker declared itself capable of re-forming, that call runs
 the next round itself, for the workers, when one of them asked (its group of the current round
-broke: a lost node) or when only members of the current round wait at the next one, each with
-the in-process mark. It writes its own mark (a store key, before its arrival), arrives, and waits
+broke: a lost node), when newcomers that the round would take wait at the next one (a join), or
+when members of the current round wait there, each with the in-process mark. It writes its own
+mark (a store key, before its arrival, holding which of torch's rounds its agent holds), arrives, and waits
 and closes as above (same loop, same closing rule: the lost member is out once its beacon
 refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
 decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
 takes the round in process while another gave it up. Outcomes:
 
-- the round holds this node and only members of the last round, all marked: this node takes it as
-  its round (store, bootstrap address, verdicts, probes, as `next_rendezvous`), announces it with
-  `in_process` true, and answers 0: torch sees healthy workers and nobody waiting. Group rank 0
-  also counts the lost nodes into torch's exit barrier of the round torch still holds
-  (`torch_internals.exit_barrier_keys`), which would otherwise wait 300 s for them at the job's end.
-- anything else (a timeout, a board error, a round without this node, a newcomer, a member that
-  arrived with its workers stopped, another node's outcome): one warning naming why, an
-  announcement with `in_process` false (waiting workers exit at once), and at least 1: torch
+- the round holds this node, and every member of the last round in it is marked: this node takes
+  it as its round (store, bootstrap address, verdicts, probes, as `next_rendezvous`), announces it
+  with `in_process` true and the number of newcomers, and answers 0: torch sees healthy workers and
+  nobody waiting. Newcomers come through their own `next_rendezvous`, and their torch agents then
+  assign ranks over the round's store: the members' handlers do their agents' part of it
+  (`torch_internals.RankAssignment`). The first member that was in the last round also settles
+  torch's exit barriers: each member's agent waits at the job's end on the round torch last gave
+  it, for as many agents as that round had; the missing ones (lost nodes, and members that moved
+  on in process) are credited once, so that nobody waits 300 s for them (`_settle_exit_barriers`).
+- anything else (a timeout, a board error, a round without this node, a member that arrived with
+  its workers stopped, another node's outcome): one warning naming why, an announcement with `in_process` false (waiting workers exit at once), and at least 1: torch
   restarts the workers, and its `next_rendezvous` waits for that round, not the one after it
   (the other nodes are in it).
 
-Joins and spares take the restart path, as without in-process rounds. Not guaranteed: a node
+Spares of a full round take the restart path, as without in-process rounds. Not guaranteed: a node
 whose in-process round fails after the outcome said "in process" (a store error while it enters
 the round) has its workers restarted into that round while the others re-form in process; its
 torch agent then waits, until torch's own timeouts, for a rank assignment and an exit barrier that
@@ -88,6 +92,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 from torch.distributed import PrefixStore, Store
@@ -106,7 +111,7 @@ from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.silence import SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
-from elastic_ddp.agent.rendezvous.torch_internals import exit_barrier_keys
+from elastic_ddp.agent.rendezvous.torch_internals import RankAssignment, exit_barrier_keys
 from elastic_ddp.round_handoff import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -172,8 +177,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._poll_s = poll_s
         self._round: RoundRecord | None = None  # the last round this node was a member of
         self._store_info: RendezvousStoreInfo | None = None  # the workers' store of that round
-        self._torch_round: RoundRecord | None = None  # the last round torch's agent got (its world size) ...
-        self._torch_store: Store | None = None  # ... and the store it got with it (its exit barrier's)
+        self._torch_round: RoundRecord | None = None  # the last round torch's agent got (its exit barrier's)
         self._pending: int | None = None  # the round this node arrived at in process, then gave to torch's restart
         self._announced: RoundAnnouncement | None = None  # what this node's workers were told last
         self._verdict_fault_logged = False
@@ -230,7 +234,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._board.arrive(target, self._node)  # at a pending round, the arrival it made (both boards keep its place)
         record = self._wait_for(target, started)
         store, rank, bootstrap = self._enter(record)
-        self._torch_round, self._torch_store = record, store
+        self._torch_round = record
         logger.info("node %s joined round %d of the rendezvous '%s' as rank %d of %d in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     time.monotonic() - started)
@@ -343,7 +347,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             alive = self._board.alive()
             if any(member not in alive for member in current.members):
                 count = len(waiting)
-        if self._settings.in_process and self._reform_wanted(current, waiting):
+        if self._settings.in_process and self._reform_wanted(current, waiting, count):
             return self.reform_in_process(current, count)
         return count
 
@@ -365,18 +369,21 @@ class RoundRendezvousHandler(RendezvousHandler):
             return []
         return [node for node in nodes if not store.check([self._mark_key(round_number, node)])]
 
-    def _reform_wanted(self, current: RoundRecord, waiting: list[NodeDesc]) -> bool:
+    def _reform_wanted(self, current: RoundRecord, waiting: list[NodeDesc], count: int) -> bool:
         """Whether to run round `current + 1` in process now: every local worker is capable, and one
-        of them asked for it (its group of `current` broke) or only members of `current` that run it
-        in process wait at it; and no node decided that round's outcome yet. False (today's answer) when
-        that cannot be read."""
+        of them asked for it (its group of `current` broke), or nodes wait at it: newcomers that the
+        round would take (`count` > 0: not spares of a full round), or members of `current` that run
+        it in process (each waiting member has the in-process mark); and no node decided that
+        round's outcome yet. False (today's answer) when that cannot be read."""
         try:
             if current.rank_of(self._node) is None or round_handoff.all_workers_capable(self.agent_pid) is None:
                 return False
             requests = round_handoff.reform_requests(self.agent_pid).values()
             asked = any(request.broken_round == current.round for request in requests)
-            if not asked and not (waiting and set(waiting) <= set(current.members)
-                                  and not self._unmarked(current.round + 1, waiting)):
+            members_waiting = [node for node in waiting if node in current.members]
+            joining = count > 0 and len(members_waiting) < len(waiting)
+            if not asked and not ((joining or members_waiting)
+                                  and not self._unmarked(current.round + 1, members_waiting)):
                 return False
             return not self._board.store.check([self._outcome_key(current.round + 1)])  # not decided yet
         except Exception:  # never raise to torch's monitor loop (findings.md 4)
@@ -393,7 +400,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         (agent/rendezvous_metrics.py)."""
         started, target = time.monotonic(), current.round + 1
         try:
-            self._board.store.set(self._mark_key(target, self._node), b"1")  # before the arrival: readers trust it
+            # Before the arrival: readers trust it. It says which of torch's rounds this node's agent
+            # holds, for the exit barriers (`_settle_exit_barriers`).
+            self._board.store.set(self._mark_key(target, self._node), self._torch_round_mark())
             self._silence.start(self._board.alive)
             self._board.arrive(target, self._node)
             record, problem = self._close_in_process(current)
@@ -439,40 +448,82 @@ class RoundRendezvousHandler(RendezvousHandler):
 
     def _not_in_process(self, record: RoundRecord, current: RoundRecord) -> str | None:
         """Why the workers cannot re-form in process in `record`, the round closed after `current`;
-        None if they can: it holds this node, and only members of `current` that arrived for it in process."""
+        None if they can: it holds this node, and every member of `current` in it arrived for it in
+        process (newcomers come through torchrun's `next_rendezvous`, their workers fresh)."""
         target = current.round + 1
         if record.round != target or record.rank_of(self._node) is None:
             return f"round {record.round} closed without this node"
-        newcomers = [node for node in record.members if node not in current.members]
-        if newcomers:
-            return f"round {target} takes in node {newcomers[0]}, which was not in round {current.round}"
-        unmarked = self._unmarked(target, record.members)
+        unmarked = self._unmarked(target, [node for node in record.members if node in current.members])
         if unmarked:
             return f"node {unmarked[0]} arrived at round {target} with its workers stopped"
         return None
 
     def _reformed(self, record: RoundRecord, current: RoundRecord, started: float) -> None:
-        """This node's workers re-form in `record`: enter it, count the lost nodes in torch's exit
-        barrier (group rank 0), and tell the workers."""
-        _, rank, bootstrap = self._enter(record)
-        if rank == 0:
-            self._count_in_for_torch(len(current.members) - len(record.members))
+        """This node's workers re-form in `record`: enter it, answer the newcomers' torch agents'
+        rank assignment, settle torch's exit barriers (the first member of `record` that was in
+        `current`: a newcomer may be group rank 0), and tell the workers."""
+        store, rank, bootstrap = self._enter(record)
+        newcomers = [node for node in record.members if node not in current.members]
+        if newcomers:
+            self._assign_ranks_as_torch(store, rank, len(record.members))
+        if self._node == next(node for node in record.members if node not in newcomers):
+            self._settle_exit_barriers(record, newcomers)
         round_handoff.clear_requests(self.agent_pid)  # before the round: a request of the new round must stay
         self._announce(RoundAnnouncement(record.round, rank, len(record.members), bootstrap.master_addr,
-                                         bootstrap.master_port, in_process=True))
-        logger.info("node %s re-formed round %d of '%s' in process: rank %d of %d in %.2f s", node_name(self._node),
-                    record.round, self._settings.run_id, rank, len(record.members), time.monotonic() - started)
+                                         bootstrap.master_port, in_process=True, joined=len(newcomers)))
+        logger.info("node %s re-formed round %d of '%s' in process: rank %d of %d (%d new) in %.2f s",
+                    node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
+                    len(newcomers), time.monotonic() - started)
 
-    def _count_in_for_torch(self, lost: int) -> None:
-        """Add `lost` nodes to torch's exit barrier of the round torch's agent holds, as if they had
-        reached it (`torch_internals.exit_barrier_keys`): else every survivor would wait out its
-        timeout (300 s) at the end of the job for nodes that are gone."""
-        if lost <= 0 or self._torch_store is None or self._torch_round is None:
-            return
-        counter, last_member = exit_barrier_keys()
-        # >=, where torch's barrier has ==: a node lost while it waited at the barrier counts twice.
-        if self._torch_store.add(counter, lost) >= len(self._torch_round.members):
-            self._torch_store.set(last_member, "<val_ignored>")
+    def _assign_ranks_as_torch(self, store: Store, rank: int, world_size: int) -> None:
+        """Take this node's part in the rank assignment that a newcomer's torch agent runs on the
+        round's store after `next_rendezvous` (`torch_internals.RankAssignment`): its role info,
+        and, as group rank 0, every node's ranks. Every node runs the same number of workers
+        (in_process.apply_round's rule); torch's assignment then gives each node the ranks its
+        re-formed workers take."""
+        local_world_size = round_handoff.all_workers_capable(self.agent_pid)
+        if local_world_size is None:
+            raise RendezvousError("a worker of this node ended before the newcomers' ranks were assigned")
+        assignment = RankAssignment(store)
+        assignment.publish_role(rank, local_world_size)
+        if rank == 0:
+            assignment.assign(world_size, timedelta(seconds=REFORM_TIMEOUT_S))
+
+    def _torch_round_mark(self) -> bytes:
+        """The in-process mark's value: "<round> <members>" of the round torch's agent holds."""
+        held = self._torch_round
+        return f"{held.round} {len(held.members)}".encode() if held is not None else b"-1 0"
+
+    def _settle_exit_barriers(self, record: RoundRecord, newcomers: list[NodeDesc]) -> None:
+        """Make torch's exit barriers end for the members of `record`, which hold different rounds
+        of torch's: the survivors the round torch last started them in, the newcomers `record`.
+        torch's agent waits at the end of the job until as many agents as its round had reached
+        the barrier of that round (`torch_internals.exit_barrier_keys`); nodes lost since, or
+        members that went on to a later round in process, never will. So for each of torch's
+        rounds that members of `record` hold, the missing count is credited once (a credit key per
+        round remembers what earlier in-process rounds added): else they would wait out the
+        barrier's timeout (300 s). A member then waits at the end only for the members that hold
+        the same round of torch's (a newcomer for nobody)."""
+        held: dict[int, list[int]] = {}  # torch's round -> [its members, members of `record` that hold it]
+        for node in record.members:
+            if node in newcomers:
+                torch_round, members = record.round, len(record.members)
+            else:
+                torch_round, members = (int(part) for part in
+                                        bytes(self._board.store.get(self._mark_key(record.round, node))).split())
+            if torch_round >= 0:
+                held.setdefault(torch_round, [members, 0])[1] += 1
+        for torch_round, (members, holding) in held.items():
+            credit_key = f"rdzv/{self._settings.run_id}/exit_barrier_credit/{torch_round}"
+            missing = members - holding - self._board.store.add(credit_key, 0)
+            if missing <= 0:
+                continue
+            self._board.store.add(credit_key, missing)
+            counter, last_member = exit_barrier_keys()
+            store = PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{torch_round}", self._board.store)
+            # >=, where torch's barrier has ==: a node lost while it waited at the barrier counts twice.
+            if store.add(counter, missing) >= members:
+                store.set(last_member, "<val_ignored>")
 
     def _open_handoff(self) -> None:
         """Empty this agent's hand-off directory (torch starts fresh workers); nothing with `in_process` off."""
