@@ -89,15 +89,31 @@ class DrainSignal:
     @contextlib.contextmanager
     def catching_sigterm(self) -> Iterator[None]:
         """Within the block, SIGTERM sets the flag instead of ending the process (main thread only)."""
+        with self.sigterm_handler_restored():
+            self.catch_sigterm()
+            yield
+
+    @contextlib.contextmanager
+    def sigterm_handler_restored(self) -> Iterator[None]:
+        """On exit, put back the SIGTERM handler the process had on entry, whatever `catch_sigterm`
+        installed within (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("not in the main thread: SIGTERM will end this process without a final snapshot")
             yield
             return
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        previous = signal.getsignal(signal.SIGTERM)
         try:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def catch_sigterm(self) -> None:
+        """From now on SIGTERM sets the flag instead of ending the process; call it inside
+        `sigterm_handler_restored` (main thread only: elsewhere one warning, and SIGTERM ends the
+        process without a final snapshot)."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: SIGTERM will end this process without a final snapshot")
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def agreed(self) -> bool:
         """Whether any rank had asked to drain by the previous vote. Call it at every step boundary
@@ -143,7 +159,7 @@ class DrainSignal:
     def redeliver_unused(self) -> None:
         """Raise again a SIGTERM that started no drain because the last step came first.
 
-        Call it once `catching_sigterm` has put the previous handler back and the run's work is
+        Call it once `sigterm_handler_restored` has put the previous handler back and the run's work is
         done. The signal asked this process to end (torchrun sends it when it stops a worker group
         for a restart or a join); the drain only deferred it to a step boundary. With the default
         handler the process ends here; a handler the caller had installed runs, as it would have.

@@ -190,13 +190,16 @@ class SnapshotSession:
         self.events.emit(schema.SNAPSHOT_CAPTURED, global_step=state.global_step,
                          blocked_seconds=round(blocked_seconds, 4))
 
-    def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> KeptCopy | None:
+    def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None,
+                       committed_by: tuple[int, int] | None = None) -> KeptCopy | None:
         """Keep the last committed step of `state` in this node's memory, as training stops early
         (not a collective: the group may be broken). Nothing when the state is half updated or
         holds a NaN or an infinity, nor when the state is not free within `wait_s` seconds (None:
         wait as long as it takes; another thread than the training thread must bound it, as the
         training thread may be stuck inside a commit), nor, with a bound, when the device's work of
-        that step does not end within it either. A refusal is logged and emitted."""
+        that step does not end within it either. A refusal is logged and emitted. `committed_by`:
+        (incarnation, world size) of the group that committed the step, when not this session's
+        (a group re-formed in process keeps the step its previous group committed)."""
         if self.memory is None or self._kept_in_memory == state.global_step:
             return None
         # No step is applied while the state is copied, from whatever thread this is called.
@@ -218,9 +221,10 @@ class SnapshotSession:
                         f"the device has not finished the work of step {state.global_step} within {wait_s:g} s (a "
                         "collective that never ends blocks its stream): the state cannot be copied without waiting"))
                     return None
+                incarnation, world_size = committed_by or (self.committed_in(state.global_step),
+                                                           self.context.world_size)
                 snapshot = Snapshot(states=states, rng_per_rank=[], fingerprint=self.fingerprint,
-                                    world_size=self.context.world_size,
-                                    incarnation=self.committed_in(state.global_step), wall_time=time.time())
+                                    world_size=world_size, incarnation=incarnation, wall_time=time.time())
                 kept = self.memory.keep(snapshot)
         finally:
             state.lock.release()

@@ -210,11 +210,18 @@ class ElasticRun:
             # A SIGTERM that came too late to drain is raised again once everything is closed.
             exits.push(_on_success(self.drain.redeliver_unused))
             exits.callback(self.regroup.stop)
+            # SIGTERM is caught from the first step until the incarnation is closed, its last step
+            # kept included: torchrun sends it to a node's workers as soon as one fails or its
+            # agent gives an in-process round up, and caught only until the exits began, it ended
+            # the process in the middle of that keep (seen in CI: a worker vanished without a line
+            # and its step was lost). Before the first step it ends the process as usual: there is
+            # nothing to keep, and a worker stuck in its restore must end at once.
+            exits.enter_context(self.drain.sigterm_handler_restored())
             exits.push(self._leave_incarnation)  # whichever group the run is in by then
             self.regroup.start()
             self.drain.guard_vote = self.regroup.alarm.guard if self.regroup.enabled else None
             self._enter_incarnation()
-            exits.enter_context(self.drain.catching_sigterm())
+            self.drain.catch_sigterm()
             exits.push(_on_success(self.drain.finish))
             self._exits = exits.pop_all()
         return self
@@ -248,9 +255,12 @@ class ElasticRun:
                     and snapshots.resume_live(self.state, re_formed.committed_in):
                 sampler = self.state.sampler
                 log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
-            else:  # (after a re-form: newcomers, or a broken all-reduce let some ranks commit a step the others
-                # did not) each rank kept its step as the re-form began, with the world that committed it;
-                # the newest copy is served to the others
+            else:
+                if re_formed is not None:  # newcomers, or a broken all-reduce let some ranks commit a step the
+                    # others did not: each rank keeps its own, as the group that committed it; the newest is
+                    # served to the others
+                    snapshots.keep_in_memory(self.state, f"in-process re-form: {re_formed.reason}",
+                                             committed_by=(re_formed.committed_in, re_formed.world_size))
                 log.restored(snapshots.restore(self.state))
             self._wrap_model(restored=self.global_step > 0)
             exits.enter_context(guard.keeping_the_last_step())
@@ -393,10 +403,9 @@ class ElasticRun:
         self.run_log.training_interrupted()
         self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
-        # Kept before the round, not only on the way out of a fallback: a worker that torchrun's
-        # restart ends meanwhile must lose nothing however it ends (seen in CI: one vanished
-        # without a word after its agent gave the round up, and its step was not kept).
-        self.snapshots.keep_in_memory(self.state, f"in-process re-form: {reason}")
+        # Nothing is kept here: the survivors usually hold the same step and keep their own state
+        # (at large states a keep costs seconds); a re-form that needs copies keeps them in the new
+        # incarnation, and a fallback keeps the step on its way out (`__exit__`).
         self.drain.forget_vote()
         self.state.optimizer.zero_grad(set_to_none=True)
         self._unhook_the_broken_wrapper()

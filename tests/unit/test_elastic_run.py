@@ -6,6 +6,8 @@ the step through a crash, and each rule of the contract is refused at the line t
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from elastic_ddp import ElasticRun, LoopContractError, load_snapshot
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError
+from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.workload.data import SyntheticImageDataset
 from elastic_ddp.workload.losses import per_sample_cross_entropy
 from elastic_ddp.workload.models import build_model
@@ -125,6 +128,40 @@ def test_the_extra_state_travels_with_the_step_through_a_crash(tmp_path):
     assert_same_parameters(ema.shadow, expected_ema.shadow)
     saved = load_snapshot(config.checkpoint_dir)
     assert saved["extra_state"]["ema"]["updates"] == 12
+
+
+def test_a_sigterm_while_a_failed_run_keeps_its_step_waits_for_the_keep(tmp_path, monkeypatch):
+    """torchrun SIGTERMs a node's workers as soon as one fails: the signal must not end the process
+    while it keeps its last step on the way out (seen in CI: a worker vanished without a line and
+    its step was lost). Here the signal comes in the middle of the keep; the test's own handler
+    stands for the default one, which would have ended the process."""
+    seen_by_the_process: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen_by_the_process.append(signum))
+    kept: list[int] = []
+    keep = SnapshotSession.keep_in_memory
+
+    def signalled_while_keeping(session, state, reason, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        copy = keep(session, state, reason, *args, **kwargs)
+        kept.append(state.global_step)
+        return copy
+
+    monkeypatch.setattr(SnapshotSession, "keep_in_memory", signalled_while_keeping)
+    try:
+        config = small_config(tmp_path)
+        run = new_run(config)
+        with pytest.raises(Crash), run:
+            for step in run.steps():
+                for inputs, targets in step.micro_batches():
+                    step.backward(per_sample_cross_entropy(run.model(inputs), targets))
+                step.commit()
+                if run.global_step == 5:
+                    raise Crash("the loop's own crash at step 5")
+        assert kept == [5] and run.drain.requested, "the signal reached the run's handler during the keep"
+        assert not seen_by_the_process, "the process's own handler (the default: the end) was back too early"
+        assert signal.getsignal(signal.SIGTERM) is not run.drain._on_sigterm, "the process's handler is back after"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _optimizer_step(run, step):
