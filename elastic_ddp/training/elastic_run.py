@@ -389,9 +389,9 @@ class ElasticRun:
         return True
 
     def _absorbs_ddps_lost_peer(self, exc: RuntimeError) -> bool:
-        step = self.current_step
-        what = f"step {step.number}'s forward (DDP's own collectives)" if step is not None else "DDP's forward"
-        return self._absorbs_lost_peer(what, exc)
+        if self.current_step is None:  # (a forward outside a step: an evaluation) never absorbed
+            return False
+        return self._absorbs_lost_peer(f"step {self.current_step.number}'s forward (DDP's own collectives)", exc)
 
     def _re_form_in_process(self) -> None:
         """The group broke under the step in progress: stop the watchdog, leave the broken group, join

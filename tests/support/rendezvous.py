@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
+
+from torch.distributed import TCPStore
 
 
 def each_together(handlers, call, timeout: float, what: str = "a call") -> list:
@@ -68,3 +73,18 @@ def assert_one_world(infos: list, size: int) -> list:
     assert sorted(info.rank for info in infos) == list(range(size))
     assert {info.world_size for info in infos} == {size}
     return infos
+
+
+@contextlib.contextmanager
+def serving_board(made: list) -> Iterator[TCPStore]:
+    """A TCPStore for the elastic-c10d boards of a test's handlers (multi-tenant, as torchrun's
+    agent hosts it); on the way out, the handlers in `made` leave and close their beacons first, so
+    that their heartbeat threads stop before the store does."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
+    try:
+        yield store
+    finally:
+        while made:
+            handler = made.pop()
+            handler._board.leave()
+            handler._witness.close()

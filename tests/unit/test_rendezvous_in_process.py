@@ -31,7 +31,7 @@ from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.round_handoff import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import wait_for
-from tests.support.rendezvous import Background, each_together, ranks_by_node
+from tests.support.rendezvous import Background, each_together, ranks_by_node, serving_board
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,12 +44,8 @@ MADE: list[RoundRendezvousHandler] = []
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the hand-off directories of this test
-    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
-    yield store
-    while MADE:  # their heartbeat threads stop before the store does
-        made = MADE.pop()
-        made._board.leave()
-        made._witness.close()
+    with serving_board(MADE) as store:
+        yield store
 
 
 def settings(in_process: bool = True) -> RendezvousSettings:

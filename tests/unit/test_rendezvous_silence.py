@@ -32,7 +32,7 @@ from elastic_ddp.verdicts import (
     send_verdict,
     verdict_address,
 )
-from tests.support.rendezvous import ranks_by_node
+from tests.support.rendezvous import ranks_by_node, serving_board
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,12 +54,8 @@ class FrozenBeacon:
 
 @pytest.fixture
 def server():
-    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=20))
-    yield store
-    while MADE:  # their heartbeat threads stop before the store does
-        made = MADE.pop()
-        made._board.leave()
-        made._witness.close()
+    with serving_board(MADE) as store:
+        yield store
 
 
 def handler(server: TCPStore, node, witness: ExitWitness, join_timeout: float = 15) -> RoundRendezvousHandler:
