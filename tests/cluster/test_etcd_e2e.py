@@ -77,6 +77,9 @@ def test_killing_the_first_node_to_join_leaves_the_job_finishing_and_a_node_adde
                                  and e["time"] > alone["time"], 120, "the job to continue in world size 2")
     release(hold)
     assert restore["previous_world_size"] == 1
+    # On etcd-v3 too, the survivor's worker absorbed the kill and let the joiner in in its own process.
+    starts = {e["incarnation"]: e for e in job.events("start")}
+    assert starts[alone["incarnation"]]["in_process"] is True and starts[restore["incarnation"]]["in_process"] is True
     assert restore["global_step"] < EPOCHS * dataset_size // BATCH, "joined too late to prove anything"
     assert survivor.wait(timeout=180) == 0 and joiner.wait(timeout=60) == 0, node_logs(job)
     assert_finished(job, dataset_size)
