@@ -175,10 +175,14 @@ def go_on(hold, values: dict[str, float]) -> None:
 def test_the_endpoint_answers_through_restarts_and_its_counters_go_on(local_jobs, tmp_path):
     hold = tmp_path / "hold"
     job = held_job(local_jobs, hold)
-    host, frozen = job.add_node("host"), job.add_node("frozen")
+    # The run's gauges are served by rank 0's node, so the host must stay rank 0. torch ranks nodes
+    # by name (address, then agent pid): an address that sorts before the others' ("localhost")
+    # keeps it first, whatever pids the others get (a joiner's pid after the machine's pids wrapped
+    # around sorted first once, and the host's endpoint lost the run's gauges).
+    host, frozen = job.add_node("host", local_addr="127.0.0.1"), job.add_node("frozen")
     first = world_reached(job, 2)  # (the host may have trained alone before: --nnodes=1:4)
     assert next(r for r in first["ranks"] if r["rank"] == 0)["agent_pid"] == host.pid, (
-        "torch gives rank 0 to the node of the lowest pid: the first one started")
+        "torch gives rank 0 to the node whose name sorts first: the host's address")
     watch = Watch(endpoint_of(job, host).url)
 
     # 0. A frozen node shows as a watchdog eviction and a peer_evicted restart. (In a world of two:
