@@ -248,9 +248,10 @@ def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step
     assert survivors[0].agent.wait(timeout=60) == 1, survivors[0].log_text()
     log = survivors[0].log_text()
     assert "the agent restarts the workers instead: a member arrived without the in-process mark" in log, log
-    # Kept as the re-form began (before the agent's answer), so a fallback loses nothing however the worker ends.
-    kept = [event for event in events(tmp_path, "memory_copy") if event["reason"].startswith("in-process re-form")]
+    # Kept on its way out (SIGTERM would wait for the keep), so the fallback loses nothing.
+    kept = [event for event in events(tmp_path, "memory_copy") if event["incarnation"] == start["incarnation"]]
     assert kept and kept[-1]["global_step"] >= restore["global_step"], "the last step kept for torchrun's restart"
+    assert "RejoinRefused" in kept[-1]["reason"], kept[-1]
 
 
 def test_a_node_lost_while_the_survivors_re_form_ends_in_torchruns_restart_not_a_hang(local_jobs, tmp_path):
