@@ -394,10 +394,12 @@ class ElasticRun:
         return self._absorbs_lost_peer(f"step {self.current_step.number}'s forward (DDP's own collectives)", exc)
 
     def _re_form_in_process(self) -> None:
-        """The group broke under the step in progress: stop the watchdog, leave the broken group, join
-        the round the agent runs for its workers, close this group's incarnation, open the next on
-        the new group (each rank keeps its own state when all hold the same step) and go on from the
-        last committed step. RejoinRefused when the agent falls back to torchrun's restart."""
+        """The group broke under the step in progress, or the agent took a new round at this step
+        boundary (a join): stop the watchdog, leave the group, join the round the agent runs for
+        its workers, close this group's incarnation, open the next on the new group (each rank
+        keeps its own state when all hold the same step and nobody is new; else they restore as
+        after a restart) and go on from the last committed step. RejoinRefused when the agent falls
+        back to torchrun's restart."""
         reason, self._lost_peer = self._lost_peer, None
         self.current_step = None
         self.run_log.training_interrupted()

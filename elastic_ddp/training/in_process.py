@@ -32,9 +32,9 @@ its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCE
 DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
 (gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
 failure in the loop's own code (its model's own collectives, its own all-reduces), a step that
-broke again right after a re-form (no
-re-form loop on a bug), a node lost while the new group forms (rank 0's store waits for it until
-the group's timeout). Each ends in torchrun's restart with the last committed step kept.
+broke again right after a re-form (no re-form loop on a bug), a node lost while the new group
+forms (rank 0's store waits for it until the group's timeout). Each ends in torchrun's restart
+with the last committed step kept.
 """
 
 from __future__ import annotations

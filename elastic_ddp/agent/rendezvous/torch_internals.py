@@ -16,8 +16,8 @@
 Nothing else in the package touches a private name of torch's (elastic_ddp's rendezvous names its
 nodes with `state.NodeDesc`, its own); tests/unit/test_torch_internals.py pins the first one and
 tests/unit/test_rendezvous_in_process.py runs torch's own barrier over the second and torch's own
-rank assignment against the third, so that a torch
-upgrade that moves either fails there first, with the name.
+rank assignment against the third, so that a torch upgrade that moves any of them fails there
+first, with the name.
 """
 
 from __future__ import annotations
