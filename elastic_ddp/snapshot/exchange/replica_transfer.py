@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # is at most 64 MiB); the verdicts also wait for the target to check and store the whole file.
 SEND_DEADLINE = timedelta(seconds=60)
 STORE_BYTES_PER_S = 50e6  # the slowest target disk we wait for (checksum, write, fsync): 200 s for 10 GB
+# What a transfer's collectives raise when their group broke (RuntimeError, TimeoutError) or was
+# destroyed under them (ValueError: a group re-formed in process, training/in_process.py).
+GROUP_GONE = (RuntimeError, TimeoutError, ValueError)
 
 
 def verdict_deadline(send_deadline: timedelta, size_bytes: int) -> timedelta:
@@ -202,7 +205,7 @@ class SnapshotReplicator:
     def _send_close(self) -> None:
         try:
             self.transport.send(0, ReplicaOffer(close=True).to_header(), b"")
-        except (RuntimeError, TimeoutError) as exc:
+        except GROUP_GONE as exc:
             logger.warning("could not tell the replica targets that replication is done (%s)", exc)
 
     def _replicate(self, entry: ManifestEntry) -> None:
@@ -222,7 +225,7 @@ class SnapshotReplicator:
             sent = sum(accepted) > 1
             verdicts = (_report_round(self.group, len(self.group_ranks), True,
                                       verdict_deadline(self.send_deadline, len(data))) if sent else accepted)
-        except (RuntimeError, TimeoutError) as exc:
+        except GROUP_GONE as exc:
             self.broken = True
             logger.warning("replication stops for this worker group: a transfer to %s failed (%s)",
                            self._nodes(self.targets), exc)
@@ -276,7 +279,7 @@ class ReplicaReceiver:
         try:
             while self._receive_one():
                 pass
-        except (RuntimeError, TimeoutError) as exc:  # rank 0 is gone or its group broke
+        except GROUP_GONE as exc:  # rank 0 is gone or its group broke
             logger.info("snapshot replicas: stopped receiving (%s)", exc)
         finally:
             self._done.set()
