@@ -316,7 +316,9 @@ def test_a_lost_peer_fails_fast_and_the_survivors_regroup_in_process(children: _
     for rank in (0, 1):
         report = failed[rank]
         assert report["mro"] == ["RuntimeError", "Exception", "BaseException", "object"], report
-        assert "gloo/transport/tcp" in report["message"] and "peer" in report["message"], report
+        # The peer's loss, or (the rank that waited on the survivor that left) gloo's timeout.
+        assert "gloo/transport/tcp" in report["message"], report
+        assert "peer" in report["message"] or "Timed out waiting" in report["message"], report
         assert report["t"] - killed_at < _LOST_PEER_GROUP_TIMEOUT_S + 2, report  # at the latest, the timeout
         after = regrouped[rank]
         assert (after["rank_now"], after["world_now"]) == (rank, 2)
