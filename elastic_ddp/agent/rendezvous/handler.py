@@ -57,7 +57,7 @@ takes the round in process while another gave it up. Outcomes:
   with `in_process` true and the number of newcomers, and answers 0: torch sees healthy workers and
   nobody waiting. Newcomers come through their own `next_rendezvous`, and their torch agents then
   assign ranks over the round's store: the members' handlers do their agents' part of it
-  (`torch_internals.RankAssignment`). The first member that was in the last round also settles
+  (`torch_internals.take_part_in_rank_assignment`). The first member that was in the last round also settles
   torch's exit barriers: each member's agent waits at the job's end on the round torch last gave
   it, for as many agents as that round had; the missing ones (lost nodes, and members that moved
   on in process) are credited once, so that nobody waits 300 s for them (`_settle_exit_barriers`).
@@ -111,7 +111,7 @@ from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.silence import SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
-from elastic_ddp.agent.rendezvous.torch_internals import RankAssignment, exit_barrier_keys
+from elastic_ddp.agent.rendezvous.torch_internals import exit_barrier_keys, take_part_in_rank_assignment
 from elastic_ddp.round_handoff import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -477,22 +477,20 @@ class RoundRendezvousHandler(RendezvousHandler):
 
     def _assign_ranks_as_torch(self, store: Store, rank: int, world_size: int) -> None:
         """Take this node's part in the rank assignment that a newcomer's torch agent runs on the
-        round's store after `next_rendezvous` (`torch_internals.RankAssignment`): its role info,
-        and, as group rank 0, every node's ranks. Every node runs the same number of workers
-        (in_process.apply_round's rule); torch's assignment then gives each node the ranks its
-        re-formed workers take."""
+        round's store after `next_rendezvous` (`torch_internals.take_part_in_rank_assignment`).
+        Every node runs the same number of workers (in_process.apply_round's rule); torch's
+        assignment then gives each node the ranks its re-formed workers take."""
         local_world_size = round_handoff.all_workers_capable(self.agent_pid)
         if local_world_size is None:
             raise RendezvousError("a worker of this node ended before the newcomers' ranks were assigned")
-        assignment = RankAssignment(store)
-        assignment.publish_role(rank, local_world_size)
-        if rank == 0:
-            assignment.assign(world_size, timedelta(seconds=REFORM_TIMEOUT_S))
+        take_part_in_rank_assignment(store, rank, world_size, local_world_size, timedelta(seconds=REFORM_TIMEOUT_S))
 
     def _torch_round_mark(self) -> bytes:
-        """The in-process mark's value: "<round> <members>" of the round torch's agent holds."""
+        """The in-process mark's value: "<round> <members>" of the round torch's agent holds (set
+        with this node's first round, before any round in process)."""
         held = self._torch_round
-        return f"{held.round} {len(held.members)}".encode() if held is not None else b"-1 0"
+        assert held is not None
+        return f"{held.round} {len(held.members)}".encode()
 
     def _settle_exit_barriers(self, record: RoundRecord, newcomers: list[NodeDesc]) -> None:
         """Make torch's exit barriers end for the members of `record`, which hold different rounds
@@ -504,15 +502,13 @@ class RoundRendezvousHandler(RendezvousHandler):
         round remembers what earlier in-process rounds added): else they would wait out the
         barrier's timeout (300 s). A member then waits at the end only for the members that hold
         the same round of torch's (a newcomer for nobody)."""
+        old_members = [node for node in record.members if node not in newcomers]
+        marks = self._board.store.multi_get([self._mark_key(record.round, node) for node in old_members])
+        rounds_held = [(record.round, len(record.members))] * len(newcomers)  # (torch's round, its members)
+        rounds_held += [tuple(int(part) for part in bytes(mark).split()) for mark in marks]
         held: dict[int, list[int]] = {}  # torch's round -> [its members, members of `record` that hold it]
-        for node in record.members:
-            if node in newcomers:
-                torch_round, members = record.round, len(record.members)
-            else:
-                torch_round, members = (int(part) for part in
-                                        bytes(self._board.store.get(self._mark_key(record.round, node))).split())
-            if torch_round >= 0:
-                held.setdefault(torch_round, [members, 0])[1] += 1
+        for torch_round, members in rounds_held:
+            held.setdefault(torch_round, [members, 0])[1] += 1
         for torch_round, (members, holding) in held.items():
             credit_key = f"rdzv/{self._settings.run_id}/exit_barrier_credit/{torch_round}"
             missing = members - holding - self._board.store.add(credit_key, 0)

@@ -10,8 +10,8 @@
 - After `next_rendezvous`, torch's agent assigns its workers' ranks over the round's store
   (`SimpleElasticAgent._assign_worker_ranks`, its "slow path": every agent writes its role info,
   group rank 0's computes every node's ranks). When a newcomer joins members that re-form in
-  process, their torch agents take no part, so `handler` does their part (`RankAssignment`):
-  the keys and the JSON are torch's, written here.
+  process, their torch agents take no part, so `handler` runs that function for them
+  (`take_part_in_rank_assignment`).
 
 Nothing else in the package touches a private name of torch's (elastic_ddp's rendezvous names its
 nodes with `state.NodeDesc`, its own); tests/unit/test_torch_internals.py pins the first one and
@@ -22,12 +22,15 @@ first, with the name.
 
 from __future__ import annotations
 
-import json
-from collections import defaultdict
 from datetime import timedelta
 
 from torch.distributed import Store
-from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, _RoleInstanceInfo
+from torch.distributed.elastic.agent.server.api import (
+    _TERMINAL_STATE_SYNC_ID,
+    SimpleElasticAgent,
+    WorkerSpec,
+    _RoleInstanceInfo,
+)
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 
@@ -48,36 +51,19 @@ def exit_barrier_keys() -> tuple[str, str]:
 # The role torchrun gives every agent (`--role`, default "default"); a node re-formed in process
 # cannot read a newcomer's, and every torchrun agent of one job has the same.
 TORCHRUN_ROLE = "default"
-_ROLE_INFO_PREFIX = "torchelastic/role_info/"  # the two key prefixes of `_assign_worker_ranks`
-_ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
+_ROLE_INFO_PREFIX = "torchelastic/role_info/"  # the key prefix of `_assign_worker_ranks`'s role infos
 
 
-class RankAssignment:
-    """An agent's part in torch's rank assignment over a round's `store` (its slow path), for an
-    agent whose torch agent takes no part in the round (an in-process one)."""
-
-    def __init__(self, store: Store):
-        self._store = store
-
-    def publish_role(self, group_rank: int, local_world_size: int) -> None:
-        """This node's role info, as every agent writes it."""
-        info = _RoleInstanceInfo(TORCHRUN_ROLE, group_rank, local_world_size)
-        self._store.set(f"{_ROLE_INFO_PREFIX}{group_rank}", info.serialize())
-
-    def assign(self, group_world_size: int, timeout: timedelta) -> None:
-        """What group rank 0's agent computes: once every node's role info is in (within `timeout`,
-        else the store's timeout error), each node's [base global rank, global world size, base
-        role rank, role world size], by torch's rule: the local world sizes summed in group rank order."""
-        keys = [f"{_ROLE_INFO_PREFIX}{rank}" for rank in range(group_world_size)]
-        self._store.wait(keys, timeout)
-        infos = [_RoleInstanceInfo.deserialize(bytes(value)) for value in self._store.multi_get(keys)]
-        role_sizes: dict[str, int] = defaultdict(int)
-        for info in infos:
-            role_sizes[info.role] += info.local_world_size
-        global_size = sum(info.local_world_size for info in infos)
-        base_global_rank, role_ranks, values = 0, defaultdict(int), []
-        for info in infos:
-            values.append(json.dumps([base_global_rank, global_size, role_ranks[info.role], role_sizes[info.role]]))
-            base_global_rank += info.local_world_size
-            role_ranks[info.role] += info.local_world_size
-        self._store.multi_set([f"{_ASSIGNED_RANKS_PREFIX}{rank}" for rank in range(group_world_size)], values)
+def take_part_in_rank_assignment(store: Store, group_rank: int, group_world_size: int, local_world_size: int,
+                                 timeout: timedelta) -> None:
+    """This agent's part in torch's rank assignment over a round's `store`, for an agent whose torch
+    agent takes no part in the round (an in-process one): torch's own `_assign_worker_ranks` (its
+    slow path; it uses nothing of its agent), run here. Group rank 0 first waits at most `timeout`
+    for every node's role info (torch's own wait is the store's timeout); the store's timeout
+    error after it."""
+    if group_rank == 0:
+        store.set(f"{_ROLE_INFO_PREFIX}0", _RoleInstanceInfo(TORCHRUN_ROLE, 0, local_world_size).serialize())
+        store.wait([f"{_ROLE_INFO_PREFIX}{rank}" for rank in range(group_world_size)], timeout)
+    spec = WorkerSpec(role=TORCHRUN_ROLE, local_world_size=local_world_size, rdzv_handler=None,
+                      entrypoint="(re-formed in process)")
+    SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, group_world_size, spec)
