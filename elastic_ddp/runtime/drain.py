@@ -87,13 +87,6 @@ class DrainSignal:
             self.requested_at = time.monotonic()
 
     @contextlib.contextmanager
-    def catching_sigterm(self) -> Iterator[None]:
-        """Within the block, SIGTERM sets the flag instead of ending the process (main thread only)."""
-        with self.sigterm_handler_restored():
-            self.catch_sigterm()
-            yield
-
-    @contextlib.contextmanager
     def sigterm_handler_restored(self) -> Iterator[None]:
         """On exit, put back the SIGTERM handler the process had on entry, whatever `catch_sigterm`
         installed within (main thread only)."""

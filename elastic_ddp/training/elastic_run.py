@@ -347,7 +347,7 @@ class ElasticRun:
                 if self._lost_peer is None:
                     self._step_boundary()
                 if self._lost_peer is None and self.regroup.replaced():  # a join (or a loss elsewhere)
-                    self.run_log.group_changes(SWITCH_REPORT_WAIT)
+                    self.run_log.training_interrupted(wait_at_most=SWITCH_REPORT_WAIT)
                     self._lost_peer = f"the agent took a new round in process after step {self.global_step}"
                     logger.info("%s; re-forming the group", self._lost_peer)
                 if self._lost_peer is not None:

@@ -256,18 +256,14 @@ class RunLog:
             self.scalars.add(global_step, time.time(), loss=loss, lr=lr, samples_per_second=samples_per_second,
                              world_size=world_size)
 
-    def group_changes(self, timeout: timedelta) -> None:
-        """The group is re-formed at this step boundary while it works (a join): report the window
-        whose reduce is in flight, waiting for it at most `timeout` (every rank closed it, so it
-        completes unless a peer is lost meanwhile; then it is dropped, as `training_interrupted` does)."""
+    def training_interrupted(self, wait_at_most: timedelta | None = None) -> None:
+        """Training stopped: report the window whose reduce is in flight. Without `wait_at_most`
+        only one already reduced, never waiting (the group may be broken: its reduce came before
+        the failed step's collectives); with it, waiting at most that long (the group is re-formed
+        at a step boundary while it works, a join: every rank closed the window, so it completes
+        unless a peer is lost meanwhile). A window not reduced by then is dropped."""
         with contextlib.suppress(Exception):
-            self._report(self.window.take_report(wait=True, timeout=timeout))
-
-    def training_interrupted(self) -> None:
-        """Training raised: report a window already reduced before the failure, never waiting for
-        one (the group may be broken). Its reduce came before the failed step's collectives."""
-        with contextlib.suppress(Exception):
-            self._report(self.window.take_report())
+            self._report(self.window.take_report(wait=wait_at_most is not None, timeout=wait_at_most))
 
     def _report(self, report: WindowReport | None) -> None:
         if report is not None:

@@ -21,7 +21,8 @@ def test_sigterm_becomes_a_flag_and_the_handler_is_put_back():
     drain_signal = drain.DrainSignal(torch.device("cpu"))
     before = signal.getsignal(signal.SIGTERM)
     assert drain_signal.seconds_since_request() is None, "no SIGTERM yet"
-    with drain_signal.catching_sigterm():
+    with drain_signal.sigterm_handler_restored():
+        drain_signal.catch_sigterm()
         assert not drain_signal.agreed()
         sent_at = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
