@@ -198,8 +198,9 @@ class TrainingConfig:
         "is off (it bounds a step, a snapshot broadcast or a restore, so keep it well above the slowest).",
         default=60.0)
     watchdog_timeout_s: float = _help(
-        "Seconds without a heartbeat from a peer (frozen, partitioned, or dead under NCCL) before this worker "
-        "stops so that torchrun re-forms the group without it; 0 turns the watchdog off. A live peer "
+        "Seconds without a heartbeat from a peer (frozen, partitioned, or dead under NCCL) before the group is "
+        "re-formed without it (in process with our rendezvous, else this worker stops and torchrun restarts "
+        "it); 0 turns the watchdog off. A live peer "
         "heartbeats from a thread of its own, however slow its steps (docs/failure-semantics.md).",
         default=WATCHDOG_TIMEOUT_S)
     device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")

@@ -96,7 +96,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, tuple[str, ...]] | None]] = {
     "memory_copies": ("Times rank 0 kept its last committed step in node memory as training stopped early.", None),
     "memory_copy_failures": ("Times rank 0 kept no memory copy as training stopped early.", None),
     "watchdog_evictions": (("Times rank 0's peer watchdog found a peer (or the group's store) silent for the bound "
-                            "and stopped its worker, so that torchrun re-forms the group without the silent one."), None),
+                            "and the group was re-formed without the silent one (in process, or by torchrun's "
+                            "restart of its workers)."), None),
 }
 
 EventHandler = Callable[[dict[str, Any], float], None]

@@ -22,9 +22,11 @@ meanwhile, delays the verdict and never makes it; a store that closed its connec
 rank 0's worker, ended: often its own watchdog fired on the same peer a moment earlier) can confirm
 nothing, and a deadline alone is enough then. All peers are silent when a request to the store has
 waited unanswered for `bound_s` (its host is frozen, gone or cut off). Then the watchdog calls
-`on_silent(reason)` once, from the watching thread: the trainer keeps its last committed step in
-node memory and ends the worker with `SILENT_PEER_EXIT_CODE`, the same way out as a failed
-collective, so torchrun re-forms the group without the silent node and nothing committed is lost.
+`on_silent(reason)` once, from the watching thread: a worker that re-forms in process asks its
+agent for a round without the silent node and leaves the group at once (training/stop_guard.py);
+any other keeps its last committed step in node memory and ends with `SILENT_PEER_EXIT_CODE`, the
+same way out as a failed collective, so torchrun re-forms the group without the silent node and
+nothing committed is lost.
 With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
 node's torchrun agent: our rendezvous (elastic-c10d, etcd-v3) then leaves such a node out of the
@@ -188,11 +190,13 @@ class PeerWatchdog:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching (and heartbeating): after the bound, peers find this rank silent."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop watching (and heartbeating): after the bound, peers find this rank silent. `wait`:
+        for the threads to end, a few intervals at most; not when the group is left for another (a
+        heartbeat thread blocked on a frozen store never ends, and the threads are daemons)."""
         self._stop.set()
         self._wake()
-        for thread in (self._thread, self._exchanger):
+        for thread in (self._thread, self._exchanger) if wait else ():
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s * 4)
 
@@ -334,7 +338,7 @@ class PeerWatchdog:
                 logger.debug("peer watchdog: could not name suspects to this node's agent: %s", exc)
 
     def _fire(self, reason: str, silent_nodes: set[int | None]) -> None:
-        logger.error("peer watchdog: %s: stopping this worker so that torchrun re-forms the group", reason)
+        logger.error("peer watchdog: %s: the group is re-formed without it", reason)
         self._stop.set()  # the heartbeat thread too: this worker is ending
         self._read_now.set()
         # This node's own rank never: its store going silent may be this node cut off.

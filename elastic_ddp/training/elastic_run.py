@@ -245,7 +245,8 @@ class ElasticRun:
             log, snapshots = exits.enter_context(self._incarnation(incarnation))
             exits.push(_on_success(self._finish))
             guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
-                                                self.config.epochs, self.config.watchdog_timeout_s)
+                                                self.config.epochs, self.config.watchdog_timeout_s,
+                                                self._re_form_without_silent_peer)
             exits.enter_context(guard.watching_peers(incarnation))
             log.started(in_process=re_formed is not None)
             snapshots.start()
@@ -386,6 +387,22 @@ class ElasticRun:
         if self._lost_peer is None:
             self._lost_peer = f"{what}: {what_broke(exc)}"
             logger.warning("a peer is lost (%s); re-forming the group in process", self._lost_peer)
+        return True
+
+    def _re_form_without_silent_peer(self, reason: str) -> bool:
+        """From the watchdog's thread, which found a peer silent: whether this worker re-forms without
+        it in process (the agent is asked for the round), under `_absorbs_lost_peer`'s rules and
+        only while one of the run's collectives waits through the alarm, which then ends it: a
+        training thread blocked in any other collective could not come out to re-form."""
+        if (not self.regroup.enabled or self.current_step is None or self._regrouped_at == self.global_step
+                or not self.regroup.alarm.waiting()):
+            return False
+        try:
+            self.regroup.ask_for_round(f"peer watchdog: {reason}")
+        except OSError as exc:
+            logger.warning("could not ask this node's agent for a round without the silent peer (%s)", exc)
+            return False
+        logger.warning("peer watchdog: %s; re-forming the group in process", reason)
         return True
 
     def _absorbs_ddps_lost_peer(self, exc: RuntimeError) -> bool:

@@ -27,11 +27,20 @@ agents take that round in process, and each running worker switches at its next 
 (`Regroup.replaced`), its step committed: every rank of the new group then restores as after a
 restart (the survivors' kept step is the newest; the newcomers' fresh workers receive it).
 
+A frozen or cut-off peer raises nothing: the peer watchdog finds it silent and, when one of the
+run's collectives waits through `BrokenGroupAlarm` (the training thread is blocked where the alarm
+can end it), asks the agent for a round without it instead of ending the worker
+(`Regroup.ask_for_round`, from the watchdog's thread; the verdict it sent first lets the agents
+leave the node out at once); that collective then fails once the round is announced, and the
+worker re-forms as above. gloo cannot abort it: it stays in gloo's thread until its timeout, in
+the old group, which is kept referenced. Blocked elsewhere (a snapshot's collective, the loop's
+own), the worker ends the watchdog's way, as does one whose training thread does not begin the
+re-form within the watchdog's deadline (training/stop_guard.py).
+
 When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
-DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a frozen or cut-off peer
-(gloo cannot abort a collective that waits on it; the watchdog ends the worker as before), a
-failure in the loop's own code (its model's own collectives, its own all-reduces), a step that
+DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a failure in the loop's
+own code (its model's own collectives, its own all-reduces), a step that
 broke again right after a re-form (no re-form loop on a bug), a node lost while the new group
 forms (rank 0's store waits for it until the group's timeout). Each ends in torchrun's restart
 with the last committed step kept.
@@ -137,6 +146,11 @@ class BrokenGroupAlarm:
             self._thread.start()
         collective.add_done_callback(forward)
         return guarded
+
+    def waiting(self) -> bool:
+        """Whether a collective of the run's waits through this alarm now."""
+        with self._lock:
+            return bool(self._waiting)
 
     def _watch(self) -> None:
         # A poll, not a wake-up per collective: a thread woken at every step costs the step a
@@ -316,6 +330,11 @@ class Regroup:
             round_handoff.withdraw_capable(self._agent, self.context.local_rank)
             self.enabled = False
 
+    def ask_for_round(self, reason: str) -> None:
+        """Ask the agent for the round after this worker's group, which broke (`reason`). Errors as
+        `round_handoff.request_reform`'s."""
+        round_handoff.request_reform(self._agent, self.context.local_rank, self.round, reason)
+
     def rejoin(self, reason: str, stop_requested: Callable[[], bool]) -> DistributedContext:
         """Leave the broken group and join the round the agent runs for its workers; the new
         context, its default group initialised. `stop_requested` (SIGTERM: torchrun stops the
@@ -329,7 +348,7 @@ class Regroup:
         timer.start()
         try:
             if not self.replaced():  # (a join: the agent took the round already)
-                round_handoff.request_reform(self._agent, self.context.local_rank, self.round, reason)
+                self.ask_for_round(reason)
             destroy_default_group()
             announced = self._wait_for_round(started, stop_requested)
             if not announced.in_process:

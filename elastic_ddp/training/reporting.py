@@ -168,7 +168,7 @@ class RunLog:
             self.metrics.heartbeat_gap(seconds)
 
     def peer_evicted(self) -> None:
-        """The peer watchdog found a peer silent and stops this worker (from its thread)."""
+        """The peer watchdog found a peer silent: the group is re-formed without it (from its thread)."""
         if self.metrics is not None:
             self.metrics.peer_evicted()
 

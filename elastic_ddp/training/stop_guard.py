@@ -10,6 +10,12 @@ copies a step counts once its parts are on two nodes, a step after its commit (t
 session's `counted_step`); a drain waits for that first. docs/failure-semantics.md, "What a
 failure costs".
 
+A worker that re-forms in process (in_process.py) takes a silent peer there too, when its training
+thread waits in a collective that the re-form can end: the watchdog's thread asks the agent for a
+round without the peer (`in_process`, the run's, which says whether it did), and that collective
+fails once the round is announced. If the training thread has not begun its re-form
+SILENT_PEER_REFORM_WAIT_S later, the watchdog's way out below is taken after all.
+
 The watchdog's way out is bounded whatever the training thread is blocked in: it copies the state
 only if the training thread leaves its commit within COMMIT_WAIT_S and the device finishes that
 step's work within as long again (under NCCL either can wait for ever on the all-reduce of a silent
@@ -19,7 +25,7 @@ snapshot files. A copy the training thread is writing itself is let finish, up t
 
 `StopGuard` is what the trainer uses for that:
 
-    guard = StopGuard(state, run_log, snapshots, context, drain, epochs, watchdog_timeout_s)
+    guard = StopGuard(state, run_log, snapshots, context, drain, epochs, watchdog_timeout_s, in_process)
     with guard.watching_peers(incarnation):     # the watchdog, for the whole worker group's life
         ...
         with guard.keeping_the_last_step():     # any exception out of training keeps it
@@ -32,7 +38,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from elastic_ddp.runlog.metrics_causes import WATCHDOG_REASON
 from elastic_ddp.runtime.distributed import DistributedContext, end_worker_now
@@ -40,6 +46,7 @@ from elastic_ddp.runtime.drain import DrainRequested, DrainSignal
 from elastic_ddp.runtime.watchdog import SILENT_PEER_EXIT_CODE, PeerWatchdog
 from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
+from elastic_ddp.training.in_process import ROUND_WAIT_S
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.verdicts import worker_verdict_address
 
@@ -56,21 +63,29 @@ class GroupReformed(Exception):
 # finish is what keeps the step).
 COMMIT_WAIT_S = 1.0
 KEEPING_WAIT_S = 60.0
+# How long a worker that handed a silent peer to an in-process re-form waits for its training thread
+# to begin it: the agent's answer (Regroup's own bound for it), then the alarm's poll.
+SILENT_PEER_REFORM_WAIT_S = ROUND_WAIT_S + 2.0
 
 
 class StopGuard:
     """Keeps the last committed step of one worker group's training (see the module docstring)."""
 
     def __init__(self, state: TrainingState, run_log: RunLog, snapshots: SnapshotSession,
-                 context: DistributedContext, drain: DrainSignal, epochs: int, watchdog_timeout_s: float):
+                 context: DistributedContext, drain: DrainSignal, epochs: int, watchdog_timeout_s: float,
+                 in_process: Callable[[str], bool] | None = None):
+        """`in_process(reason)`, from the watchdog's thread: whether the worker re-forms without the
+        silent peer in process (it asked its agent for the round); None: it never does."""
         self.state, self.run_log, self.snapshots = state, run_log, snapshots
         self.context = context
         self.drain = drain
         self.epochs = epochs
         self.watchdog_timeout_s = watchdog_timeout_s if context.in_process_group else 0
+        self.in_process = in_process
         self._kept_step: int | None = None
         self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
         self._watchdog: PeerWatchdog | None = None
+        self._way_out: threading.Timer | None = None  # after a silent peer was handed to an in-process re-form
 
     def keep(self, reason: str, commit_wait_s: float | None = None) -> None:
         """Keep the last committed step now (audit shares, memory copy); once per step.
@@ -135,24 +150,45 @@ class StopGuard:
         try:
             yield
         except DrainRequested:
+            self._cancel_way_out()
             watchdog.leave()
             raise
-        except BaseException:
-            watchdog.stop()
+        except BaseException as exc:
+            self._cancel_way_out()
+            # A re-formed group's: its heartbeat thread may wait on a store that never answers (frozen).
+            watchdog.stop(wait=not isinstance(exc, GroupReformed))
             raise
+        self._cancel_way_out()
         watchdog.leave()
 
     def stop_watching(self) -> None:
-        """Stop the watchdog now, without a word to the peers: the group broke and is being re-formed
-        in process (its peers' heartbeats stop too, and the re-form has a deadline of its own)."""
+        """Stop the watchdog now, without a word to the peers and without waiting for its threads:
+        the group broke and is being re-formed in process (its peers' heartbeats stop too, and the
+        re-form has a deadline of its own)."""
+        self._cancel_way_out()
         if self._watchdog is not None:
-            self._watchdog.stop()
+            self._watchdog.stop(wait=False)
+
+    def _cancel_way_out(self) -> None:
+        if self._way_out is not None:
+            self._way_out.cancel()
 
     def _stop_for_silent_peer(self, reason: str) -> None:
-        """From the watchdog's thread: keep the last committed step if it can be had without waiting
-        on the training thread, then end the process (that thread may be blocked in a collective
-        that never returns, inside a commit: then nothing is kept, and that is logged and emitted)."""
+        """From the watchdog's thread: hand the silent peer to an in-process re-form when the worker
+        can (module docstring), with the way out below as its deadline; else take that way out."""
         self.run_log.peer_evicted()
+        if self.in_process is not None and self.in_process(reason):
+            late = f"{reason}, and the in-process re-form did not begin within {SILENT_PEER_REFORM_WAIT_S:g} s"
+            self._way_out = threading.Timer(SILENT_PEER_REFORM_WAIT_S, self._end_for_silent_peer, (late,))
+            self._way_out.daemon = True
+            self._way_out.start()
+            return
+        self._end_for_silent_peer(reason)
+
+    def _end_for_silent_peer(self, reason: str) -> None:
+        """Keep the last committed step if it can be had without waiting on the training thread,
+        then end the process (that thread may be blocked in a collective that never returns, inside
+        a commit: then nothing is kept, and that is logged and emitted)."""
         self.keep(f"{WATCHDOG_REASON}: {reason}", commit_wait_s=COMMIT_WAIT_S)
         # The event log batches step lines, and the process ends without closing it.
         self.run_log.events.flush(timeout_s=COMMIT_WAIT_S)

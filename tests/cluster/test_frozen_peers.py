@@ -1,5 +1,6 @@
-"""A frozen node is left behind by the peer watchdog, long before the collective timeout; a slow or
-briefly stopped one is not. Real torchrun agents on 127.0.0.1, real SIGSTOP, gloo.
+"""A frozen node is left behind by the peer watchdog, long before the collective timeout (by
+torchrun's restart with torch's c10d, in process with ours); a slow or briefly stopped one is not.
+Real torchrun agents on 127.0.0.1, real SIGSTOP, gloo.
 
 The collective timeout is 120 s in these jobs: a group that trains again without the frozen node
 sooner than that owes it to the watchdog (elastic_ddp/runtime/watchdog.py, bound `--watchdog_timeout_s`,
@@ -59,8 +60,11 @@ def paced_with_both(job: LocalJob, hold) -> None:
     pace(hold)
 
 
-def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold) -> float:
-    """Freeze `frozen` while the job trains; return the seconds until the survivor trains again."""
+def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold, source: str = "memory",
+                                   verdict: str = "peer watchdog: rank(s) [1] sent no heartbeat") -> dict:
+    """Freeze `frozen` while the job trains; the `start` event of the survivor's group without it.
+    `source`: the restore's (`memory` after torchrun's restart, `live` in process); `verdict`: what
+    the survivor's watchdog logs."""
     paced_with_both(job, hold)
     job.wait_for_step(job.last_step() + 5, timeout=90)
     frozen_at = time.time()
@@ -72,14 +76,16 @@ def assert_frozen_node_left_behind(job: LocalJob, survivor, frozen, hold) -> flo
     seconds = first_step["time"] - frozen_at
     print(f"training again {seconds:.1f} s after the freeze")
     assert seconds < LEFT_BEHIND_WITHIN_S, node_logs(job)
-    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
+    assert restore["source"] == source and restore["lost_steps"] == 0, restore
+    alone = job.wait_for_event(lambda e: e["event"] == "start" and e["incarnation"] == restore["incarnation"], 10,
+                               "the start of the group without the frozen node")
     frozen.kill()  # it stays gone: a thawed node would rejoin, which is another test's subject
     release(hold)
     assert survivor.wait(timeout=180) == 0, node_logs(job)
     assert load_snapshot(job.checkpoint_dir)["global_step"] == EPOCHS * DATASET // BATCH
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
-    assert "peer watchdog: rank(s) [1] sent no heartbeat" in survivor.log_text()
-    return seconds
+    assert verdict in survivor.log_text(), survivor.log_text()[-4000:]
+    return alone
 
 
 def test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind(local_jobs, tmp_path):
@@ -91,15 +97,27 @@ def test_plain_torchrun_with_torchs_c10d_leaves_a_frozen_node_behind(local_jobs,
 
 
 @pytest.mark.etcd
-def test_etcd_v3_leaves_a_frozen_node_behind(local_jobs, etcd_server: EtcdServer, tmp_path):
+def test_etcd_v3_leaves_a_frozen_store_host_behind_in_process(local_jobs, etcd_server: EtcdServer, tmp_path):
+    """With our rendezvous (in_process=1, the default) the survivor's worker keeps its process. The
+    frozen node is rank 0's, whose worker hosts the group's store: the survivor's watchdog finds the
+    store silent, asks its agent for a round without that node, and the collective that waits on
+    it gives way once the round is announced (elastic_ddp/training/in_process.py). The store's
+    requests that never return (the heartbeat thread's) must not hold the re-form up either."""
     hold = tmp_path / "hold"
     job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", rdzv_backend="etcd-v3",
                      rdzv_endpoint=etcd_server.endpoint, rdzv_conf=None, run_id="frozen", **held_until_both_joined(hold))
-    survivor = job.add_node("first")
-    wait_for(lambda: job.events("start") or not survivor.is_running(), 60, "the first node's worker group")
-    frozen = job.add_node("frozen")
-    assert_frozen_node_left_behind(job, survivor, frozen, hold)
-    assert_workers_started_warm(job, survivor, starts=3)  # alone, with the frozen node, alone again
+    frozen = job.add_node("first")
+    wait_for(lambda: job.events("start") or not frozen.is_running(), 60, "the first node's worker group")
+    survivor = job.add_node("second")
+    alone = assert_frozen_node_left_behind(job, survivor, frozen, hold, source="live",
+                                           verdict="peer watchdog: the worker group's store (rank 0's) has not answered")
+    assert alone["in_process"] is True, alone
+    both = next(e for e in job.events("start") if e["world_size"] == 2)
+    [pid_with_both] = [rank["pid"] for rank in both["ranks"] if rank["agent_pid"] == survivor.pid]
+    assert [rank["pid"] for rank in alone["ranks"]] == [pid_with_both], ("the survivor's worker kept its process",
+                                                                         both, alone)
+    assert "will restart worker group" not in survivor.log_text().split("has not answered")[-1]
+    assert_workers_started_warm(job, survivor, starts=1)
 
 
 def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):

@@ -31,6 +31,7 @@ from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
 from elastic_ddp.round_handoff import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import wait_for
+from elastic_ddp.verdicts import send_verdict, verdict_address
 from tests.support.rendezvous import Background, each_together, ranks_by_node, serving_board
 
 pytestmark = pytest.mark.timeout(60)
@@ -319,6 +320,25 @@ def test_a_worker_that_ends_while_its_node_runs_the_round_makes_the_round_a_rest
     assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
     assert "a worker of this node ended or withdrew during the round" in announced(a).reason
     assert (announced(b).in_process, announced(b).reason) == (False, "another node gave round 1 up")
+
+
+def test_a_member_whose_workers_were_found_silent_while_its_agent_answers_makes_the_round_a_restart(server) -> None:
+    """A's workers' watchdog named C silent (a real verdict), but C's agent answers its beacon: only
+    its workers froze, which no in-process round can end (C's agent would take the round for them).
+    A decides the round is a restart before it arrives, so no node can take it in process first."""
+    a, b, c = first_round(server, [A, B, C])
+    mine = announced(a)
+    assert send_verdict(verdict_address("run", mine.master_addr, mine.master_port, mine.group_rank), [2])
+    round_handoff.request_reform(a.agent_pid, 0, 0, "peer watchdog: rank(s) [2] sent no heartbeat for over 3 s")
+
+    [answers] = monitor_together([a], lambda made: announced(made).round == 1)
+
+    assert answers[-1] >= 1, answers  # torch restarts A's workers, into round 1
+    assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
+    assert announced(a).reason == "node 127.0.0.1_103_0's workers were found silent while its agent answers"
+    assert arrivals_at(server, 1) == 0  # A never arrived in process: its restart's torchrun arrives
+    assert b.num_nodes_waiting() == 0 and c.num_nodes_waiting() == 0  # nobody else takes it in process either
+    assert b._round.round == c._round.round == 0 and announced(b).round == announced(c).round == 0
 
 
 def test_a_board_error_in_an_in_process_round_is_a_restart_never_an_error_to_torch(server, monkeypatch) -> None:

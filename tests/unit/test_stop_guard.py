@@ -71,6 +71,40 @@ def test_the_watchdog_still_keeps_the_last_step_when_the_training_thread_is_betw
     assert [path.name[7:16] for path in Path(config.memory_dir).glob("*/memory-*")] == ["000000005"]
 
 
+def test_a_silent_peer_handed_to_an_in_process_re_form_ends_the_worker_only_if_the_re_form_never_begins(
+        tmp_path, monkeypatch):
+    """Where the worker re-forms in process, the watchdog's thread asks for the round and returns;
+    the way out (keep, end) waits SILENT_PEER_REFORM_WAIT_S for the training thread to begin the
+    re-form (`stop_watching`), and is taken only if it does not."""
+    config = small_config(tmp_path, snapshot_every_steps=0)
+    exits: list[int] = []
+    handed: list[str] = []
+    monkeypatch.setattr(stop_guard, "end_worker_now", exits.append)
+    monkeypatch.setattr(stop_guard, "SILENT_PEER_REFORM_WAIT_S", 0.2)
+    silent = "rank(s) [1] sent no heartbeat for over 3 s"
+
+    def after_step(trainer) -> None:
+        guard = trainer.run.stop_guard
+        guard.in_process = lambda reason: handed.append(reason) or True
+        if trainer.global_step == 2:  # the training thread begins the re-form in time: no way out
+            guard._stop_for_silent_peer(silent)
+            way_out = guard._way_out
+            guard.stop_watching()
+            way_out.join(timeout=10)
+            assert exits == [], "the way out was taken although the re-form began"
+        if trainer.global_step == 4:  # it never does (blocked in a collective nothing can fail)
+            guard._stop_for_silent_peer(silent)
+            assert exits == [], "the watchdog's thread ended the worker before the re-form's deadline"
+            guard._way_out.join(timeout=10)
+            raise Crash("the worker ended")
+
+    with pytest.raises(Crash):
+        make_trainer(config, after_step=after_step).fit()
+    assert handed == [silent, silent]
+    assert exits == [SILENT_PEER_EXIT_CODE]
+    assert [path.name[7:16] for path in Path(config.memory_dir).glob("*/memory-*")] == ["000000004"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_copy_from_another_thread_never_waits_behind_a_blocked_stream_for_longer_than_its_bound():
     """The default stream busy for seconds stands for one blocked behind an all-reduce that never ends."""

@@ -44,8 +44,9 @@ joins through `next_rendezvous` is told to its workers (`round_handoff`: round.j
 false: torchrun starts them in it). While they train, torch's agent calls `num_nodes_waiting` every
 monitor interval; once every local worker declared itself capable of re-forming, that call runs
 the next round itself, for the workers, when one of them asked (its group of the current round
-broke: a lost node), when newcomers that the round would take wait at the next one (a join), or
-when members of the current round wait there, each with the in-process mark. It writes its own
+broke: a lost node, or its watchdog found one silent), when newcomers that the round would take
+wait at the next one (a join), or when members of the current round wait there, each with the
+in-process mark. It writes its own
 mark (a store key, before its arrival, holding which of torch's rounds its agent holds), arrives,
 and waits and closes as above (same loop, same closing rule: the lost member is out once its beacon
 refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
@@ -62,7 +63,8 @@ takes the round in process while another gave it up. Outcomes:
   it, for as many agents as that round had; the missing ones (lost nodes, and members that moved
   on in process) are credited once, so that nobody waits 300 s for them (`_settle_exit_barriers`).
 - anything else (a timeout, a board error, a round without this node, a member that arrived with
-  its workers stopped, another node's outcome): one warning naming why, an announcement with
+  its workers stopped, a member in it whose workers this node's workers found silent: its agent
+  answers, only torchrun's restart ends its workers; another node's outcome): one warning naming why, an announcement with
   `in_process` false (waiting workers exit at once), and at least 1: torch restarts the workers,
   and its `next_rendezvous` waits for that round, not the one after it (the other nodes are in it).
 
@@ -109,7 +111,7 @@ from elastic_ddp import round_handoff
 from elastic_ddp.agent.rendezvous.defaults import REFORM_POLL_S, REFORM_TIMEOUT_S, SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
-from elastic_ddp.agent.rendezvous.silence import SilenceJudge
+from elastic_ddp.agent.rendezvous.silence import ANSWER_S, SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 from elastic_ddp.agent.rendezvous.torch_internals import exit_barrier_keys, take_part_in_rank_assignment
 from elastic_ddp.round_handoff import RoundAnnouncement
@@ -399,13 +401,16 @@ class RoundRendezvousHandler(RendezvousHandler):
         by `num_nodes_waiting`; public so that the agent's metrics count these rounds
         (agent/rendezvous_metrics.py)."""
         started, target = time.monotonic(), current.round + 1
+        record: RoundRecord | None = None
         try:
-            # Before the arrival: readers trust it. It says which of torch's rounds this node's agent
-            # holds, for the exit barriers (`_settle_exit_barriers`).
-            self._board.store.set(self._mark_key(target, self._node), self._torch_round_mark())
             self._silence.start(self._board.alive)
-            self._board.arrive(target, self._node)
-            record, problem = self._close_in_process(current)
+            problem = self._workers_alone_silent(current)
+            if problem is None:
+                # Before the arrival: readers trust it. It says which of torch's rounds this node's agent
+                # holds, for the exit barriers (`_settle_exit_barriers`).
+                self._board.store.set(self._mark_key(target, self._node), self._torch_round_mark())
+                self._board.arrive(target, self._node)
+                record, problem = self._close_in_process(current)
             if problem is None and round_handoff.all_workers_capable(self.agent_pid) is None:
                 # (a worker that failed otherwise while the round ran: torchrun restarts it, into this round)
                 problem = "a worker of this node ended or withdrew during the round"
@@ -428,6 +433,17 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._announced is not None:
             self._announce(dataclasses.replace(self._announced, round=target, in_process=False, reason=problem))
         return max(count, 1)
+
+    def _workers_alone_silent(self, current: RoundRecord) -> str | None:
+        """Why the round cannot be taken in process when this node's workers named a member of
+        `current` silent whose beacon answers (None: none did). Its agent runs, and would take the
+        round in process for workers that never come; only torchrun's restart ends them. Decided
+        before this node arrives, so before any node can take the round (the round waits for
+        this node, a live member), and after this node's beacon questions (`ANSWER_S` at most)."""
+        alone = self._silence.answering(current, 2 * ANSWER_S)
+        if not alone:
+            return None
+        return f"node {node_name(min(alone))}'s workers were found silent while its agent answers"
 
     def _close_in_process(self, current: RoundRecord) -> tuple[RoundRecord | None, str | None]:
         """Wait (and close, as the closer) round `current + 1`, already arrived at: its record, or None

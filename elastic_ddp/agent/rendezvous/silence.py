@@ -104,6 +104,7 @@ class SilenceJudge:
         self._named: set[NodeDesc] = set()  # named silent by the workers' verdict
         self._silent_at: dict[NodeDesc, float] = {}  # beacons that did not answer, and when that was known
         self._asking: set[NodeDesc] = set()  # nodes whose beacon has not answered or timed out yet
+        self._answered: set[NodeDesc] = set()  # nodes whose beacon answered
         self._probes: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -150,6 +151,7 @@ class SilenceJudge:
                 self._expected = None
             if self._record != record:
                 self._record, self._named, self._silent_at, self._asking = record, set(), {}, set()
+                self._answered = set()
             self._named.update(named)
             for node in named:  # a beacon found silent just before (a suspicion) is evidence still
                 if now - self._silent_at.get(node, -FRESH_S) > FRESH_S:
@@ -195,6 +197,8 @@ class SilenceJudge:
                 return
             if reply is Reply.SILENT:
                 self._silent_at[node] = time.monotonic()
+            elif reply is Reply.ANSWERED:
+                self._answered.add(node)
             named = node in self._named
         if reply is not Reply.SILENT:
             logger.info("node %s, named by this node's workers, answers its beacon (%s): kept", node, reply.value)
@@ -215,6 +219,16 @@ class SilenceJudge:
             if self._record is None or last is None or self._record != last:
                 return set()
             return {node for node in self._named if node in self._silent_at}
+
+    def answering(self, last: RoundRecord | None, wait_s: float) -> set[NodeDesc]:
+        """The members of `last` named silent by this node's workers whose beacon answered: their
+        agent runs, only their workers are silent (frozen, or cut off from the others' workers).
+        Waits up to `wait_s` for the beacons still being asked."""
+        self.wait(wait_s)
+        with self._lock:
+            if self._record is None or last is None or self._record != last:
+                return set()
+            return self._named & self._answered
 
     def asked(self, last: RoundRecord | None) -> set[NodeDesc]:
         """The members of `last` being asked now or found silent: the dead-node probes
