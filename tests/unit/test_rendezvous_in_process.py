@@ -337,8 +337,14 @@ def test_a_member_whose_workers_were_found_silent_while_its_agent_answers_makes_
     assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
     assert announced(a).reason == "node 127.0.0.1_103_0's workers were found silent while its agent answers"
     assert arrivals_at(server, 1) == 0  # A never arrived in process: its restart's torchrun arrives
-    assert b.num_nodes_waiting() == 0 and c.num_nodes_waiting() == 0  # nobody else takes it in process either
-    assert b._round.round == c._round.round == 0 and announced(b).round == announced(c).round == 0
+    assert c.num_nodes_waiting() == 0 and c._round.round == 0 and announced(c).round == 0  # nobody takes it
+    # B's workers, blocked on C as A's were, asked too (without a verdict of their own yet): B follows
+    # A's outcome at once and tells them, rather than let them wait for their own deadline.
+    round_handoff.request_reform(b.agent_pid, 0, 0, "peer watchdog: rank(s) [2] sent no heartbeat for over 3 s")
+    [followed] = monitor_together([b], lambda made: announced(made).round == 1)
+    assert followed == [1] and not announced(b).in_process, (followed, announced(b))  # at its first poll
+    assert announced(b).reason == "another node gave round 1 up"
+    assert server.get("rdzv/run/in_process_outcome/1") == b"restart"
 
 
 def test_a_board_error_in_an_in_process_round_is_a_restart_never_an_error_to_torch(server, monkeypatch) -> None:

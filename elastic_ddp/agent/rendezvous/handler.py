@@ -376,7 +376,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         of them asked for it (its group of `current` broke), or nodes wait at it: newcomers that the
         round would take (`count` > 0: not spares of a full round), or members of `current` that run
         it in process (each waiting member has the in-process mark); and no node decided that
-        round's outcome yet. False (today's answer) when that cannot be read."""
+        round's outcome yet, or one decided a restart while this node's workers asked (they are told
+        at once). False (today's answer) when that cannot be read."""
         try:
             if current.rank_of(self._node) is None or round_handoff.all_workers_capable(self.agent_pid) is None:
                 return False
@@ -387,7 +388,12 @@ class RoundRendezvousHandler(RendezvousHandler):
             if not asked and not ((joining or members_waiting)
                                   and not self._unmarked(current.round + 1, members_waiting)):
                 return False
-            return not self._board.store.check([self._outcome_key(current.round + 1)])  # not decided yet
+            outcome = self._outcome_key(current.round + 1)
+            if not self._board.store.check([outcome]):
+                return True  # not decided yet
+            # Decided a restart by another node while this node's workers wait for an answer: follow it
+            # now (they would wait for their own deadline); `reform_in_process` comes to the same outcome.
+            return asked and bytes(self._board.store.get(outcome)) != IN_PROCESS_OUTCOME
         except Exception:  # never raise to torch's monitor loop (findings.md 4)
             if not self._reform_fault_logged:
                 logger.exception("could not tell whether to re-form in process (logged once); torchrun restarts "
@@ -405,6 +411,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         try:
             self._silence.start(self._board.alive)
             problem = self._workers_alone_silent(current)
+            if self._board.store.check([self._outcome_key(target)]):  # (only ever a restart, `_reform_wanted`)
+                problem = f"another node gave round {target} up"
             if problem is None:
                 # Before the arrival: readers trust it. It says which of torch's rounds this node's agent
                 # holds, for the exit barriers (`_settle_exit_barriers`).

@@ -223,12 +223,13 @@ class SilenceJudge:
     def answering(self, last: RoundRecord | None, wait_s: float) -> set[NodeDesc]:
         """The members of `last` named silent by this node's workers whose beacon answered: their
         agent runs, only their workers are silent (frozen, or cut off from the others' workers).
-        Waits up to `wait_s` for the beacons still being asked."""
+        Waits up to `wait_s` for the beacons still being asked, when this node's workers named any."""
+        with self._lock:
+            if self._record is None or last is None or self._record != last or not self._named:
+                return set()
         self.wait(wait_s)
         with self._lock:
-            if self._record is None or last is None or self._record != last:
-                return set()
-            return self._named & self._answered
+            return self._named & self._answered if self._record == last else set()
 
     def asked(self, last: RoundRecord | None) -> set[NodeDesc]:
         """The members of `last` being asked now or found silent: the dead-node probes
