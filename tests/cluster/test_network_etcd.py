@@ -116,7 +116,9 @@ def test_a_node_cut_off_with_the_etcd_leader_never_trains_alone_and_rejoins(loca
     # No split brain: while cut off, n2 never was in a group (its rank 0 would have logged a start).
     cut_off = [e for e in job.events("start") if partitioned_at < e["time"] < healed_at]
     assert cut_off and all(_agents(e) == {n0.pid, n1.pid} for e in cut_off), f"{cut_off}\n{node_logs(job)}"
-    assert restore["source"] == "memory" and restore["lost_steps"] <= 1, restore
+    # `live`: the survivors left the cut-off node behind in their own processes (the watchdog asked
+    # their agents for the round); `memory`: torchrun restarted them (or their steps differed).
+    assert restore["source"] in ("live", "memory") and restore["lost_steps"] <= 1, restore
     assert training_again_s <= TRAINING_AGAIN_BOUND_S, f"{training_again_s:.1f} s\n{node_logs(job)}"
     assert_exactly_once(job, DATASET, EPOCHS, BATCH)
     equivalence = compare_runs(reference.result(timeout=300), job.checkpoint_dir)

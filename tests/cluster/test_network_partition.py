@@ -128,7 +128,9 @@ def test_a_partitioned_replica_target_is_left_behind_never_trains_alone_and_rejo
     # No split brain: the cut-off node never formed a group without n0 (its rank 0 would have logged its start).
     starts = job.events("start")
     assert all(job.nodes[0].pid in _agents(start) for start in starts), f"{starts}\n{node_logs(job)}"
-    assert restore["source"] == "memory" and restore["lost_steps"] <= 1, restore
+    # `live`: the survivors left the cut-off node behind in their own processes (the watchdog asked
+    # their agents for the round); `memory`: torchrun restarted them (or their steps differed).
+    assert restore["source"] in ("live", "memory") and restore["lost_steps"] <= 1, restore
     assert training_again_s <= TRAINING_AGAIN_BOUND_S, f"{training_again_s:.1f} s\n{node_logs(job)}"
     assert reached is not target and reached.pid in survivors, replicated
     assert replica_step >= replicated["global_step"], (replica_step, replicated)
