@@ -34,7 +34,8 @@ Six settings are measured in the same run, interleaved, on the same machine:
   PyTorch fault-tolerance tutorial saves (its script itself also loses the optimizer state and
   tears its snapshot when killed mid-write; findings.md).
 - `fsdp` (not in the default list: `--settings ours fsdp`): `ours` with `--sharding fsdp`, the
-  zero loss coming from the memory copies of shards (docs/sharding.md).
+  zero loss coming from the memory copies of shards (docs/sharding.md); `fsdp-restart`, the same
+  with `in_process=0` (the survivors' workers restart; `--settings fsdp fsdp-restart`).
 All use the same training (`elastic_ddp.train`, 64 steps per epoch) and environment (`AGENT_ENV`:
 one thread per worker, the agent-shared store off), so the differences are the launch settings
 and the snapshot flags above.

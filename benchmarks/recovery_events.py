@@ -36,14 +36,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "stock": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
     "tutorial": {"rdzv_conf": None, "monitor_interval": None, "launcher": STOCK_LAUNCHER},
     "fsdp": {"rdzv_conf": RDZV_CONF, "monitor_interval": MONITOR_INTERVAL_S, "launcher": LAUNCHER},
+    # `fsdp` with in-process re-forms off: torchrun restarts the survivors' workers.
+    "fsdp-restart": {"rdzv_conf": f"{RDZV_CONF},{IN_PROCESS_KEY}=0", "monitor_interval": MONITOR_INTERVAL_S,
+                     "launcher": LAUNCHER},
 }
-DEFAULT_SETTINGS = [name for name in SETTINGS if name != "fsdp"]  # fsdp only when asked for
+DEFAULT_SETTINGS = [name for name in SETTINGS if not name.startswith("fsdp")]  # fsdp only when asked for
 # Training flags of a setting beyond TRAINING_ARGS (benchmarks/recovery.py's docstring).
 WITHOUT_OURS = ["--no-memory_copies", "--watchdog_timeout_s", "0"]
 SNAPSHOT_FLAGS: dict[str, list[str]] = {
     "stock": WITHOUT_OURS,
     "tutorial": [*WITHOUT_OURS, "--snapshot_every_steps", "0"],
     "fsdp": ["--sharding", "fsdp"],
+    "fsdp-restart": ["--sharding", "fsdp"],
 }
 TRAINING_ARGS = ["--model", "mlp", "--no-augment", "--epochs", "1000", "--dataset_size", "4096",
                  "--global_batch_size", "64", "--micro_batch_size", "32", "--snapshot_every_steps", "20",

@@ -106,6 +106,11 @@ class RoundAnnouncement:
     # Nodes new to the group in this round (>= 0, < group_world_size): with newcomers the survivors
     # restore as after a restart (theirs is the newest state, which the newcomers receive).
     joined: int = 0
+    # In process (required then, else None): the global rank of this node's local rank 0, and the
+    # workers in the round, as torch's rank assignment gives them (nodes in group-rank order, each
+    # with its own number of workers: they need not be equal).
+    first_rank: int | None = None
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("round", self.round, 0, MAX_COUNT)
@@ -113,6 +118,9 @@ class RoundAnnouncement:
         _check_int("group_rank", self.group_rank, 0, self.group_world_size - 1)
         _check_int("master_port", self.master_port, 1, 65535)
         _check_int("joined", self.joined, 0, self.group_world_size - 1)
+        if self.in_process or self.first_rank is not None or self.world_size is not None:
+            _check_int("world_size", self.world_size, self.group_world_size, MAX_COUNT)
+            _check_int("first_rank", self.first_rank, self.group_rank, self.world_size - 1)
         if not isinstance(self.master_addr, str):
             raise TypeError(f"master_addr {self.master_addr!r}: a string is wanted")
         if not _is_address(self.master_addr):
@@ -190,6 +198,8 @@ def publish_round(agent_pid: int, announcement: RoundAnnouncement) -> None:
         "in_process": announcement.in_process,
         "joined": announcement.joined,
         "reason": announcement.reason,
+        "first_rank": announcement.first_rank,
+        "world_size": announcement.world_size,
     }
     _write_whole(handoff_directory(agent_pid) / ROUND_FILE, fields)
 

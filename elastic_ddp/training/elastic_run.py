@@ -41,7 +41,9 @@ With our rendezvous, a lost node's survivors keep their processes (in_process.py
 progress is abandoned (a forward whose DDP collectives broke runs on the module alone; backward,
 clipping and commit do nothing; no further micro-batch is read; `run.group_broken` is True) and
 redone in the re-formed group, whose rank and world size the run's accessors then give. A joining
-node is let in at a step boundary the same way, without abandoning a step.
+node is let in at a step boundary the same way, without abandoning a step. Under `--sharding fsdp`
+the re-form shards the model again over the new group: `module`, `model`, `optimizer` and
+`scheduler` are new objects afterwards (factories called again), so read them from the run.
 
 Not guaranteed: one optimizer (a second one of the loop's own is neither stepped nor checked, but
 its state may travel in `extra_state`); a loop that changes the model or the optimizer's
@@ -76,10 +78,16 @@ from elastic_ddp.runtime.distributed import (
 )
 from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
-from elastic_ddp.snapshot.training_state import Stateful, run_fingerprint
-from elastic_ddp.training.in_process import InterruptibleDDP, Regroup, lost_peer, what_broke
+from elastic_ddp.snapshot.training_state import Stateful, TrainingState, run_fingerprint
+from elastic_ddp.training.in_process import (
+    InterruptibleDDP,
+    InterruptibleFSDPCollectives,
+    Regroup,
+    lost_peer,
+    what_broke,
+)
 from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.training.sharding import ShardingError, place_model
+from elastic_ddp.training.sharding import ShardingError, parameterless_copy, place_model, rebuilt
 from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
 from elastic_ddp.training.step_hooks import MinimumStepTime
 from elastic_ddp.training.stop_guard import GroupReformed, StopGuard
@@ -126,15 +134,15 @@ class ElasticRun:
                                 "optimizer=lambda model: AdamW(model.parameters(), ...)")
         self.config = config
         self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
+        # Under fsdp a re-form in process shards the model again, over the new group (`_rebuild_sharded`).
+        self._skeleton, not_in_process = _sharded_skeleton(model, scheduler) if config.sharding == "fsdp" else (None,
+                                                                                                              None)
         self.module = place_model(model, config.sharding, config.shard_blocks, self.context.device)
         self.ddp_model: nn.Module = self.module  # DDP once entered (FSDP2 sharded the module in place)
         self.model: nn.Module = self.module  # what a step calls: ddp_model, compiled with --compile
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(self.module)  # over the placed (under fsdp: sharded) parameters
-        if callable(scheduler) and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            scheduler = scheduler(optimizer or build_optimizer(config, self.module.parameters()))
-        self.state = build_training_state(self.module, len(dataset), config, self.context.device, optimizer,
-                                          scheduler, extra_state)
+        self._dataset_size = len(dataset)
+        self._given = (optimizer, scheduler, extra_state)
+        self.state = self._build_state()
         self.fingerprint = run_fingerprint(self.module, len(dataset), config.global_batch_size, config.seed,
                                            config.drop_last)
         self.samples = EpochSampleView(dataset, config.seed, sample_transform)
@@ -147,7 +155,9 @@ class ElasticRun:
         self.run_log: RunLog | None = None  # what this run reports, and
         self.snapshots: SnapshotSession | None = None  # its snapshots (all three set while entered)
         self.current_step: Step | None = None
-        self.regroup = Regroup(self.context, config.sharding, timedelta(seconds=config.collective_timeout_s))
+        self.regroup = Regroup(self.context, timedelta(seconds=config.collective_timeout_s), not_in_process)
+        self.fsdp_collectives = InterruptibleFSDPCollectives(self.regroup.alarm, self._absorbs_fsdps_lost_peer,
+                                                             lambda: self._lost_peer is not None)
         self._started = 0.0  # time.monotonic() of entering the run
         self._exits: contextlib.ExitStack | None = None
         self._incarnation_exits: contextlib.ExitStack | None = None  # the log, snapshots and watchdog of this group
@@ -157,7 +167,19 @@ class ElasticRun:
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
         self._empty_batch: list[torch.Tensor] | None = None
-        self.state.optimizer.register_step_pre_hook(self._refuse_the_loops_optimizer_step)
+
+    def _build_state(self) -> TrainingState:
+        """The training state of `module` (placed, under fsdp sharded) with the optimizer, scheduler
+        and extra state the run was given (factories called now), the defaults for the rest."""
+        optimizer, scheduler, extra_state = self._given
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.module)  # over the placed (under fsdp: sharded) parameters
+        if callable(scheduler) and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = scheduler(optimizer or build_optimizer(self.config, self.module.parameters()))
+        state = build_training_state(self.module, self._dataset_size, self.config, self.context.device, optimizer,
+                                     scheduler, extra_state)
+        state.optimizer.register_step_pre_hook(self._refuse_the_loops_optimizer_step)
+        return state
 
     # ------------------------------------------------------------------------------- accessors
 
@@ -252,12 +274,14 @@ class ElasticRun:
             snapshots.start()
             # With newcomers, every rank restores as after a restart (the collectives of a fresh worker's
             # entry): the survivors' kept step is the newest, served to the newcomers.
-            if re_formed is not None and not self.regroup.joined \
+            # Sharded, the model was rebuilt for the new world: every rank restores its parts as after a restart.
+            sharded = self.config.sharding == "fsdp"
+            if re_formed is not None and not self.regroup.joined and not sharded \
                     and snapshots.resume_live(self.state, re_formed.committed_in):
                 sampler = self.state.sampler
                 log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
             else:
-                if re_formed is not None:  # newcomers, or a broken all-reduce let some ranks commit a step the
+                if re_formed is not None and not sharded:  # newcomers, or a broken all-reduce let some ranks commit a step the
                     # others did not: each rank keeps its own, as the group that committed it; the newest is
                     # served to the others
                     snapshots.keep_in_memory(self.state, f"in-process re-form: {re_formed.reason}",
@@ -297,6 +321,13 @@ class ElasticRun:
         self.snapshots.forget_memory_copies()
 
     def _wrap_model(self, restored: bool) -> None:
+        if self.regroup.enabled and self.config.sharding == "fsdp":  # FSDP2 sharded it; its collectives give way
+            try:
+                self.fsdp_collectives.install(self.module)
+            except ValueError as exc:
+                logger.info("a lost node restarts this worker (no in-process re-form): FSDP2 refused a custom "
+                            "collective (%s)", exc)
+                self.regroup.stop()
         if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
             device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
             # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
@@ -405,6 +436,11 @@ class ElasticRun:
         logger.warning("peer watchdog: %s; re-forming the group in process", reason)
         return True
 
+    def _absorbs_fsdps_lost_peer(self, what: str, exc: RuntimeError) -> bool:
+        if self.current_step is None:  # (outside a step: an evaluation) never absorbed
+            return False
+        return self._absorbs_lost_peer(f"step {self.current_step.number}'s {what}", exc)
+
     def _absorbs_ddps_lost_peer(self, exc: RuntimeError) -> bool:
         if self.current_step is None:  # (a forward outside a step: an evaluation) never absorbed
             return False
@@ -420,15 +456,20 @@ class ElasticRun:
         reason, self._lost_peer = self._lost_peer, None
         self.current_step = None
         self.run_log.training_interrupted()
-        self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
-        # Nothing is kept here: the survivors usually hold the same step and keep their own state
-        # (at large states a keep costs seconds); a re-form that needs copies keeps them in the new
-        # incarnation, and a fallback keeps the step on its way out (`__exit__`).
+        sharded = self.config.sharding == "fsdp"
+        if sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
+            self.snapshots.keep_in_memory(self.state, f"in-process re-form: {reason}")
+            self._report_counted()  # the step whose exchange ended meanwhile counts (its `step` event, its audit line)
+        # Otherwise nothing is kept here: the survivors usually hold the same step and keep their own
+        # state (at large states a keep costs seconds); a re-form that needs copies keeps them in the
+        # new incarnation, and a fallback keeps the step on its way out (`__exit__`).
+        self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
         self.drain.forget_vote()
         self.state.optimizer.zero_grad(set_to_none=True)
         self._unhook_the_broken_wrapper()
-        re_formed = _ReFormed(reason, self.snapshots.committed_in(self.global_step), self.context.world_size)
+        committed_in = None if sharded else self.snapshots.committed_in(self.global_step)  # (a part says its own)
+        re_formed = _ReFormed(reason, committed_in, self.context.world_size)
         # RejoinRefused propagates with this incarnation still open: on its way out it keeps the last
         # committed step in node memory (already there), which torchrun's restart then restores.
         context = self.regroup.rejoin(reason, lambda: self.drain.requested)
@@ -436,8 +477,19 @@ class ElasticRun:
         self.context = context
         if self.log_prefix is not None:
             self.log_prefix.rank, self.log_prefix.world_size = context.rank, context.world_size
+        if self.config.sharding == "fsdp":
+            self._rebuild_sharded()
         self._enter_incarnation(re_formed)
         self._regrouped_at = self.global_step
+
+    def _rebuild_sharded(self) -> None:
+        """The model sharded again over the new group, from the copy taken before it was first
+        sharded, and its optimizer, schedule and scaler built anew as at the start (factories
+        called again; the extra state's objects carried over): the restore that follows loads all
+        of it. The old model and optimizer are let go (their group is kept: `Regroup.rejoin`)."""
+        self.module = rebuilt(self._skeleton, self.config.shard_blocks, self.context.device)
+        self.ddp_model = self.model = self.module
+        self.state = self._build_state()
 
     def _unhook_the_broken_wrapper(self) -> None:
         """Take the DDP of the broken group off the module: its gradient hooks go (its reducer may
@@ -593,9 +645,12 @@ class Step:
         if self.run._lost_peer is not None:
             return torch.zeros((), device=self.run.context.device)  # an abandoned step: nothing to clip
         self._check_all_read("step.clip_grad_norm_()")
-        state = self.run.state
+        run = self.run
+        state = run.state
         state.grad_scaler.scaler.unscale_(state.optimizer)
-        return torch.nn.utils.clip_grad_norm_(self.run.module.parameters(), max_norm)
+        with run._owned_collective(f"step {self.number}'s gradient norm"):  # (sharded: an all-reduce of the norms)
+            return torch.nn.utils.clip_grad_norm_(run.module.parameters(), max_norm)
+        return torch.zeros((), device=run.context.device)  # a lost peer there: the step is abandoned
 
     def commit(self) -> None:
         """Apply the step whole (see `committing`)."""
@@ -649,12 +704,23 @@ class Step:
                                     f"and {self._backwards} went through step.backward(); every one must, first")
 
 
+def _sharded_skeleton(model: nn.Module, scheduler: object) -> tuple[nn.Module | None, str | None]:
+    """What `_rebuild_sharded` builds from (`sharding.parameterless_copy` of `model`, before it is
+    sharded), or why the run cannot re-form in process under fsdp."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return None, "--sharding fsdp with a scheduler built outside the run (pass a factory of the optimizer)"
+    try:
+        return parameterless_copy(model), None
+    except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises for this model: the restart path then
+        return None, f"--sharding fsdp with a model that cannot be copied ({type(exc).__name__}: {exc})"
+
+
 @dataclass(frozen=True)
 class _ReFormed:
     """What the incarnation after an in-process re-form needs of the one before."""
 
     reason: str  # why the group broke
-    committed_in: int  # the incarnation that committed the state the survivors hold
+    committed_in: int | None  # the incarnation that committed the state the survivors hold (None under fsdp)
     world_size: int  # of the group that broke
 
 

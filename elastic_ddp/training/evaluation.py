@@ -41,8 +41,8 @@ class EvalResult:
 class Evaluator:
     """Evaluation on a schedule: every `every_steps` optimizer steps (0: never) and at each epoch end."""
 
-    def __init__(self, model: nn.Module, dataset: Dataset, loss_fn: LossFn, every_steps: int, batch_size: int):
-        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+    def __init__(self, dataset: Dataset, loss_fn: LossFn, every_steps: int, batch_size: int):
+        self.dataset, self.loss_fn = dataset, loss_fn
         self.every_steps = every_steps
         self.batch_size = batch_size
 
@@ -50,10 +50,11 @@ class Evaluator:
         """Whether the step just committed is one to evaluate at (the same answer on every rank)."""
         return epoch_ended or bool(self.every_steps and global_step % self.every_steps == 0)
 
-    def evaluate(self, ctx: DistributedContext) -> EvalResult:
-        """Held-out loss and accuracy over all ranks of `ctx`, the group of the moment (a collective:
-        every rank calls it)."""
-        return evaluate(self.model, self.dataset, self.loss_fn, ctx.rank, ctx.world_size, self.batch_size,
+    def evaluate(self, model: nn.Module, ctx: DistributedContext) -> EvalResult:
+        """Held-out loss and accuracy of `model` (the run's of the moment: an in-process re-form under
+        fsdp builds another) over all ranks of `ctx`, the group of the moment (a collective: every
+        rank calls it)."""
+        return evaluate(model, self.dataset, self.loss_fn, ctx.rank, ctx.world_size, self.batch_size,
                         ctx.device, ctx.in_process_group)
 
 

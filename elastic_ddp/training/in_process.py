@@ -37,9 +37,15 @@ the old group, which is kept referenced. Blocked elsewhere (a snapshot's collect
 own), the worker ends the watchdog's way, as does one whose training thread does not begin the
 re-form within the watchdog's deadline (training/stop_guard.py).
 
+Under `--sharding fsdp` FSDP2's own collectives go through the alarm the same way
+(`InterruptibleFSDPCollectives`; the reduce-scatter as an all-reduce, whose gloo work has a future); a re-form keeps each rank's parts in its node's memory, builds
+the model again over the new group (its classes from a copy taken before it was first sharded,
+training/sharding.py), the optimizer and schedule from their factories, and restores the last
+committed step as after a restart (the parts resharded from the nodes' memory).
+
 When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
 its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
-DDP (not `--sharding fsdp`), a process group. Not re-formed in process: a failure in the loop's
+DDP or `--sharding fsdp` with a model the run could copy, a process group. Not re-formed in process: a failure in the loop's
 own code (its model's own collectives, its own all-reduces), a step that
 broke again right after a re-form (no re-form loop on a bug), a node lost while the new group
 forms (rank 0's store waits for it until the group's timeout). Each ends in torchrun's restart
@@ -68,6 +74,7 @@ from elastic_ddp.runtime.distributed import (
     destroy_default_group,
     end_worker_now,
     init_default_group,
+    keep_until_exit,
 )
 
 logger = logging.getLogger(__name__)
@@ -252,6 +259,106 @@ class InterruptibleDDP(DistributedDataParallel):
                     offset += buffer.numel()
 
 
+class _GuardedWork:
+    """What FSDP2 waits on for one of its collectives: the collective's future through the alarm (or
+    nothing, for one not issued: the group broke before it). A lost peer is handed to `absorbs`;
+    when it takes it, the wait returns and the output holds garbage (the step is abandoned)."""
+
+    def __init__(self, future: torch.futures.Future | None, absorbs: Callable[[str, RuntimeError], bool], what: str):
+        self._future, self._absorbs, self._what = future, absorbs, what
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._future is not None:
+            try:
+                self._future.wait()
+            except RuntimeError as exc:
+                if not self._absorbs(self._what, exc):
+                    raise
+        return True
+
+
+class InterruptibleFSDPCollectives:
+    """FSDP2's all-gather and reduce-scatter for a run that can re-form in process, installed on each
+    of its FSDP modules through FSDP2's public `set_custom_all_gather` and `set_custom_reduce_scatter`
+    (`install`): the same calls as FSDP2's defaults (`all_gather_single`, `reduce_scatter_single`),
+    always issued asynchronously and waited for through `alarm`, so that a rank waiting on a
+    neighbour that left is freed once the agent announces the next round. A lost peer (gloo's
+    error, or the alarm) is handed to `absorbs(what, error)`, the run's; when it takes it, FSDP2's
+    forward or backward goes on with garbage in the collective's output, and no further collective
+    is issued (`broken()`): the step is abandoned, and the module is rebuilt for the next group
+    (training/sharding.py `rebuilt`). Anything else propagates."""
+
+    def __init__(self, alarm: BrokenGroupAlarm, absorbs: Callable[[str, RuntimeError], bool],
+                 broken: Callable[[], bool]):
+        self.all_gather = _FSDPCollective(self, "FSDP's all-gather", dist.all_gather_single)
+        self.reduce_scatter = _FSDPCollective(self, "FSDP's reduce-scatter", _reduce_scatter_as_all_reduce)
+        self.alarm, self.absorbs, self.broken = alarm, absorbs, broken
+
+    def install(self, model: torch.nn.Module) -> None:
+        """On every FSDP module of `model`. ValueError where FSDP2 refuses a custom collective (a
+        module with several parameter groups)."""
+        from torch.distributed.fsdp import FSDPModule  # (FSDP2's import costs every DDP worker 0.7 s)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(self.all_gather)
+                module.set_custom_reduce_scatter(self.reduce_scatter)
+
+
+def _reduce_scatter_as_all_reduce(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                                  group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work:
+    """`reduce_scatter_single`'s result, through an all-reduce of `input` (which it overwrites): gloo's
+    reduce-scatter work has no future to wait on through the alarm (torch 2.13: "Work::getFuture not
+    implemented"), its all-reduce's has. The all-reduce moves twice the bytes; this rank's part of
+    the sum is copied into `output` once it is done."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+
+    def copy_out(done: torch.futures.Future) -> torch.Tensor:
+        done.value()  # (its error, if any, is the future's)
+        output.copy_(input.view(world_size, -1)[rank].view_as(output))
+        return output
+
+    return _WorkOfFuture(work.get_future().then(copy_out))
+
+
+class _WorkOfFuture:
+    """A future as what `_FSDPCollective` issues: something with `get_future`."""
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _FSDPCollective:
+    """One of `InterruptibleFSDPCollectives`' two: FSDP2's `Comm` interface (`allocate`, then the call)."""
+
+    def __init__(self, collectives: InterruptibleFSDPCollectives, what: str, call: Callable[..., dist.Work]):
+        self._collectives, self._what, self._call = collectives, what, call
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 *args, async_op: bool = False, **kwargs) -> _GuardedWork | None:
+        collectives = self._collectives
+        future = None
+        if not collectives.broken():
+            try:
+                work = self._call(output_tensor, input_tensor, *args, group=group, async_op=True, **kwargs)
+            except RuntimeError as exc:  # (gloo may refuse at once a pair it knows broken)
+                if not collectives.absorbs(self._what, exc):
+                    raise
+            else:
+                future = collectives.alarm.guard(work.get_future())
+        waiting = _GuardedWork(future, collectives.absorbs, self._what)
+        if async_op:
+            return waiting
+        waiting.wait()
+        return None
+
+
 def _interruptible_hook(hook: InterruptibleCommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     return hook(bucket)
 
@@ -264,10 +371,12 @@ _interruptible_hook.__annotations__.update({"bucket": dist.GradBucket, "return":
 class Regroup:
     """This worker's re-forms. `enabled` once `start` found everything it needs."""
 
-    def __init__(self, context: DistributedContext, sharding: str, timeout: timedelta):
+    def __init__(self, context: DistributedContext, timeout: timedelta, not_in_process: str | None = None):
+        """`not_in_process`: why the run cannot re-form in process, if it knows (its model cannot be
+        rebuilt); then `start` says so and the worker takes torchrun's restart."""
         self.context = context
-        self.sharding = sharding
         self.timeout = timeout
+        self.not_in_process = not_in_process
         self.enabled = False
         self.round: int | None = None  # the round this worker's group belongs to
         self.joined = 0  # nodes new to the group in the last re-form (RoundAnnouncement.joined)
@@ -315,8 +424,8 @@ class Regroup:
             return "no process group"
         if self.context.backend != "gloo":
             return f"the {self.context.backend} backend (only gloo re-forms in process so far)"
-        if self.sharding != "none":
-            return f"--sharding {self.sharding} (only plain DDP re-forms in process so far)"
+        if self.not_in_process is not None:
+            return self.not_in_process
         self._agent = agent_pid()
         announced = round_handoff.read_round(self._agent)
         if announced is None:
@@ -349,6 +458,9 @@ class Regroup:
         try:
             if not self.replaced():  # (a join: the agent took the round already)
                 self.ask_for_round(reason)
+            # Never freed: freeing a broken gloo group waits for the collectives still in its threads
+            # (a DDP keeps its group; a rebuilt FSDP model lets its old one go).
+            keep_until_exit(dist.group.WORLD)
             destroy_default_group()
             announced = self._wait_for_round(started, stop_requested)
             if not announced.in_process:
@@ -405,15 +517,21 @@ class Regroup:
 
 
 def apply_round(announced: RoundAnnouncement, local_rank: int, local_world_size: int) -> None:
-    """torchrun's variables of a worker of this node in `announced`'s round, as torchrun would
-    set them for a fresh worker (every node runs `local_world_size` workers: the agents check)."""
+    """torchrun's variables of a worker of this node in `announced`'s round (in process), as torchrun
+    would set them for a fresh worker: its global rank is the node's first rank (torch's assignment,
+    which the agent announces) plus `local_rank`. ValueError when this node's `local_world_size`
+    workers do not fit in the round's world from there."""
+    first_rank, world_size = announced.first_rank, announced.world_size
+    if first_rank is None or world_size is None or first_rank + local_world_size > world_size:
+        raise ValueError(f"round {announced.round}: {local_world_size} worker(s) from rank {first_rank} do not fit "
+                         f"in a world of {world_size}")
     os.environ.update({
-        "RANK": str(announced.group_rank * local_world_size + local_rank),
-        "WORLD_SIZE": str(announced.group_world_size * local_world_size),
+        "RANK": str(first_rank + local_rank),
+        "WORLD_SIZE": str(world_size),
         "GROUP_RANK": str(announced.group_rank),
         "GROUP_WORLD_SIZE": str(announced.group_world_size),
-        "ROLE_RANK": str(announced.group_rank * local_world_size + local_rank),
-        "ROLE_WORLD_SIZE": str(announced.group_world_size * local_world_size),
+        "ROLE_RANK": str(first_rank + local_rank),
+        "ROLE_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": announced.master_addr,
         "MASTER_PORT": str(announced.master_port),
     })

@@ -30,6 +30,7 @@ a step synchronises its gradients (no `no_sync` yet: same result, more traffic),
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import fnmatch
 import logging
@@ -98,6 +99,33 @@ def shard_model(model: nn.Module, patterns: tuple[str, ...] = ()) -> nn.Module:
     fully_shard(model, mesh=mesh)
     logger.info("sharded %d block(s) and the root over %d rank(s)", len(names), dist.get_world_size())
     return model
+
+
+def parameterless_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` before it is sharded, to shard again in another world (`rebuilt`): its
+    classes, attributes and buffers copied, its parameters on the meta device (tied ones stay
+    tied), so that it costs the buffers only. TypeError (or whatever `copy.deepcopy` raises) for a
+    model that cannot be copied."""
+    memo: dict[int, object] = {id(parameter): nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                                           requires_grad=parameter.requires_grad)
+                               for parameter in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def rebuilt(skeleton: nn.Module, shard_blocks: str, device: torch.device) -> nn.Module:
+    """A fresh model from `parameterless_copy`'s `skeleton`, on `device` and sharded over the current
+    default group as `place_model` shards (`shard_blocks`). Its parameters are uninitialised: a
+    restore must load every one of them (a sharded restore does: model and optimizer whole)."""
+    model = copy.deepcopy(skeleton)
+    materialised: dict[int, nn.Parameter] = {}  # meta parameter -> its new one (tied parameters: one)
+    for module in model.modules():
+        for name, parameter in list(module._parameters.items()):
+            if parameter is not None:
+                if id(parameter) not in materialised:
+                    materialised[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device=device),
+                                                               requires_grad=parameter.requires_grad)
+                module._parameters[name] = materialised[id(parameter)]
+    return place_model(model, "fsdp", shard_blocks, device)
 
 
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:

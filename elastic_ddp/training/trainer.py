@@ -73,8 +73,8 @@ class Trainer:
         self.run = ElasticRun(model, dataset, config, optimizer=optimizer, scheduler=scheduler,
                               sample_transform=sample_transform, context=context, log_prefix=log_prefix,
                               startup=startup)
-        self.evaluator = (Evaluator(self.run.module, eval_dataset, loss_fn, config.eval_every_steps,
-                                    config.micro_batch_size) if eval_dataset is not None else None)
+        self.evaluator = (Evaluator(eval_dataset, loss_fn, config.eval_every_steps, config.micro_batch_size)
+                          if eval_dataset is not None else None)
         self.loss_fn = loss_fn
         self.after_step = after_step
 
@@ -118,6 +118,7 @@ class Trainer:
     def _after_step(self, step: Step) -> None:
         """Evaluation when its schedule says, then the hook, on every rank (collectives line up)."""
         if self.evaluator is not None and self.evaluator.should_evaluate(step.number, step.epoch_ended):
-            self.run.run_log.evaluated(step.number, step.epoch, self.evaluator.evaluate(self.run.context))
+            result = self.evaluator.evaluate(self.run.module, self.run.context)
+            self.run.run_log.evaluated(step.number, step.epoch, result)
         if self.after_step is not None:
             self.after_step(self)

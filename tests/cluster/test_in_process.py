@@ -228,7 +228,8 @@ def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step
     wait_for(lambda: any(node.requests() for node in survivors), 60, "a survivor's request", still_possible=running)
     port = free_port()
     for rank, node in enumerate(survivors):
-        node.announce(round_handoff.RoundAnnouncement(1, rank, 2, "127.0.0.1", port, True))
+        node.announce(round_handoff.RoundAnnouncement(1, rank, 2, "127.0.0.1", port, True, first_rank=rank,
+                                                      world_size=2))
     wait_for(lambda: len(events(tmp_path, "start")) == 2, 60, "the survivors' group", still_possible=running)
     logs = [node.log_text() for node in survivors]
     assert any("step 3's forward (DDP's own collectives)" in log for log in logs), logs

@@ -1,5 +1,6 @@
 """Sharded training (`--sharding fsdp`) with real torchrun nodes on 127.0.0.1 and real gloo, through
-kills, joins, a freeze and a drain at world sizes 1 to 4: a node SIGKILLed (the shards of 2 ranks
+kills, joins, a freeze and a drain at world sizes 1 to 4 (the kill and the joins taken in the
+running workers' processes where they can be, torchrun's restart otherwise): a node SIGKILLed (the shards of 2 ranks
 resharded over 1, from the survivor's memory: its own part and the copy of the lost rank's, so no
 committed step is lost), three nodes joining (1 over 4, the parts served from memory to the new
 ranks), a node SIGSTOPped (left behind by the peer watchdog; 4 over 3 from memory), a node drained
@@ -16,6 +17,7 @@ of unequal sizes in world 4. Plain torchrun with `--rdzv_backend=elastic-c10d`, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -124,6 +126,16 @@ def test_a_sharded_job_reshards_through_kills_joins_and_a_freeze_at_world_sizes_
         reference.result()
 
     assert {e["world_size"] for e in starts} == {1, 2, 3, 4}
+    # With our rendezvous the kill and the joins are taken in the running workers' processes, the model
+    # sharded again over each new group (training/in_process.py): a group started in process holds the
+    # host's worker of the group before it. (Which changes are in process depends on where each one
+    # lands: a kill inside a durable snapshot's collectives, or the freeze while the job is paused
+    # between steps, takes torchrun's restart; this run must show at least one in process.)
+    in_process = [(before, after) for before, after in itertools.pairwise(starts) if after["in_process"]]
+    assert in_process, [(e["world_size"], e["in_process"]) for e in starts]
+    for before, after in in_process:
+        host_workers = [{rank["pid"] for rank in e["ranks"] if rank["agent_pid"] == host.pid} for e in (before, after)]
+        assert host_workers[0] == host_workers[1], ("the host's worker kept its process", before, after)
     assert (shrunk["previous_world_size"], thinned["previous_world_size"]) == (2, 4), restores
     assert grown["previous_world_size"] in (1, 2, 3), grown
     # Zero loss at every change: each lost part was in another node's memory (its buddy's copy); the

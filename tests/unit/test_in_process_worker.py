@@ -50,12 +50,16 @@ def test_a_round_gives_the_worker_torchruns_variables_for_its_new_place(monkeypa
     for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "stale")
-    apply_round(RoundAnnouncement(7, group_rank=1, group_world_size=3, master_addr="10.0.0.2", master_port=29511,
-                                  in_process=True), local_rank=1, local_world_size=2)
+    # Nodes of 1, 2 and 3 workers: this one, group rank 1, holds ranks 1 and 2 of 6.
+    round_seven = RoundAnnouncement(7, group_rank=1, group_world_size=3, master_addr="10.0.0.2", master_port=29511,
+                                    in_process=True, first_rank=1, world_size=6)
+    apply_round(round_seven, local_rank=1, local_world_size=2)
     assert {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                                                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
-        "RANK": "3", "WORLD_SIZE": "6", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "3",
+        "RANK": "2", "WORLD_SIZE": "6", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "2",
         "ROLE_WORLD_SIZE": "6", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29511"}
+    with pytest.raises(ValueError, match="round 7: 6 worker"):  # more workers here than the round has room for
+        apply_round(round_seven, local_rank=0, local_world_size=6)
 
 
 class _Rounds:

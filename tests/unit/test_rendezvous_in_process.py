@@ -121,6 +121,7 @@ def test_the_survivors_of_a_lost_node_run_the_next_round_in_process_and_torch_se
     first, second = announced(a), announced(b)
     assert (first.round, first.group_rank, first.group_world_size, first.in_process) == (1, 0, 2, True)
     assert (second.round, second.group_rank, second.group_world_size, second.in_process) == (1, 1, 2, True)
+    assert (first.first_rank, first.world_size, second.first_rank, second.world_size) == (0, 2, 1, 2)
     assert (first.master_addr, first.master_port) == (second.master_addr, second.master_port) == ("127.0.0.1",
                                                                                                   first.master_port)
     assert round_handoff.reform_requests(a.agent_pid) == {}
@@ -202,23 +203,28 @@ def torch_assigns_ranks(info, local_world_size: int = 1) -> list[tuple[int, int]
 def test_a_joiner_is_taken_in_process_by_the_members_and_torch_assigns_its_ranks(server, joiner) -> None:
     """The members' workers stay; the joiner's torch agent assigns its workers' ranks over the
     round's store, with the members' handlers doing their agents' part (group rank 0's computing
-    when a member is it; torch's own code when the joiner is). Every exit barrier then ends."""
+    when a member is it; torch's own code when the joiner is), and tell their workers the ranks it
+    gave them: the joiner runs two workers, the members one each. Every exit barrier then ends."""
     a, b = first_round(server, [A, B])
     joining = Background(handler(server, joiner, settings()))
     wait_for(lambda: arrivals_at(server, 1) >= 1, 10, "the joiner's arrival")
     joined_ranks: list = []
     answers = each_together([a, b, None], lambda made: monitor(made, lambda: announced(made).round == 1) if made
-                            else joined_ranks.append(torch_assigns_ranks(joining.result())), 40, "an agent")
+                            else joined_ranks.append(torch_assigns_ranks(joining.result(), 2)), 40, "an agent")
     assert not [answer for answer in answers if isinstance(answer, BaseException)], answers
     assert all(answer == 0 for each in answers[:2] for answer in each)  # torch never restarts A's and B's workers
     order = sorted([A, B, joiner])
     joined = joining.result()
     assert (joined.rank, joined.world_size) == (order.index(joiner), 3)
-    assert joined_ranks == [[(order.index(joiner), 3)]]  # torch's own rank assignment of the joiner's worker
+    workers = {A: 1, B: 1, joiner: 2}
+    first_rank = {node: sum(workers[before] for before in order[:order.index(node)]) for node in order}
+    # torch's own rank assignment of the joiner's two workers
+    assert joined_ranks == [[(first_rank[joiner], 4), (first_rank[joiner] + 1, 4)]]
     for made, node in ((a, A), (b, B)):
         told = announced(made)
         assert (told.round, told.group_rank, told.group_world_size, told.in_process, told.joined) == \
             (1, order.index(node), 3, True, 1)
+        assert (told.first_rank, told.world_size) == (first_rank[node], 4)
         assert (told.master_addr, told.master_port) == (joined.bootstrap_store_info.master_addr,
                                                         joined.bootstrap_store_info.master_port)
         assert made._torch_round.round == 0 and made._round == RoundRecord(1, tuple(order))

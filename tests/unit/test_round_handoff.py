@@ -18,9 +18,9 @@ from elastic_ddp.round_handoff import ReformRequest, RoundAnnouncement
 pytestmark = pytest.mark.timeout(60)
 AGENT = 4242  # any pid: the directory is named after it, nothing signals it
 ANNOUNCEMENT = RoundAnnouncement(round=4, group_rank=1, group_world_size=3, master_addr="10.0.0.1",
-                                 master_port=29517, in_process=True)
+                                 master_port=29517, in_process=True, first_rank=2, world_size=5)
 VALID_ROUND = {"round": 4, "group_rank": 1, "group_world_size": 3, "master_addr": "10.0.0.1",
-               "master_port": 29517, "in_process": True, "joined": 0, "reason": ""}
+               "master_port": 29517, "in_process": True, "joined": 0, "reason": "", "first_rank": 2, "world_size": 5}
 OTHER_UID = 65534  # nobody
 
 
@@ -328,6 +328,7 @@ def test_writers_refuse_values_out_of_range(directory, call):
 @pytest.mark.parametrize("change", [
     {"round": -1}, {"group_rank": 3}, {"group_world_size": True}, {"master_port": 0}, {"master_port": 65536},
     {"master_addr": ""}, {"in_process": "yes"}, {"joined": 3}, {"reason": None},
+    {"first_rank": None}, {"first_rank": 0}, {"first_rank": 5}, {"world_size": None}, {"world_size": 2},
 ])
 def test_an_announcement_out_of_range_cannot_be_made(change):
     fields = {**VALID_ROUND, **change}

@@ -227,3 +227,91 @@ def test_without_a_durable_step_a_failed_memory_restore_starts_afresh(one_rank_g
     assert not [e for e in read_events(tmp_path_of(config) / EVENT_LOG_NAME) if e["event"] == "restore"]
     for mine, expected in zip(restarted.model.parameters(), reference.model.parameters(), strict=True):
         assert torch.equal(mine.to_local(), expected.to_local())
+
+
+class _Buffered(torch.nn.Module):
+    """A buffer in the state dict (BatchNorm's) and one not in it, beside two linear blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.register_buffer("table", torch.arange(6.0), persistent=False)
+
+    def forward(self, x):
+        return self.norm(self.second(self.first(x))) + self.table
+
+
+def test_a_model_rebuilt_for_a_re_formed_group_is_the_one_taken_before_sharding(one_rank_gloo_group):
+    """What an in-process re-form under fsdp shards again (training/sharding.py): the copy taken
+    before the first sharding holds no parameter memory (meta) and keeps the buffers and the ties;
+    rebuilt and loaded with the sharded model's state, it computes what that model computes."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from elastic_ddp.training.sharding import parameterless_copy, place_model, rebuilt
+
+    tied = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight
+    skeleton_of_tied = parameterless_copy(tied)
+    assert skeleton_of_tied[1].weight is skeleton_of_tied[0].weight and skeleton_of_tied[0].weight.is_meta
+
+    torch.manual_seed(0)
+    model = _Buffered()
+    skeleton = parameterless_copy(model)
+    assert all(parameter.is_meta for parameter in skeleton.parameters())
+    assert torch.equal(skeleton.table, model.table) and not model.first.weight.is_meta
+    sharded = place_model(model, "fsdp", "", torch.device("cpu"))
+    fresh = rebuilt(skeleton, "", torch.device("cpu"))
+    set_model_state_dict(fresh, get_model_state_dict(sharded))
+    inputs = torch.randn(4, 6)
+    sharded.eval(), fresh.eval()
+    assert torch.equal(fresh(inputs), sharded(inputs))
+
+
+def test_fsdps_collectives_give_a_lost_peer_to_the_run_and_issue_none_once_the_group_broke(one_rank_gloo_group):
+    """`InterruptibleFSDPCollectives`: FSDP2's own calls, waited for through the alarm; gloo's error
+    for a lost peer is handed to the run, which takes it (the step is abandoned), and nothing is
+    issued on a group known broken. Another error propagates."""
+    from elastic_ddp.training.in_process import BrokenGroupAlarm, InterruptibleFSDPCollectives, lost_peer
+
+    class NoRound:  # the agent announced nothing: the alarm never fires
+        def replaced(self) -> bool:
+            return False
+
+    handed: list[str] = []
+    broken = [False]
+    collectives = InterruptibleFSDPCollectives(
+        BrokenGroupAlarm(NoRound()), lambda what, exc: lost_peer(exc) and not handed.append(f"{what}: {exc}"),
+        lambda: broken[0])
+    group = torch.distributed.group.WORLD
+    output = collectives.all_gather.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+    assert collectives.all_gather(output, torch.arange(4.0), group, async_op=True).wait()
+    assert torch.equal(output, torch.arange(4.0)) and handed == []
+    collectives.reduce_scatter(output, torch.ones(4), group, op=torch.distributed.ReduceOp.SUM)
+    assert torch.equal(output, torch.ones(4))
+
+    def raising(message: str):
+        def call(*_args, **_kwargs):
+            raise RuntimeError(message)
+        return call
+
+    gathering = collectives.all_gather
+    gathering._call = raising("a bug")
+    with pytest.raises(RuntimeError, match="a bug"):  # not a lost peer: propagates
+        gathering(output, torch.arange(4.0), group)
+    gathering._call = raising("gloo/transport/tcp/pair.cc:544] Connection closed by peer")  # refused at once
+    assert gathering(output, torch.arange(4.0), group) is None
+    assert handed == ["FSDP's all-gather: gloo/transport/tcp/pair.cc:544] Connection closed by peer"]
+    failed: torch.futures.Future = torch.futures.Future()
+    failed.set_exception(RuntimeError("gloo/transport/tcp: Connection reset by peer"))
+
+    class FailedWork:
+        def get_future(self):
+            return failed
+
+    gathering._call = lambda *_args, **_kwargs: FailedWork()
+    assert gathering(output, torch.arange(4.0), group, async_op=True).wait()  # failed while waited for
+    assert handed[1:] == ["FSDP's all-gather: gloo/transport/tcp: Connection reset by peer"]
+    broken[0] = True
+    gathering._call = raising("issued on a broken group")  # never called once broken
+    assert gathering(output, torch.arange(4.0), group) is None and len(handed) == 2

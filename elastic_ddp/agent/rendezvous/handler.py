@@ -47,7 +47,8 @@ the next round itself, for the workers, when one of them asked (its group of the
 broke: a lost node, or its watchdog found one silent), when newcomers that the round would take
 wait at the next one (a join), or when members of the current round wait there, each with the
 in-process mark. It writes its own
-mark (a store key, before its arrival, holding which of torch's rounds its agent holds), arrives,
+mark (a store key, before its arrival, holding which of torch's rounds its agent holds and its
+number of workers), arrives,
 and waits and closes as above (same loop, same closing rule: the lost member is out once its beacon
 refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
 decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
@@ -489,32 +490,46 @@ class RoundRendezvousHandler(RendezvousHandler):
         store, rank, bootstrap = self._enter(record)
         newcomers = [node for node in record.members if node not in current.members]
         if newcomers:
-            self._assign_ranks_as_torch(store, rank, len(record.members))
+            first_rank, world_size = self._assign_ranks_as_torch(store, rank, len(record.members))
+        else:
+            first_rank, world_size = self._ranks_as_torch_assigns(record, rank)
         if self._node == next(node for node in record.members if node not in newcomers):
             self._settle_exit_barriers(record, newcomers)
         round_handoff.clear_requests(self.agent_pid)  # before the round: a request of the new round must stay
         self._announce(RoundAnnouncement(record.round, rank, len(record.members), bootstrap.master_addr,
-                                         bootstrap.master_port, in_process=True, joined=len(newcomers)))
+                                         bootstrap.master_port, in_process=True, joined=len(newcomers),
+                                         first_rank=first_rank, world_size=world_size))
         logger.info("node %s re-formed round %d of '%s' in process: rank %d of %d (%d new) in %.2f s",
                     node_name(self._node), record.round, self._settings.run_id, rank, len(record.members),
                     len(newcomers), time.monotonic() - started)
 
-    def _assign_ranks_as_torch(self, store: Store, rank: int, world_size: int) -> None:
+    def _assign_ranks_as_torch(self, store: Store, rank: int, world_size: int) -> tuple[int, int]:
         """Take this node's part in the rank assignment that a newcomer's torch agent runs on the
-        round's store after `next_rendezvous` (`torch_internals.take_part_in_rank_assignment`).
-        Every node runs the same number of workers (in_process.apply_round's rule); torch's
-        assignment then gives each node the ranks its re-formed workers take."""
+        round's store after `next_rendezvous` (`torch_internals.take_part_in_rank_assignment`): (the
+        global rank of this node's first worker, the world size), which its re-formed workers take."""
         local_world_size = round_handoff.all_workers_capable(self.agent_pid)
         if local_world_size is None:
             raise RendezvousError("a worker of this node ended before the newcomers' ranks were assigned")
-        take_part_in_rank_assignment(store, rank, world_size, local_world_size, timedelta(seconds=REFORM_TIMEOUT_S))
+        return take_part_in_rank_assignment(store, rank, world_size, local_world_size,
+                                            timedelta(seconds=REFORM_TIMEOUT_S))
+
+    def _ranks_as_torch_assigns(self, record: RoundRecord, rank: int) -> tuple[int, int]:
+        """(the global rank of this node's first worker, the world size) in `record`, a round of members
+        only, each marked with its number of workers: the nodes' workers in group-rank order, as
+        torch's assignment orders them."""
+        marks = self._board.store.multi_get([self._mark_key(record.round, node) for node in record.members])
+        workers = [int(bytes(mark).split()[2]) for mark in marks]
+        return sum(workers[:rank]), sum(workers)
 
     def _torch_round_mark(self) -> bytes:
-        """The in-process mark's value: "<round> <members>" of the round torch's agent holds (set
-        with this node's first round, before any round in process)."""
-        held = self._torch_round
+        """The in-process mark's value: "<round> <members> <workers>": the round torch's agent holds (set
+        with this node's first round, before any round in process), its number of members, and this
+        node's number of workers."""
+        held, workers = self._torch_round, round_handoff.all_workers_capable(self.agent_pid)
         assert held is not None
-        return f"{held.round} {len(held.members)}".encode()
+        if workers is None:
+            raise RendezvousError("a worker of this node ended before the round")
+        return f"{held.round} {len(held.members)} {workers}".encode()
 
     def _settle_exit_barriers(self, record: RoundRecord, newcomers: list[NodeDesc]) -> None:
         """Make torch's exit barriers end for the members of `record`, which hold different rounds
@@ -529,7 +544,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         old_members = [node for node in record.members if node not in newcomers]
         marks = self._board.store.multi_get([self._mark_key(record.round, node) for node in old_members])
         rounds_held = [(record.round, len(record.members))] * len(newcomers)  # (torch's round, its members)
-        rounds_held += [tuple(int(part) for part in bytes(mark).split()) for mark in marks]
+        rounds_held += [tuple(int(part) for part in bytes(mark).split()[:2]) for mark in marks]
         held: dict[int, list[int]] = {}  # torch's round -> [its members, members of `record` that hold it]
         for torch_round, members in rounds_held:
             held.setdefault(torch_round, [members, 0])[1] += 1

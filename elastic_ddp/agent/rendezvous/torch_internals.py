@@ -55,15 +55,16 @@ _ROLE_INFO_PREFIX = "torchelastic/role_info/"  # the key prefix of `_assign_work
 
 
 def take_part_in_rank_assignment(store: Store, group_rank: int, group_world_size: int, local_world_size: int,
-                                 timeout: timedelta) -> None:
+                                 timeout: timedelta) -> tuple[int, int]:
     """This agent's part in torch's rank assignment over a round's `store`, for an agent whose torch
     agent takes no part in the round (an in-process one): torch's own `_assign_worker_ranks` (its
-    slow path; it uses nothing of its agent), run here. Group rank 0 first waits at most `timeout`
-    for every node's role info (torch's own wait is the store's timeout); the store's timeout
-    error after it."""
+    slow path; it uses nothing of its agent), run here; (the global rank of this node's first
+    worker, the world size) it assigned. Group rank 0 first waits at most `timeout` for every
+    node's role info (torch's own wait is the store's timeout); the store's timeout error after it."""
     if group_rank == 0:
         store.set(f"{_ROLE_INFO_PREFIX}0", _RoleInstanceInfo(TORCHRUN_ROLE, 0, local_world_size).serialize())
         store.wait([f"{_ROLE_INFO_PREFIX}{rank}" for rank in range(group_world_size)], timeout)
     spec = WorkerSpec(role=TORCHRUN_ROLE, local_world_size=local_world_size, rdzv_handler=None,
                       entrypoint="(re-formed in process)")
-    SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, group_world_size, spec)
+    first, *_ = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, group_world_size, spec)
+    return first.global_rank, first.world_size
