@@ -22,11 +22,13 @@ meanwhile, delays the verdict and never makes it; a store that closed its connec
 rank 0's worker, ended: often its own watchdog fired on the same peer a moment earlier) can confirm
 nothing, and a deadline alone is enough then. All peers are silent when a request to the store has
 waited unanswered for `bound_s` (its host is frozen, gone or cut off). Then the watchdog calls
-`on_silent(reason)` once, from the watching thread: a worker that re-forms in process asks its
-agent for a round without the silent node and leaves the group at once (training/stop_guard.py);
-any other keeps its last committed step in node memory and ends with `SILENT_PEER_EXIT_CODE`, the
-same way out as a failed collective, so torchrun re-forms the group without the silent node and
-nothing committed is lost.
+`on_silent(reason, connected)` once, from the watching thread; `connected`: the store answered the
+read that found the peers silent, so this node is not the one cut off (a store that does not
+answer, or closed its connection, leaves that open). A worker that re-forms in process asks its
+agent for a round without the silent node when connected (training/stop_guard.py); any other
+keeps its last committed step in node memory and ends with `SILENT_PEER_EXIT_CODE`, the same way
+out as a failed collective, so torchrun re-forms the group without the silent node and nothing
+committed is lost.
 With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
 node's torchrun agent: our rendezvous (elastic-c10d, etcd-v3) then leaves such a node out of the
@@ -152,7 +154,7 @@ class PeerWatchdog:
     """Heartbeats of every rank of one incarnation through the worker group's store (module docstring)."""
 
     def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
-                 on_silent: Callable[[str], None], interval_s: float | None = None,
+                 on_silent: Callable[[str, bool], None], interval_s: float | None = None,
                  store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None,
                  node_rank: int | None = None, verdict_address: bytes | None = None):
         self.rank, self.world_size = rank, world_size
@@ -280,14 +282,15 @@ class PeerWatchdog:
             # thread starved of CPU (it asked nothing) is not a silent store.
             if asked_at is not None and now - asked_at >= self.bound_s:
                 self._fire(f"the worker group's store (rank 0's) has not answered for {now - asked_at:.1f} s "
-                           "(cut off, frozen or gone)", silent_nodes={0})
+                           "(cut off, frozen or gone)", silent_nodes={0}, connected=False)
                 return
             if answer is not judged:
                 judged = answer
                 silent = judge.read(answer)
                 if silent:
                     self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone "
-                               "without closing their connections)", silent_nodes=judge.nodes_of(silent))
+                               "without closing their connections)", silent_nodes=judge.nodes_of(silent),
+                               connected=True)
                     return
             deadline = judge.deadline()
             if deadline is not None and now >= deadline and closed:
@@ -296,7 +299,7 @@ class PeerWatchdog:
                 silent = judge.past_deadline(now)
                 self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s that this rank could "
                            "see, and none can come: the worker group's store (rank 0's) closed its connection",
-                           silent_nodes=judge.nodes_of(silent))
+                           silent_nodes=judge.nodes_of(silent), connected=False)
                 return
             if deadline is not None and now >= deadline and judge.ask_for(deadline):
                 self._read_now.set()
@@ -337,7 +340,7 @@ class PeerWatchdog:
             except OSError as exc:
                 logger.debug("peer watchdog: could not name suspects to this node's agent: %s", exc)
 
-    def _fire(self, reason: str, silent_nodes: set[int | None]) -> None:
+    def _fire(self, reason: str, silent_nodes: set[int | None], connected: bool) -> None:
         logger.error("peer watchdog: %s: the group is re-formed without it", reason)
         self._stop.set()  # the heartbeat thread too: this worker is ending
         self._read_now.set()
@@ -350,4 +353,4 @@ class PeerWatchdog:
                             else "this node's agent reads no verdicts (not elastic_ddp's rendezvous): none sent")
             except OSError as exc:  # the agent then waits for the silent node's lease, as without a verdict
                 logger.warning("peer watchdog: could not send the verdict to this node's agent: %s", exc)
-        self.on_silent(reason)
+        self.on_silent(reason, connected)

@@ -135,8 +135,9 @@ class ElasticRun:
         self.config = config
         self.context = context or DistributedContext.from_env(config.device, config.dist_backend)
         # Under fsdp a re-form in process shards the model again, over the new group (`_rebuild_sharded`).
-        self._skeleton, not_in_process = _sharded_skeleton(model, scheduler) if config.sharding == "fsdp" else (None,
-                                                                                                              None)
+        self._skeleton, not_in_process = None, None
+        if config.sharding == "fsdp":
+            self._skeleton, not_in_process = _sharded_skeleton(model, scheduler)
         self.module = place_model(model, config.sharding, config.shard_blocks, self.context.device)
         self.ddp_model: nn.Module = self.module  # DDP once entered (FSDP2 sharded the module in place)
         self.model: nn.Module = self.module  # what a step calls: ddp_model, compiled with --compile
@@ -281,9 +282,9 @@ class ElasticRun:
                 sampler = self.state.sampler
                 log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
             else:
-                if re_formed is not None and not sharded:  # newcomers, or a broken all-reduce let some ranks commit a step the
-                    # others did not: each rank keeps its own, as the group that committed it; the newest is
-                    # served to the others
+                # Newcomers, or a broken all-reduce let some ranks commit a step the others did not: each
+                # rank keeps its own, as the group that committed it; the newest is served to the others.
+                if re_formed is not None and not sharded:
                     snapshots.keep_in_memory(self.state, f"in-process re-form: {re_formed.reason}",
                                              committed_by=(re_formed.committed_in, re_formed.world_size))
                 log.restored(snapshots.restore(self.state))

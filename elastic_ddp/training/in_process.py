@@ -27,9 +27,9 @@ agents take that round in process, and each running worker switches at its next 
 (`Regroup.replaced`), its step committed: every rank of the new group then restores as after a
 restart (the survivors' kept step is the newest; the newcomers' fresh workers receive it).
 
-A frozen or cut-off peer raises nothing: the peer watchdog finds it silent and, when one of the
-run's collectives waits through `BrokenGroupAlarm` (the training thread is blocked where the alarm
-can end it), asks the agent for a round without it instead of ending the worker
+A frozen or cut-off peer raises nothing: the peer watchdog finds it silent and, when its store
+answered that read (this node is not the one cut off) and one of the run's collectives waits
+through `BrokenGroupAlarm` (the training thread is blocked where the alarm can end it), asks the agent for a round without it instead of ending the worker
 (`Regroup.ask_for_round`, from the watchdog's thread; the verdict it sent first lets the agents
 leave the node out at once); that collective then fails once the round is announced, and the
 worker re-forms as above. gloo cannot abort it: it stays in gloo's thread until its timeout, in
@@ -38,15 +38,16 @@ own), the worker ends the watchdog's way, as does one whose training thread does
 re-form within the watchdog's deadline (training/stop_guard.py).
 
 Under `--sharding fsdp` FSDP2's own collectives go through the alarm the same way
-(`InterruptibleFSDPCollectives`; the reduce-scatter as an all-reduce, whose gloo work has a future); a re-form keeps each rank's parts in its node's memory, builds
-the model again over the new group (its classes from a copy taken before it was first sharded,
-training/sharding.py), the optimizer and schedule from their factories, and restores the last
-committed step as after a restart (the parts resharded from the nodes' memory).
+(`InterruptibleFSDPCollectives`; the reduce-scatter as an all-reduce, whose gloo work has a
+future); a re-form keeps each rank's parts in its node's memory, builds the model again over the
+new group (its classes from a copy taken before it was first sharded, training/sharding.py), the
+optimizer and schedule from their factories, and restores the last committed step as after a
+restart (the parts resharded from the nodes' memory).
 
 When it applies (`Regroup.start` says why not, in one log line): the agent published a round for
-its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, plain
-DDP or `--sharding fsdp` with a model the run could copy, a process group. Not re-formed in process: a failure in the loop's
-own code (its model's own collectives, its own all-reduces), a step that
+its workers (our rendezvous with `in_process=1`, which sets ELASTIC_DDP_IN_PROCESS=1), gloo, DDP
+or `--sharding fsdp` with a model the run could copy, a process group. Not re-formed in process:
+a failure in the loop's own code (its model's own collectives, its own all-reduces), a step that
 broke again right after a re-form (no re-form loop on a bug), a node lost while the new group
 forms (rank 0's store waits for it until the group's timeout). Each ends in torchrun's restart
 with the last committed step kept.

@@ -10,10 +10,12 @@ copies a step counts once its parts are on two nodes, a step after its commit (t
 session's `counted_step`); a drain waits for that first. docs/failure-semantics.md, "What a
 failure costs".
 
-A worker that re-forms in process (in_process.py) takes a silent peer there too, when its training
-thread waits in a collective that the re-form can end: the watchdog's thread asks the agent for a
-round without the peer (`in_process`, the run's, which says whether it did), and that collective
-fails once the round is announced. If the training thread has not begun its re-form
+A worker that re-forms in process (in_process.py) takes a silent peer there too, when the store
+answered the read that found it silent (this node is not the one cut off: one that is could not
+get a round from its agent, and must end to rejoin once its link is back) and its training thread
+waits in a collective that the re-form can end: the watchdog's thread asks the agent for a round
+without the peer (`in_process`, the run's, which says whether it did), and that collective fails
+once the round is announced. If the training thread has not begun its re-form
 SILENT_PEER_REFORM_WAIT_S later, the watchdog's way out below is taken after all.
 
 The watchdog's way out is bounded whatever the training thread is blocked in: it copies the state
@@ -173,11 +175,12 @@ class StopGuard:
         if self._way_out is not None:
             self._way_out.cancel()
 
-    def _stop_for_silent_peer(self, reason: str) -> None:
+    def _stop_for_silent_peer(self, reason: str, connected: bool = False) -> None:
         """From the watchdog's thread: hand the silent peer to an in-process re-form when the worker
-        can (module docstring), with the way out below as its deadline; else take that way out."""
+        can and this node is `connected` (module docstring), with the way out below as its
+        deadline; else take that way out."""
         self.run_log.peer_evicted()
-        if self.in_process is not None and self.in_process(reason):
+        if connected and self.in_process is not None and self.in_process(reason):
             late = f"{reason}, and the in-process re-form did not begin within {SILENT_PEER_REFORM_WAIT_S:g} s"
             self._way_out = threading.Timer(SILENT_PEER_REFORM_WAIT_S, self._end_for_silent_peer, (late,))
             self._way_out.daemon = True

@@ -73,9 +73,10 @@ def test_the_watchdog_still_keeps_the_last_step_when_the_training_thread_is_betw
 
 def test_a_silent_peer_handed_to_an_in_process_re_form_ends_the_worker_only_if_the_re_form_never_begins(
         tmp_path, monkeypatch):
-    """Where the worker re-forms in process, the watchdog's thread asks for the round and returns;
-    the way out (keep, end) waits SILENT_PEER_REFORM_WAIT_S for the training thread to begin the
-    re-form (`stop_watching`), and is taken only if it does not."""
+    """Where the worker re-forms in process and the store answered, the watchdog's thread asks for
+    the round and returns; the way out (keep, end) waits SILENT_PEER_REFORM_WAIT_S for the training
+    thread to begin the re-form (`stop_watching`), and is taken only if it does not. A silent store
+    (this node may be the one cut off) takes the way out at once."""
     config = small_config(tmp_path, snapshot_every_steps=0)
     exits: list[int] = []
     handed: list[str] = []
@@ -87,13 +88,17 @@ def test_a_silent_peer_handed_to_an_in_process_re_form_ends_the_worker_only_if_t
         guard = trainer.run.stop_guard
         guard.in_process = lambda reason: handed.append(reason) or True
         if trainer.global_step == 2:  # the training thread begins the re-form in time: no way out
-            guard._stop_for_silent_peer(silent)
+            guard._stop_for_silent_peer(silent, connected=True)
             way_out = guard._way_out
             guard.stop_watching()
             way_out.join(timeout=10)
             assert exits == [], "the way out was taken although the re-form began"
+        if trainer.global_step == 3:  # the store did not answer (this node may be the one cut off): no handover
+            guard._stop_for_silent_peer("the worker group's store (rank 0's) has not answered", connected=False)
+            assert exits == [SILENT_PEER_EXIT_CODE]
+            exits.clear()
         if trainer.global_step == 4:  # it never does (blocked in a collective nothing can fail)
-            guard._stop_for_silent_peer(silent)
+            guard._stop_for_silent_peer(silent, connected=True)
             assert exits == [], "the watchdog's thread ended the worker before the re-form's deadline"
             guard._way_out.join(timeout=10)
             raise Crash("the worker ended")
@@ -102,7 +107,8 @@ def test_a_silent_peer_handed_to_an_in_process_re_form_ends_the_worker_only_if_t
         make_trainer(config, after_step=after_step).fit()
     assert handed == [silent, silent]
     assert exits == [SILENT_PEER_EXIT_CODE]
-    assert [path.name[7:16] for path in Path(config.memory_dir).glob("*/memory-*")] == ["000000004"]
+    assert sorted(path.name[7:16] for path in Path(config.memory_dir).glob("*/memory-*")) == ["000000003",
+                                                                                             "000000004"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

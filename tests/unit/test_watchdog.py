@@ -42,8 +42,8 @@ def watchdogs(store, world_size: int, incarnation: int = 1):
     reasons: list[str | None] = [None] * world_size
 
     def on_silent(rank):
-        def record(reason):
-            reasons[rank] = reason
+        def record(reason, connected):
+            reasons[rank] = f"{reason} ({'connected' if connected else 'not connected'})"
             fired[rank].set()
         return record
 
@@ -65,7 +65,7 @@ def test_live_peers_are_never_silent_and_a_stopped_one_is(store):
     assert not none_fire(fired, QUIET_WINDOW_S / 3), reasons
     dogs[2].stop()  # frozen: no more heartbeats, no goodbye
     assert fired[0].wait(10) and fired[1].wait(10)
-    assert "rank(s) [2] sent no heartbeat for over 1 s" in reasons[0]
+    assert "rank(s) [2] sent no heartbeat for over 1 s" in reasons[0] and reasons[0].endswith("(connected)")
     assert not fired[2].is_set()
     assert dogs[0].longest_gap_s < BOUND_S
 
@@ -77,7 +77,7 @@ def test_a_firing_watchdog_names_the_silent_ranks_nodes_in_its_verdict_for_the_a
     fired = [threading.Event() for _ in range(3)]
     addresses = [verdict_address("watchdog-test", "127.0.0.1", store.port, rank) for rank in range(3)]
     inboxes = {rank: VerdictInbox(addresses[rank]) for rank in (0, 2)}  # their agents read verdicts
-    dogs = [PeerWatchdog(rank, 3, 1, BOUND_S, lambda reason, rank=rank: fired[rank].set(), INTERVAL_S,
+    dogs = [PeerWatchdog(rank, 3, 1, BOUND_S, lambda reason, connected, rank=rank: fired[rank].set(), INTERVAL_S,
                          store=client(store), node_rank=rank // 2, verdict_address=addresses[rank]).start()
             for rank in range(3)]
     assert not none_fire(fired, QUIET_WINDOW_S / 4)
@@ -123,7 +123,7 @@ def test_a_store_whose_process_ended_leaves_the_peers_deadlines_standing_without
     del server
     assert fired[1].wait(15)
     assert "rank(s) [2] sent no heartbeat for over 1 s that this rank could see, and none can come: the worker " \
-           "group's store (rank 0's) closed its connection" in reasons[1]
+           "group's store (rank 0's) closed its connection (not connected)" in reasons[1]
 
 
 def test_a_store_that_never_answers_stops_the_worker_within_the_bound(tmp_path):
@@ -144,7 +144,8 @@ def test_a_store_that_never_answers_stops_the_worker_within_the_bound(tmp_path):
         fired = [threading.Event(), threading.Event()]
         reasons: list[str] = []
         bound_s = 2 * BOUND_S  # the store is another process: round trips are slower on a loaded machine
-        dogs = [PeerWatchdog(rank, 2, 1, bound_s, lambda reason, rank=rank: (reasons.append(reason), fired[rank].set()),
+        dogs = [PeerWatchdog(rank, 2, 1, bound_s, lambda reason, connected, rank=rank: (reasons.append(f"{reason} ({'connected' if connected else 'not connected'})"),
+                                                                    fired[rank].set()),
                              INTERVAL_S, store=stores[rank]).start() for rank in range(2)]
         assert not fired[0].wait(QUIET_WINDOW_S / 4), reasons  # both beat: nothing to see
         server.send_signal(signal.SIGSTOP)
@@ -152,6 +153,7 @@ def test_a_store_that_never_answers_stops_the_worker_within_the_bound(tmp_path):
         assert fired[0].wait(10) and fired[1].wait(10), "the watchdog waited on the store"
         assert time.monotonic() - frozen_at < bound_s + 1.0
         assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+        assert reasons[0].endswith("(not connected)")  # this node may be the one cut off
         for dog in dogs:
             dog.stop()
     finally:
@@ -180,7 +182,7 @@ def test_each_new_longest_gap_is_reported_through_on_gap(store):
             gaps.append(seconds)
             reported.notify_all()
 
-    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: None, INTERVAL_S, store=client(store), on_gap=on_gap).start()
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason, connected: None, INTERVAL_S, store=client(store), on_gap=on_gap).start()
     peer = dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", client(store))
     peer.set("1", "1")
     with reported:  # a first gap is reported once the heartbeat changes after the watchdog saw it
@@ -263,7 +265,7 @@ def test_a_peer_is_found_silent_one_bound_after_its_last_change_was_seen_not_at_
     dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store).set("1", "7@1")  # rank 1's last heartbeat
     fired = threading.Event()
     fired_at: list[float] = []
-    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: (fired_at.append(time.monotonic()), fired.set()),
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason, connected: (fired_at.append(time.monotonic()), fired.set()),
                        interval_s=10.0, store=store)
     started = time.monotonic()
     dog.start()
@@ -283,7 +285,7 @@ def test_a_starved_heartbeat_thread_makes_no_peer_silent():
     store = CountingStore()
     peer = dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store)
     fired = threading.Event()
-    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: fired.set(), INTERVAL_S, store=store)
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason, connected: fired.set(), INTERVAL_S, store=store)
     dog._read_now = starved = PausableEvent()
     beats = 0
 
@@ -317,7 +319,8 @@ def test_a_store_that_holds_every_request_stops_the_worker_about_one_bound_after
     dist.PrefixStore("elastic_ddp/runtime/watchdog/1/", store).set("1", "1@1")
     reasons: list[str] = []
     fired = threading.Event()
-    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason: (reasons.append(reason), fired.set()), interval_s=0.2,
+    dog = PeerWatchdog(0, 2, 1, BOUND_S, lambda reason, connected: (reasons.append(f"{reason} ({'connected' if connected else 'not connected'})"),
+                                                       fired.set()), interval_s=0.2,
                        store=store)
     dog.start()
     store.held.set()
@@ -327,6 +330,7 @@ def test_a_store_that_holds_every_request_stops_the_worker_about_one_bound_after
         # the first request held was made within an interval of the hold; 2 s of margin
         assert time.monotonic() - held_at < BOUND_S + 0.2 + 2.0
         assert "the worker group's store (rank 0's) has not answered" in reasons[0]
+        assert reasons[0].endswith("(not connected)")  # this node may be the one cut off
     finally:
         store.released.set()
         dog.stop()

@@ -46,11 +46,9 @@ monitor interval; once every local worker declared itself capable of re-forming,
 the next round itself, for the workers, when one of them asked (its group of the current round
 broke: a lost node, or its watchdog found one silent), when newcomers that the round would take
 wait at the next one (a join), or when members of the current round wait there, each with the
-in-process mark. It writes its own
-mark (a store key, before its arrival, holding which of torch's rounds its agent holds and its
-number of workers), arrives,
-and waits and closes as above (same loop, same closing rule: the lost member is out once its beacon
-refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
+in-process mark. It writes its own mark (a store key, before its arrival, holding which of
+torch's rounds its agent holds and its number of workers), arrives, and waits and closes as above
+(same loop, same closing rule: the lost member is out once its beacon refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
 decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
 takes the round in process while another gave it up. Outcomes:
 
@@ -64,10 +62,14 @@ takes the round in process while another gave it up. Outcomes:
   it, for as many agents as that round had; the missing ones (lost nodes, and members that moved
   on in process) are credited once, so that nobody waits 300 s for them (`_settle_exit_barriers`).
 - anything else (a timeout, a board error, a round without this node, a member that arrived with
-  its workers stopped, a member in it whose workers this node's workers found silent: its agent
-  answers, only torchrun's restart ends its workers; another node's outcome): one warning naming why, an announcement with
-  `in_process` false (waiting workers exit at once), and at least 1: torch restarts the workers,
-  and its `next_rendezvous` waits for that round, not the one after it (the other nodes are in it).
+  its workers stopped, another node's outcome, a member whose workers this node's workers found
+  silent while its agent answers its beacon: only torchrun's restart ends such workers, so this is
+  decided before this node arrives): one warning naming why, an announcement with `in_process`
+  false (waiting workers exit at once), and at least 1: torch restarts the workers, and its
+  `next_rendezvous` waits for that round, not the one after it (the other nodes are in it).
+- the announcement of a round taken in process carries the ranks of this node's workers in it:
+  torch's assignment (`take_part_in_rank_assignment`) when newcomers came, else each member's
+  mark's number of workers in group-rank order, so nodes of different sizes re-form too.
 
 Spares of a full round take the restart path, as without in-process rounds. Not guaranteed: a node
 whose in-process round fails after the outcome said "in process" (a store error while it enters
