@@ -53,7 +53,14 @@ from benchmarks.measure import (
 from benchmarks.table import Row, render_markdown
 from elastic_ddp.runlog.reader import read_events
 from elastic_ddp.runlog.schema import EVENT_LOG_NAME
-from elastic_ddp.testbed.local_cluster import AGENT_ENV, STOCK_LAUNCHER, free_port, signal_tree, torchrun_command
+from elastic_ddp.testbed.local_cluster import (
+    AGENT_ENV,
+    RDZV_CONF,
+    STOCK_LAUNCHER,
+    free_port,
+    signal_tree,
+    torchrun_command,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUDGET_MODE = "default snapshots, on the budget"
@@ -109,16 +116,19 @@ class RunResult:
 
 
 def start_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: int,
-                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+                   env: dict[str, str] | None = None,
+                   rendezvous: tuple[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """Start `module` under one torchrun agent in a session of its own; (the agent, its log path).
 
     Plain torchrun for both sides, with the shipped rendezvous settings and agent environment: the
-    steady state does not depend on how workers start. The caller ends the job (`signal_tree`).
+    steady state does not depend on how workers start. `rendezvous`: (backend, `--rdzv_conf`) in
+    place of torch's `c10d` and the shipped settings. The caller ends the job (`signal_tree`).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    backend, conf = rendezvous or ("c10d", RDZV_CONF)
     command = torchrun_command(nnodes="1", nproc_per_node=world_size, rdzv_endpoint=f"127.0.0.1:{free_port()}",
                                rdzv_id=run_dir.name, max_restarts=0, module=module, training_args=args,
-                               launcher=STOCK_LAUNCHER)
+                               launcher=STOCK_LAUNCHER, rdzv_backend=backend, rdzv_conf=conf)
     log_path = run_dir / "torchrun.log"
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -127,7 +137,8 @@ def start_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: 
 
 
 def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: int, timeout: float,
-                 profile_dir: Path | None = None) -> tuple[list[dict], float]:
+                 profile_dir: Path | None = None,
+                 rendezvous: tuple[str, str] | None = None) -> tuple[list[dict], float]:
     """Run `module` under one torchrun agent; return its `BENCH_RESULT` records and its wall time.
 
     With `profile_dir`, the workers run under cProfile and leave their profiles in a subdirectory
@@ -135,7 +146,7 @@ def run_torchrun(module: str, args: Sequence[str], run_dir: Path, world_size: in
     """
     started = time.monotonic()
     env = {PROFILE_DIR_ENV: str(profile_dir / run_dir.name)} if profile_dir is not None else None
-    process, log_path = start_torchrun(module, args, run_dir, world_size, env)
+    process, log_path = start_torchrun(module, args, run_dir, world_size, env, rendezvous)
     try:
         exit_code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -163,12 +174,12 @@ def run_bare(workload: Workload, run_dir: Path, timeout: float, profile_dir: Pat
 
 
 def run_elastic(workload: Workload, snapshot_every_steps: int | None, run_dir: Path, timeout: float,
-                profile_dir: Path | None = None) -> RunResult:
+                profile_dir: Path | None = None, rendezvous: tuple[str, str] | None = None) -> RunResult:
     checkpoint_dir = run_dir / "ck"
     args = [*workload.shared_args(), "--micro_batch_size", str(workload.global_batch_size // workload.world_size),
             *snapshot_args(snapshot_every_steps), "--checkpoint_dir", str(checkpoint_dir)]
     records, seconds = run_torchrun("benchmarks.elastic_worker", args, run_dir, workload.world_size, timeout,
-                                    profile_dir)
+                                    profile_dir, rendezvous)
     events = read_events(checkpoint_dir / EVENT_LOG_NAME)
     steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["global_step"])
     cpu_times = next(record["cpu_times"] for record in records if record["rank"] == 0)

@@ -325,6 +325,7 @@ class ElasticRun:
         if self.regroup.enabled and self.config.sharding == "fsdp":  # FSDP2 sharded it; its collectives give way
             try:
                 self.fsdp_collectives.install(self.module)
+                logger.info("FSDP2's all-gathers and reduce-scatters give way to an in-process re-form")
             except ValueError as exc:
                 logger.info("a lost node restarts this worker (no in-process re-form): FSDP2 refused a custom "
                             "collective (%s)", exc)
