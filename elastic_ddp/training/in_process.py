@@ -113,14 +113,17 @@ def what_broke(exc: BaseException) -> str:
 
 
 class BrokenGroupAlarm:
-    """Fails the run's collectives still waiting in a group that the agent has replaced.
+    """Fails the run's collectives still waiting in a group that the agent's next round leaves
+    (`Regroup.abandons_the_group`: a node of the group is not in it, or the workers restart); a
+    round that only adds nodes lets every collective of the step finish, and the group switches at
+    its next step boundary, with every rank at the same step.
 
     A rank whose collective waits on a peer that is alive (a neighbour in gloo's ring that failed
     and left) sees no error until the collective's timeout: only the lost node's neighbours do, and
     the group's connections close only when it is freed, which itself waits for its collectives.
     So the run's collectives (the gradients' all-reduce through a DDP comm hook, the drain vote)
     go through `guard`: while one waits, a thread looks every ALARM_POLL_S at the round the agent
-    announces, and once it is newer than this worker's group it fails them with REPLACED_GROUP;
+    announces, and once it leaves this worker's group it fails them with REPLACED_GROUP;
     the worker then re-forms as its neighbours do. The abandoned collective stays in gloo's thread
     until its timeout (the group is kept referenced, never freed while it waits)."""
 
@@ -165,7 +168,7 @@ class BrokenGroupAlarm:
         # thread switch (docs/benchmarks.md, "What in-process re-forms cost in steady state").
         while True:
             time.sleep(ALARM_POLL_S)
-            if not self._waiting or not self._regroup.replaced():
+            if not self._waiting or not self._regroup.abandons_the_group():
                 continue
             with self._lock:
                 waiting, self._waiting = self._waiting, set()
@@ -380,6 +383,7 @@ class Regroup:
         self.not_in_process = not_in_process
         self.enabled = False
         self.round: int | None = None  # the round this worker's group belongs to
+        self.nodes = 0  # the nodes of that round
         self.joined = 0  # nodes new to the group in the last re-form (RoundAnnouncement.joined)
         self.alarm = BrokenGroupAlarm(self)
         self.comm_hook = InterruptibleCommHook(self.alarm)
@@ -390,19 +394,31 @@ class Regroup:
         """Whether the agent announced a round after this worker's group (not a collective). Cheap
         enough for every step boundary: round.json is read only when it changed (the agent
         replaces it whole: a new inode)."""
+        return self._newer_round() is not None
+
+    def abandons_the_group(self) -> bool:
+        """Whether the agent announced a round that ends this worker's group where it stands: one
+        without some of its nodes (lost or silent), or the workers' restart. A round that only
+        adds nodes (a join) does not: the group finishes its step and switches at the boundary
+        (failing a collective of a healthy group could let some ranks commit the step and others not)."""
+        announced = self._newer_round()
+        return announced is not None and (not announced.in_process
+                                          or announced.group_world_size - announced.joined < self.nodes)
+
+    def _newer_round(self) -> RoundAnnouncement | None:
         if not self.enabled or self.round is None:
-            return False
+            return None
         try:
             info = os.stat(round_handoff.handoff_directory(self._agent) / round_handoff.ROUND_FILE)
         except OSError:
-            return False
+            return None
         if (info.st_ino, info.st_mtime_ns) == self._seen_round_file:
-            return False
+            return None
         announced = round_handoff.read_round(self._agent)
         if announced is not None and announced.round > self.round:
-            return True
+            return announced
         self._seen_round_file = (info.st_ino, info.st_mtime_ns)  # nothing newer in it: not read again
-        return False
+        return None
 
     def start(self) -> None:
         """Declare this worker able to re-form in process, or log once why it is not."""
@@ -431,7 +447,7 @@ class Regroup:
         announced = round_handoff.read_round(self._agent)
         if announced is None:
             return "the agent published no round for its workers"
-        self.round = announced.round
+        self.round, self.nodes = announced.round, announced.group_world_size
         return None
 
     def stop(self) -> None:
@@ -472,6 +488,7 @@ class Regroup:
         finally:
             timer.cancel()
         self.context, self.round, self.joined = context, announced.round, announced.joined
+        self.nodes = announced.group_world_size
         logger.info("re-formed in process as rank %d of %d (round %d, %d new node(s)) in %.2f s", context.rank,
                     context.world_size, announced.round, announced.joined, time.monotonic() - started)
         return context

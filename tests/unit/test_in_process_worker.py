@@ -6,17 +6,22 @@ The whole, with real processes: tests/cluster/test_in_process.py."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_ddp import round_handoff
 from elastic_ddp.round_handoff import RoundAnnouncement
 from elastic_ddp.training.in_process import (
     REPLACED_GROUP,
     BrokenGroupAlarm,
     InterruptibleCommHook,
+    Regroup,
     apply_round,
     lost_peer,
     what_broke,
@@ -63,12 +68,12 @@ def test_a_round_gives_the_worker_torchruns_variables_for_its_new_place(monkeypa
 
 
 class _Rounds:
-    """A stand-in for `Regroup.replaced`: whether the agent announced a round after the group's."""
+    """A stand-in for `Regroup.abandons_the_group`: whether the agent announced a round that ends the group."""
 
     def __init__(self):
         self.newer = threading.Event()
 
-    def replaced(self) -> bool:
+    def abandons_the_group(self) -> bool:
         return self.newer.is_set()
 
 
@@ -112,3 +117,26 @@ def test_the_loops_own_comm_hook_runs_in_place_of_the_default_once():
     assert hook(bucket="a bucket").wait() == "a bucket" and calls == [("my state", "a bucket")]
     with pytest.raises(RuntimeError, match="DDP takes one"):
         hook.register(None, loops_hook)
+
+
+def test_only_a_round_that_leaves_the_group_fails_its_collectives(tmp_path, monkeypatch):
+    """The alarm's question (`Regroup.abandons_the_group`): a round without some of the group's
+    nodes, or a restart, ends the group where it stands; a round that only adds nodes (a join)
+    does not, so that every rank finishes the step (and commits it) before switching."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    agent = 4_000_321  # above Linux's pid_max: nothing signals it
+    round_handoff.open_handoff(agent)
+    regroup = Regroup(SimpleNamespace(), timedelta(seconds=1))
+    regroup.enabled, regroup.round, regroup.nodes, regroup._agent = True, 3, 2, agent  # a group of two nodes
+
+    def announce(group_world_size: int, joined: int, in_process: bool = True) -> tuple[bool, bool]:
+        round_handoff.publish_round(agent, RoundAnnouncement(
+            4, 0, group_world_size, "127.0.0.1", 29500, in_process, "" if in_process else "a restart", joined,
+            first_rank=0 if in_process else None, world_size=group_world_size if in_process else None))
+        return regroup.replaced(), regroup.abandons_the_group()
+
+    assert announce(3, joined=1) == (True, False)  # both nodes and a newcomer: the step finishes
+    assert announce(2, joined=1) == (True, True)  # a node lost and one joining
+    assert announce(1, joined=0) == (True, True)  # a node lost
+    assert announce(3, joined=1, in_process=False) == (True, True)  # torchrun restarts the workers
+    round_handoff.close_handoff(agent)

@@ -275,7 +275,7 @@ def test_fsdps_collectives_give_a_lost_peer_to_the_run_and_issue_none_once_the_g
     from elastic_ddp.training.in_process import BrokenGroupAlarm, InterruptibleFSDPCollectives, lost_peer
 
     class NoRound:  # the agent announced nothing: the alarm never fires
-        def replaced(self) -> bool:
+        def abandons_the_group(self) -> bool:
             return False
 
     handed: list[str] = []
