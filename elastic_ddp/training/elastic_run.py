@@ -68,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import TrainingConfig
+from elastic_ddp.runlog.metrics_causes import WATCHDOG_REASON
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix, installed_rank_prefix
 from elastic_ddp.runtime.distributed import (
@@ -164,6 +165,7 @@ class ElasticRun:
         self._incarnation_exits: contextlib.ExitStack | None = None  # the log, snapshots and watchdog of this group
         self._lost_peer: str | None = None  # why the group broke under the step in progress (in-process re-form)
         self._regrouped_at: int | None = None  # the committed step at the last in-process re-form
+        self._silent_peer: str | None = None  # what the watchdog found, when it handed the re-form over
         self._entered = False
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
@@ -436,6 +438,7 @@ class ElasticRun:
             logger.warning("could not ask this node's agent for a round without the silent peer (%s)", exc)
             return False
         logger.warning("peer watchdog: %s; re-forming the group in process", reason)
+        self._silent_peer = reason
         return True
 
     def _absorbs_fsdps_lost_peer(self, what: str, exc: RuntimeError) -> bool:
@@ -460,7 +463,10 @@ class ElasticRun:
         self.run_log.training_interrupted()
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
         sharded = self.config.sharding == "fsdp"
-        if sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
+        silent_peer, self._silent_peer = self._silent_peer, None
+        if silent_peer is not None:  # kept as the watchdog's way out keeps it, and said so (the restart's cause)
+            self.stop_guard.keep(f"{WATCHDOG_REASON}: {silent_peer}")
+        elif sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
             self.snapshots.keep_in_memory(self.state, f"in-process re-form: {reason}")
             self._report_counted()  # the step whose exchange ended meanwhile counts (its `step` event, its audit line)
         # Otherwise nothing is kept here: the survivors usually hold the same step and keep their own
