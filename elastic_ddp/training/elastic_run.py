@@ -464,15 +464,17 @@ class ElasticRun:
         self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
         sharded = self.config.sharding == "fsdp"
         silent_peer, self._silent_peer = self._silent_peer, None
+        # A keep also reports the step whose exchange ended meanwhile (sharded) and writes every rank's
+        # audit share of the last counted step: a lost rank that committed it never wrote its line.
         if silent_peer is not None:  # kept as the watchdog's way out keeps it, and said so (the restart's cause)
             self.stop_guard.keep(f"{WATCHDOG_REASON}: {silent_peer}")
         elif sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
-            self.snapshots.keep_in_memory(self.state, f"in-process re-form: {reason}")
-            self._report_counted()  # the step whose exchange ended meanwhile counts (its `step` event, its audit line)
-        # Otherwise nothing is kept here: the survivors usually hold the same step and keep their own
-        # state (at large states a keep costs seconds); a re-form that needs copies keeps them in the
-        # new incarnation, and a fallback keeps the step on its way out (`__exit__`).
-        self.run_log.record_every_ranks_share()  # a lost rank that committed the last step never wrote its line
+            self.stop_guard.keep(f"in-process re-form: {reason}")
+        else:
+            # Nothing is kept here: the survivors usually hold the same step and keep their own state
+            # (at large states a keep costs seconds); a re-form that needs copies keeps them in the
+            # new incarnation, and a fallback keeps the step on its way out (`__exit__`).
+            self.run_log.record_every_ranks_share()
         self.drain.forget_vote()
         self.state.optimizer.zero_grad(set_to_none=True)
         self._unhook_the_broken_wrapper()

@@ -272,13 +272,23 @@ class _GuardedWork:
         self._future, self._absorbs, self._what = future, absorbs, what
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the collective (at most `timeout`: then TimeoutError, as a c10d work's wait
+        raises on its timeout; FSDP2 itself passes none)."""
         if self._future is not None:
+            if timeout is not None and not _done_within(self._future, timeout.total_seconds()):
+                raise TimeoutError(f"{self._what}: not done within {timeout.total_seconds():g} s")
             try:
                 self._future.wait()
             except RuntimeError as exc:
                 if not self._absorbs(self._what, exc):
                     raise
         return True
+
+
+def _done_within(future: torch.futures.Future, seconds: float) -> bool:
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(seconds)
 
 
 class InterruptibleFSDPCollectives:

@@ -262,6 +262,7 @@ def test_a_member_named_by_the_workers_whose_beacon_answers_is_kept(server) -> N
     waiting = threading.Thread(target=lambda: results.update(ranks_by_node([survivor])), daemon=True)
     waiting.start()
     wait_for(lambda: survivor._silence.wait(0.1), 20, "the survivor asking the slow node's beacon")
+    assert survivor._silence._probes == []  # the probes that ended are forgotten
     assert survivor._silence.silent(RoundRecord(0, (HERE, OTHER))) == set()
     assert waiting.is_alive(), results  # still waiting for the slow member
     assert ranks_by_node([slow]) == {OTHER: (1, 2)}  # it arrives: the round holds both

@@ -315,3 +315,17 @@ def test_fsdps_collectives_give_a_lost_peer_to_the_run_and_issue_none_once_the_g
     broken[0] = True
     gathering._call = raising("issued on a broken group")  # never called once broken
     assert gathering(output, torch.arange(4.0), group) is None and len(handed) == 2
+
+
+def test_a_guarded_collective_waits_no_longer_than_its_timeout():
+    """`_GuardedWork.wait(timeout)`: a collective not done within the timeout raises, as a c10d
+    work's wait does; one done returns at once."""
+    from datetime import timedelta
+
+    from elastic_ddp.training.in_process import _GuardedWork
+
+    pending: torch.futures.Future = torch.futures.Future()
+    with pytest.raises(TimeoutError, match="FSDP's all-gather: not done within 0.05 s"):
+        _GuardedWork(pending, lambda what, exc: False, "FSDP's all-gather").wait(timedelta(seconds=0.05))
+    pending.set_result(None)
+    assert _GuardedWork(pending, lambda what, exc: False, "FSDP's all-gather").wait(timedelta(seconds=5))

@@ -168,7 +168,8 @@ class SilenceJudge:
         if to_ask:
             probe = threading.Thread(target=self._judge, args=(record, to_ask, read_ports), name="rdzv-silence",
                                      daemon=True)
-            self._probes.append(probe)
+            with self._lock:
+                self._probes.append(probe)
             probe.start()
 
     def _judge(self, record: RoundRecord, nodes: list[NodeDesc], read_ports: Callable[[], Ports]) -> None:
@@ -241,7 +242,13 @@ class SilenceJudge:
             return self._asking | {node for node in self._named if node in self._silent_at}
 
     def wait(self, timeout: float) -> bool:
-        """Wait until every beacon asked has answered or timed out; False if still asking."""
-        for probe in list(self._probes):
-            probe.join(timeout)
-        return not any(probe.is_alive() for probe in self._probes)
+        """Wait, at most `timeout` seconds in all, until every beacon asked has answered or timed
+        out; False if still asking. The probes that ended are forgotten."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            probes = list(self._probes)
+        for probe in probes:
+            probe.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._probes = [probe for probe in self._probes if probe.is_alive()]
+            return not self._probes
