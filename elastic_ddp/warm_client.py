@@ -56,12 +56,13 @@ VARIABLE = "ELASTIC_DDP_WARM_WORKERS"
 OFF = "0"
 # The modules whose first lines call `become_warm_worker`: the rendezvous plugin starts a server for no other.
 WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train", "elastic_ddp.warm_start")
-# What the server runs as (`python -m SERVER_MODULE`): its children, the warm workers, show this in `ps`.
-SERVER_MODULE = "elastic_ddp.agent.warm_workers"
+# The server's process name (/proc/PID/comm, `ps -o comm`; at most 15 bytes). It is forked from its
+# agent, so its command line is the agent's; `runtime.distributed.agent_pid` looks for this name.
+SERVER_PROCESS_NAME = "edp-warm-server"
 # A request (argv, cwd, sys.path, the environment) larger than this is refused: no real one is near it.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
-# How long the client waits for the server to fork its child. The server imports torch while the
-# agent is in its first rendezvous; a client that comes sooner waits, which costs less than a cold
+# How long the client waits for the server to fork its child. The server imports the rest of its
+# preload while the agent is in its first rendezvous; a client that comes sooner waits, which costs less than a cold
 # start even on a busy 2-core machine (the imports started earlier). A server that does not answer
 # in this time is taken as stuck, and the client runs cold.
 ANSWER_TIMEOUT_S = 60.0

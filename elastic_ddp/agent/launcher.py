@@ -8,9 +8,9 @@ differences.
 
 Warm workers for any `-m MODULE` and any backend. After every failure or join, torchrun starts each
 worker as a new `python -m MODULE` process, which imports torch and, at the first `torch.optim`
-call, torch._dynamo: seconds per restart. The launcher starts the agent's warm-worker server
-(elastic_ddp/agent/warm_workers.py) first thing, so that it imports torch while the agent imports
-torch and enters its rendezvous, and has torchrun start each worker as `python -m
+call, torch._dynamo: seconds per restart. The launcher forks the agent's warm-worker server
+(elastic_ddp/agent/warm_workers.py) as soon as it has imported torchrun (and so torch), so that it
+imports the rest while the agent enters its rendezvous, and has torchrun start each worker as `python -m
 elastic_ddp.warm_start MODULE ARGS...`: a thin client that hands its run to the server, which forks
 the worker from its warm state and runs MODULE as `python -m MODULE ARGS...` would
 (elastic_ddp/warm_client.py). Plain torchrun gets the same server from our rendezvous plugin, but
@@ -95,11 +95,11 @@ def probed_c10d_arguments(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # First: the server imports torch while this agent imports torch too. None: turned off, or not Linux.
-    server = start_warm_worker_server(announce_ready=True) if may_run_warm(argv) else None
-
     from torch.distributed import run as torchrun
 
+    # Forked once torch is imported: the server imports only the rest while the agent goes on. None:
+    # turned off, not Linux, or a thread already runs here.
+    server = start_warm_worker_server(announce_ready=True) if may_run_warm(argv) else None
     argv = probed_c10d_arguments(argv)
     torchrun.main(warm_arguments(argv) if server is not None else argv)
 

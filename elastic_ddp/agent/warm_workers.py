@@ -1,20 +1,23 @@
 """The warm-worker server: torchrun's workers forked from a process that has imported torch once.
 
 Two callers start it in the agent, and one agent runs one server at most: `python -m
-elastic_ddp.agent.launcher` at its start, for any `-m MODULE` (its workers run `python -m
-elastic_ddp.warm_start MODULE`), and, for plain torchrun, the rendezvous plugin when torchrun creates
-an `elastic-c10d` or `etcd-v3` handler for a job whose training module is one of
+elastic_ddp.agent.launcher` once it has imported torchrun, for any `-m MODULE` (its workers run
+`python -m elastic_ddp.warm_start MODULE`), and, for plain torchrun, the rendezvous plugin when
+torchrun creates an `elastic-c10d` or `etcd-v3` handler for a job whose training module is one of
 `warm_client.WARM_MODULES` (`-m elastic_ddp.train`). `start_warm_worker_server()` binds a listening
 socket in Linux's abstract namespace (`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with
-the processes that hold it), draws a 256-bit key, starts `python -m elastic_ddp.agent.warm_workers
-FD` (no shell) with that socket, and puts the address and the key in the agent's
-`ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun starts inherits (and the server, which takes
-it out of its own environment). The server imports the preload modules (`ELASTIC_DDP_PRELOAD`,
-comma-separated; default `PRELOAD`: torch, torch._dynamo, torch.optim and the trainer) while the
-agent imports torch and creates its rendezvous handler, then writes READY_BYTE to the agent's
-readiness pipe: a node that joins a running job waits for it (at most READY_WAIT_S) before it
-arrives at a round (plugin.ready_handler), so that its round does not stop the running nodes for
-its imports; a job's first round and a member's next ones do not wait.
+the processes that hold it), draws a 256-bit key, forks the server from the agent (which has
+imported torch by then: torchrun imports it before it creates the handler), and puts the address
+and the key in the agent's `ELASTIC_DDP_WARM_WORKERS`, which every worker torchrun starts inherits.
+The server keeps only its socket, the readiness pipe and stdout/stderr (stdin is /dev/null), names
+itself SERVER_PROCESS_NAME (`ps -o comm`; its command line is the agent's), imports the rest of the
+preload modules (`ELASTIC_DDP_PRELOAD`, comma-separated; default `PRELOAD`: torch, torch._dynamo,
+torch.optim and the trainer) while the agent creates its rendezvous handler, then writes READY_BYTE
+to the agent's readiness pipe: a node that joins a running job waits for it (at most READY_WAIT_S)
+before it arrives at a round (plugin.ready_handler), so that its round does not stop the running
+nodes for its imports; a job's first round and a member's next ones do not wait. Forking, not
+starting a new interpreter, saves the server torch's own import (1.0-1.5 s of CPU here, per node
+start: docs/benchmarks.md).
 A worker that connects before the imports are done (the wait timed out) waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
 connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
 way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
@@ -22,13 +25,14 @@ any client, and only then forks. It relays each child's exit status to its clien
 ends (pidfds in one selector: one thread, as a process that forks must be).
 
 The child: a session of its own (`setsid`), ended by the kernel if the server ends
-(PR_SET_PDEATHSIG); it reads the request within `REQUEST_TIMEOUT_S` (argv, cwd, sys.path, the
-environment, the client's stdin/stdout/stderr), takes them as its own, sets torch's threads from
-OMP_NUM_THREADS, writes one line (`... forked warm ...`) to its stderr, and runs the module with
-runpy as `__main__`. A daemon thread SIGKILLs its process group when the client's connection
-closes: torchrun killing the client ends the worker. The server ends with the agent
-(PR_SET_PDEATHSIG, and a check of its parent every `PARENT_CHECK_S`); it runs in a session of its
-own, so a Ctrl-C meant for the agent's terminal does not end it first.
+(PR_SET_PDEATHSIG), named as a cold worker would be (the interpreter's name); it reads the request
+within `REQUEST_TIMEOUT_S` (argv, cwd, sys.path, the environment, the client's stdin/stdout/stderr),
+takes them as its own, sets torch's threads from OMP_NUM_THREADS, writes one line (`... forked warm
+...`) to its stderr, and runs the module with runpy as `__main__`. A daemon thread SIGKILLs its
+process group when the client's connection closes: torchrun killing the client ends the worker.
+The server ends with the agent (PR_SET_PDEATHSIG, and a check of its parent every
+`PARENT_CHECK_S`); it runs in a session of its own, so a Ctrl-C meant for the agent's terminal does
+not end it first.
 
 Security (docs/operations.md, "Security"): the abstract namespace is open to every process of the
 network namespace, other containers of the host with `hostNetwork` among them, often with the same
@@ -42,8 +46,11 @@ one request (the client starts cold and says why); at most `MAX_HANDSHAKES` conn
 their proof (a new one pushes out the oldest). Each kind of refusal is logged at most once per
 `LOG_INTERVAL_S`; nothing of a request is logged (the environment holds secrets).
 
-Limits: the preload modules must not start threads or initialise CUDA when imported (torch does
-neither): the server forks. OpenMP reads OMP_NUM_THREADS when torch is imported, in the server: each
+Limits: the agent must run one Python thread where it starts the server (torchrun's does: the
+handler is created before its agent starts any; otherwise no server, one line), and the preload modules must
+not start threads or initialise CUDA when imported (torch does neither): the server forks. What the
+agent imported or registered before the fork (torchrun's modules; its atexit handlers: none beyond
+torch's own in torch 2.13) is the workers' too. OpenMP reads OMP_NUM_THREADS when torch is imported, in the server: each
 child applies the OMP_NUM_THREADS of its client's environment with `torch.set_num_threads`.
 
 Turn it off with `--rdzv_conf ...,warm_workers=0` or `ELASTIC_DDP_WARM_WORKERS=0` in the agent's
@@ -66,7 +73,6 @@ import select
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -84,11 +90,10 @@ from elastic_ddp.warm_client import (
     RECORD,
     REFUSED,
     SERVER_LABEL,
-    SERVER_MODULE,
+    SERVER_PROCESS_NAME,
     STANDARD_FDS,
     STARTED,
     VARIABLE,
-    parse_variable,
     peer_credentials,
     proof,
     receive_exactly,
@@ -113,6 +118,7 @@ LOG_INTERVAL_S = 10.0  # at most one line per kind of refusal in this time
 ACCEPT_PAUSE_S = 0.1  # after a failed accept (EMFILE): the connection waits in the backlog, the server does not spin
 BAD_REQUEST_EXIT_CODE = 2
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 _GO = b"g"  # the server watches the child (its pidfd is open): it may start
 _LOG = "elastic_ddp.agent.warm_workers: "
 
@@ -152,28 +158,75 @@ def server_started_here() -> StartedServer | None:
 
 
 def start_warm_worker_server(announce_ready: bool = False) -> StartedServer | None:
-    """Start the server for this agent's workers and name it, with its key, in
+    """Fork the server for this agent's workers from this process (which has imported torch: the
+    server imports only the rest of its preload) and name it, with its key, in
     `ELASTIC_DDP_WARM_WORKERS`; None when that variable is already set (`0`: turned off; or a server
-    runs) or off Linux. With `announce_ready`, the server writes READY_BYTE to a pipe once its
-    preloads are imported (`StartedServer.wait_until_ready`)."""
+    runs), off Linux, or when this process runs more than one Python thread (a fork copies only
+    the calling thread, with whatever locks the others held: the workers then start cold, said in
+    one line; the native pool that torch's import starts, OpenBLAS's, idles and handles a fork
+    itself). With
+    `announce_ready`, the server writes READY_BYTE to a pipe once its preloads are imported
+    (`StartedServer.wait_until_ready`)."""
     if os.environ.get(VARIABLE) or not sys.platform.startswith("linux"):
         return None
+    threads = threading.active_count()
+    if threads != 1:
+        sys.stderr.write(f"{_LOG}no warm-worker server: this agent runs {threads} Python threads where it would fork "
+                         "the server (a process with threads cannot fork safely); its workers start cold\n")
+        return None
     name = f"{ADDRESS_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    value = variable_value(name, secrets.token_bytes(KEY_BYTES))
+    key = secrets.token_bytes(KEY_BYTES)
     ready_read, ready_write = os.pipe() if announce_ready else (None, None)
+    agent_pid = os.getpid()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(b"\0" + name.encode())
         listener.listen(BACKLOG)
-        passed = (listener.fileno(),) if ready_write is None else (listener.fileno(), ready_write)
+        sys.stdout.flush(), sys.stderr.flush()  # nothing buffered here is written twice
+        if os.fork() == 0:
+            _serve_forked(listener, agent_pid, key, ready_write)  # never returns
         # The agent keeps no copy of the socket: when the server is gone, connecting is refused at once.
-        subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *map(str, (*passed[:1], os.getpid(), *passed[1:]))],
-                         pass_fds=passed, stdin=subprocess.DEVNULL, start_new_session=True,
-                         env={**os.environ, VARIABLE: value})
     if ready_write is not None:
         os.close(ready_write)  # the server holds the only write end: its end is EOF here
-    os.environ[VARIABLE] = value
+    os.environ[VARIABLE] = variable_value(name, key)
     _started_here.append(StartedServer("@" + name, ready_read))
     return _started_here[-1]
+
+
+def _serve_forked(listener: socket.socket, agent_pid: int, key: bytes, ready: int | None) -> None:
+    """The server, in the process just forked from the agent; never returns (`os._exit`)."""
+    code = 1
+    try:
+        os.setsid()  # a Ctrl-C meant for the agent's terminal does not end it first
+        end_with_the_parent(agent_pid)
+        name_this_process(SERVER_PROCESS_NAME)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        keep = sorted({0, 1, 2, listener.fileno(), *(() if ready is None else (ready,))})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            if high > low + 1:  # (an empty range is not always a no-op: closerange(0, 0) closes every fd)
+                os.closerange(low + 1, high)  # the agent's sockets and files are not the workers' to hold
+        started = time.monotonic()
+        for module in preload_modules():
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                sys.stderr.write(f"{_LOG}could not preload {module} ({exc}); workers will import it themselves\n")
+        sys.stderr.write(f"{_LOG}ready in {time.monotonic() - started:.1f} s (agent {agent_pid})\n")
+        if ready is not None:  # the agent waits on this pipe (start_warm_worker_server(announce_ready=True))
+            os.write(ready, READY_BYTE)
+            os.close(ready)
+        WarmWorkerServer(listener, agent_pid, key).serve()
+        code = 0
+    except BaseException:  # noqa: BLE001 - nothing may return into the agent's code in this process
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def name_this_process(name: str) -> None:
+    """Set this process's name (/proc/self/comm, what `ps -o comm` and `top` show; 15 bytes kept)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 class _Handshake:
@@ -391,6 +444,7 @@ def run_child(connection: socket.socket, server_pid: int) -> None:
     """A forked child: become the client's worker and run its module; never returns."""
     os.setsid()
     end_with_the_parent(server_pid)
+    name_this_process(os.path.basename(sys.executable))  # the name a worker started cold shows
     try:
         module = _take_request(connection)
     except (OSError, ValueError, RecursionError) as exc:
@@ -536,26 +590,3 @@ def preload_modules() -> list[str]:
     """The modules the server imports before it forks: `ELASTIC_DDP_PRELOAD` (comma-separated) or PRELOAD."""
     preload = os.environ.get(PRELOAD_VARIABLE)
     return [m for m in preload.split(",") if m] if preload is not None else list(PRELOAD)
-
-
-def main(argv: list[str]) -> None:
-    """`python -m elastic_ddp.agent.warm_workers LISTENER_FD AGENT_PID [READY_FD]`."""
-    agent_pid = int(argv[1])  # not getppid(): the agent may have ended already (a bad flag)
-    end_with_the_parent(agent_pid)
-    _, key = parse_variable(os.environ.pop(VARIABLE, ""))  # the children's environment is their client's
-    listener = socket.socket(fileno=int(argv[0]))
-    started = time.monotonic()
-    for module in preload_modules():
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            sys.stderr.write(f"{_LOG}could not preload {module} ({exc}); workers will import it themselves\n")
-    sys.stderr.write(f"{_LOG}ready in {time.monotonic() - started:.1f} s (agent {agent_pid})\n")
-    if len(argv) > 2:  # the agent waits on this pipe (start_warm_worker_server(announce_ready=True))
-        os.write(int(argv[2]), READY_BYTE)
-        os.close(int(argv[2]))
-    WarmWorkerServer(listener, agent_pid, key).serve()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

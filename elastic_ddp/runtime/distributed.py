@@ -23,8 +23,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.runtime.procfs import command_line, read_stat
-from elastic_ddp.warm_client import SERVER_MODULE as WARM_SERVER_MODULE
+from elastic_ddp.runtime.procfs import command_line, process_name, read_stat
+from elastic_ddp.warm_client import SERVER_PROCESS_NAME as WARM_SERVER_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,7 @@ def agent_pid() -> int:
     elastic_ddp/warm_client.py, or from a multiprocessing fork server: torchrun's `--run-path` with
     `--start-method forkserver`). Without /proc (not Linux) the parent is the answer."""
     parent = os.getppid()
-    parent_command = command_line(parent)
-    if b"multiprocessing.forkserver" in parent_command or WARM_SERVER_MODULE.encode() in parent_command:
+    if process_name(parent) == WARM_SERVER_NAME or b"multiprocessing.forkserver" in command_line(parent):
         stat = read_stat(parent)
         if stat is not None:
             return stat.parent

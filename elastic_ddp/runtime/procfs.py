@@ -44,6 +44,15 @@ def read_stat(pid: int | str = "self", thread: int | None = None) -> ProcessStat
         return None
 
 
+def process_name(pid: int | str) -> str:
+    """The name of `pid` (/proc/<pid>/comm: at most 15 bytes, set by exec or PR_SET_NAME; "" when
+    it cannot be read)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(errors="replace").rstrip("\n")
+    except OSError:
+        return ""
+
+
 def command_line(pid: int | str) -> bytes:
     """The NUL-separated argv of `pid` (b"" when it cannot be read)."""
     try:

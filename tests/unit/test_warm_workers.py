@@ -33,7 +33,7 @@ import pytest
 
 from elastic_ddp.agent.rendezvous.plugin import start_warm_workers, take_warm_workers
 from elastic_ddp.agent.warm_workers import MAX_HANDSHAKES
-from elastic_ddp.runtime.procfs import command_line, process_is_alive, read_stat
+from elastic_ddp.runtime.procfs import command_line, process_is_alive, process_name, read_stat
 from elastic_ddp.warm_client import (
     CLIENT_LABEL,
     LENGTH,
@@ -41,7 +41,7 @@ from elastic_ddp.warm_client import (
     PROOF_BYTES,
     RECORD,
     SERVER_LABEL,
-    SERVER_MODULE,
+    SERVER_PROCESS_NAME,
     VARIABLE,
     parse_variable,
     proof,
@@ -54,13 +54,15 @@ THIS_MODULE = "tests.unit.test_warm_workers"
 DRAIN_EXIT_CODE = 69  # what the target exits with on SIGTERM, as a drained worker does
 # The stand-in agent: starts the server, says its address, and lives until its stdin closes.
 AGENT = ("import os, sys\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
+         "held = open('pyproject.toml')\n"  # a file of the agent's own, which its server must not hold
          f"start_warm_worker_server()\nprint(os.environ['{VARIABLE}'], flush=True)\nsys.stdin.read()\n")
 BOUND_S = 15.0
 
 
 def target(action: str, *args: str) -> None:
     """What a client asks the server to run (as this module's `__main__`)."""
-    print(f"pid {os.getpid()} parent {os.getppid()} variable {os.environ.get(VARIABLE, 'unset')}", flush=True)
+    print(f"pid {os.getpid()} parent {os.getppid()} variable {os.environ.get(VARIABLE, 'unset')} "
+          f"name {process_name('self')}", flush=True)
     if action == "exit":
         print("to stdout", flush=True)
         sys.stderr.write("to stderr\n")
@@ -100,9 +102,13 @@ class Agent:
         self.address = parse_variable(self.variable)[0]
 
     def server_pid(self) -> int:
-        children = [int(p) for p in os.listdir("/proc") if p.isdigit()
-                    and (stat := read_stat(p)) is not None and stat.parent == self.process.pid]
-        [server] = [p for p in children if SERVER_MODULE.encode() in command_line(p)]
+        """The server's pid, once the process forked for it has named itself."""
+        def named() -> list[int]:
+            children = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                        and (stat := read_stat(p)) is not None and stat.parent == self.process.pid]
+            return [p for p in children if process_name(p) == SERVER_PROCESS_NAME]
+        wait_until(lambda: named(), "the agent's child naming itself the server")
+        [server] = named()
         return server
 
     def client(self, *args: str) -> subprocess.Popen:
@@ -139,6 +145,21 @@ def own_agent():
     yield started
     started.process.kill()
     started.stop()
+
+
+def open_files(pid: int) -> dict[int, str]:
+    return {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_the_server_forked_from_the_agent_holds_none_of_the_agents_files(own_agent):
+    """The agent's files and sockets are not the server's (nor its workers') to hold: the server
+    keeps its socket and stdout/stderr, and reads nothing from the agent's stdin."""
+    held = str(REPO / "pyproject.toml")
+    assert held in open_files(own_agent.process.pid).values()
+    server_files = open_files(own_agent.server_pid())
+    assert held not in server_files.values(), server_files
+    assert server_files[0] == os.devnull, server_files
+    assert sum(target.startswith("socket:") for target in server_files.values()) == 1, server_files
 
 
 def connect_as(uid: int, address: bytes) -> bytes:
@@ -192,12 +213,16 @@ def test_a_worker_ends_as_its_interpreter_would(agent):
 
 
 def test_the_workers_agent_is_found_through_the_server(agent):
-    """What runtime.distributed.agent_pid relies on: the parent runs SERVER_MODULE, its parent is the agent."""
+    """What runtime.distributed.agent_pid relies on: the parent is named SERVER_PROCESS_NAME (its
+    command line is the agent's: it was forked from it), its parent is the agent; the worker itself
+    is named as a cold worker would be."""
     client = agent.client("exit", "0")
     child = first_line(client)
     client.communicate(timeout=BOUND_S)
     assert int(child["parent"]) == agent.server_pid()
     assert read_stat(agent.server_pid()).parent == agent.process.pid
+    assert command_line(agent.server_pid()) == command_line(agent.process.pid)
+    assert child["name"] == os.path.basename(sys.executable)[:15]
 
 
 def test_a_worker_killed_by_a_signal_ends_its_client_with_the_same_signal(agent):
@@ -597,3 +622,19 @@ def test_a_second_wait_answers_as_the_first_and_closes_no_other_descriptor():
     finally:
         os.close(reused_read)
         os.close(reused_write)
+
+
+THREADED_AGENT = ("import os, sys, threading\nfrom elastic_ddp.agent.warm_workers import start_warm_worker_server\n"
+                  "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+                  f"print(start_warm_worker_server(), os.environ.get('{VARIABLE}', 'unset'), flush=True)\n")
+
+
+def test_an_agent_running_threads_forks_no_server_and_says_so():
+    """A fork copies only the calling thread: an agent with another thread starts no server (its
+    workers start cold, nothing names a server to them) and says why in one line."""
+    env = {**os.environ}
+    env.pop(VARIABLE, None)
+    agent = subprocess.run([sys.executable, "-c", THREADED_AGENT], cwd=REPO, env=env, text=True,
+                           stdin=subprocess.PIPE, capture_output=True, timeout=BOUND_S)
+    assert agent.stdout.split() == ["None", "unset"], agent
+    assert "no warm-worker server: this agent runs 2 Python threads" in agent.stderr, agent.stderr
