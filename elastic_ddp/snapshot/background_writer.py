@@ -72,13 +72,13 @@ class SnapshotWriter:
 
     def __init__(self, store: SnapshotStore, on_written: WrittenCallback | None = None,
                  on_failed: FailedCallback | None = None, asynchronous: bool = True,
-                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S):
+                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, staging: StagingBuffers | None = None):
         self.store = store
         self.on_written = on_written
         self.on_failed = on_failed
         self.asynchronous = asynchronous
         self.write_timeout_s = write_timeout_s
-        self.staging = StagingBuffers()
+        self.staging = staging if staging is not None else StagingBuffers()  # (one of an earlier writer: warm)
         self.failed_writes = 0
         self.last_written: ManifestEntry | None = None
         # (global step, done, started, what cancels it: only a restored state's write has one)
@@ -129,6 +129,11 @@ class SnapshotWriter:
         is. It never raises the write's error (that goes to `on_failed`)."""
         in_flight = self._in_flight
         return in_flight is None or in_flight[1].wait(timeout)
+
+    def staging_to_reuse(self) -> StagingBuffers | None:
+        """This writer's staging buffers when no write reads them (none in flight): a later writer
+        in this process copies into pages already faulted in. None while a write still runs."""
+        return self.staging if self.wait(0) else None
 
     def close(self, timeout: float | None = None) -> bool:
         """Let the write in flight finish (so a clean exit keeps its last snapshot), at most

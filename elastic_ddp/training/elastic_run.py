@@ -79,6 +79,7 @@ from elastic_ddp.runtime.distributed import (
 )
 from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
+from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.training_state import Stateful, TrainingState, run_fingerprint
 from elastic_ddp.training.in_process import (
     InterruptibleDDP,
@@ -166,6 +167,7 @@ class ElasticRun:
         self._lost_peer: str | None = None  # why the group broke under the step in progress (in-process re-form)
         self._regrouped_at: int | None = None  # the committed step at the last in-process re-form
         self._silent_peer: str | None = None  # what the watchdog found, when it handed the re-form over
+        self._warm_staging: StagingBuffers | None = None  # the last incarnation's, for the next (in process)
         self._entered = False
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
@@ -305,11 +307,12 @@ class ElasticRun:
                               self.startup, self.log_prefix)
         try:
             self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
-                                                   incarnation)
+                                                   incarnation, self._warm_staging)
             try:
                 yield self.run_log, self.snapshots
             finally:
                 self.snapshots.close()
+                self._warm_staging = self.snapshots.staging_to_reuse()
         finally:
             self.run_log.close()
 

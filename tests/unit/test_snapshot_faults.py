@@ -80,6 +80,25 @@ def test_a_snapshot_point_during_a_write_waits_for_it_and_skips_nothing(tmp_path
     assert load_snapshot(tmp_path)["model"]["w"][0].item() == 2.0  # step 2's copy, not step 1's
 
 
+def test_a_later_writer_copies_into_the_staging_of_one_no_write_reads(tmp_path):
+    """`staging_to_reuse`: an in-process re-form's next writer copies into the last one's buffers
+    (warm pages), but never while a write still reads them."""
+    storage = GatedStorage(tmp_path)
+    writer = SnapshotWriter(SnapshotStore(storage))
+    writer.submit(lambda staging: tiny_snapshot(1, staging))
+    assert storage.writing.wait(timeout=30)
+    assert writer.staging_to_reuse() is None  # the write in flight reads them
+    storage.gate.set()
+    assert writer.close() is True
+    staging = writer.staging_to_reuse()
+    first_buffer = staging._buffers[("model", "w")]
+    later = SnapshotWriter(SnapshotStore(storage), staging=staging)
+    later.submit(lambda staging: tiny_snapshot(2, staging))
+    assert later.close() is True
+    assert staging._buffers[("model", "w")] is first_buffer  # the same pages, step 2's copy in them
+    assert load_snapshot(tmp_path)["model"]["w"][0].item() == 2.0
+
+
 def test_hung_storage_skips_a_snapshot_point_instead_of_blocking_training_and_close_is_bounded(tmp_path, caplog):
     storage = GatedStorage(tmp_path)  # a hard NFS mount that stopped answering: the gate never opens
     failures: list[tuple[int, str]] = []

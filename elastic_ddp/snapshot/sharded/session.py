@@ -361,6 +361,10 @@ class ShardedSnapshotSession:
         if self.memory is not None:
             self.memory.forget()
 
+    def staging_to_reuse(self) -> None:
+        """Nothing is carried to the next incarnation: the parts' buffers are this session's."""
+        return None
+
     def close(self) -> None:
         """The optimizer hooks are removed; an exchange still in flight (training raised) is waited
         for a moment and its failure logged."""
