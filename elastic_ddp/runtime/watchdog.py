@@ -73,8 +73,19 @@ logger = logging.getLogger(__name__)
 # EX_UNAVAILABLE from sysexits.h: a service this worker needs (a peer) is unavailable.
 SILENT_PEER_EXIT_CODE = 69
 LEFT = b"left"
+# What a rank that left the group for the agent's next round, in process, writes in place of its
+# heartbeat: the committed step it left after (its peers then leave after that step too).
+SWITCHED_PREFIX = b"switched after "
 # A heartbeat is b"<count>@<GROUP_RANK>": its writer's node travels with it, for the verdict.
 _NODE_SEPARATOR = b"@"
+
+
+def switched_after(heartbeat: bytes | None) -> int | None:
+    """The committed step a `SWITCHED_PREFIX` heartbeat names, or None (any other heartbeat)."""
+    if not heartbeat or not heartbeat.startswith(SWITCHED_PREFIX):
+        return None
+    text = heartbeat[len(SWITCHED_PREFIX):]
+    return int(text) if text.isdigit() and len(text) < 19 else None
 
 
 def node_rank_of(heartbeat: bytes | None) -> int | None:
@@ -101,6 +112,7 @@ class _Judge:
         self.last_value: dict[int, bytes | None] = {rank: None for rank in peers}
         self.changed_at = {rank: started for rank in peers}  # watched peers only: `left` ones go
         self.longest_gap_s = 0.0
+        self.switches: list[int] = []  # steps after which peers left for the next round, not yet handed on
         self._on_gap = on_gap
         self._asked_for: float | None = None
         self._suspected_for: float | None = None
@@ -115,6 +127,9 @@ class _Judge:
                 continue
             if value == LEFT:
                 del self.changed_at[rank]
+            elif (step := switched_after(value)) is not None:
+                del self.changed_at[rank]
+                self.switches.append(step)
             elif value != self.last_value[rank]:
                 gap = answer.answered_at - self.changed_at[rank]
                 if self.last_value[rank] is not None and gap > self.longest_gap_s:
@@ -156,12 +171,14 @@ class PeerWatchdog:
     def __init__(self, rank: int, world_size: int, incarnation: int, bound_s: float,
                  on_silent: Callable[[str, bool], None], interval_s: float | None = None,
                  store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None,
-                 node_rank: int | None = None, verdict_address: bytes | None = None):
+                 node_rank: int | None = None, verdict_address: bytes | None = None,
+                 on_switched: Callable[[int], None] | None = None):
         self.rank, self.world_size = rank, world_size
         self.bound_s = bound_s
         self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
         self.on_silent = on_silent
         self.on_gap = on_gap
+        self.on_switched = on_switched
         self.node_rank = node_rank  # this rank's GROUP_RANK, carried by its heartbeats
         self.verdict_address = verdict_address
         self._suspect_lead_s = min(SUSPECT_LEAD_S, bound_s / 2)
@@ -192,15 +209,29 @@ class PeerWatchdog:
         self._thread.start()
         return self
 
-    def stop(self, wait: bool = True) -> None:
+    def stop(self, wait: bool = True, switched_after: int | None = None) -> None:
         """Stop watching (and heartbeating): after the bound, peers find this rank silent. `wait`:
         for the threads to end, a few intervals at most; not when the group is left for another (a
-        heartbeat thread blocked on a frozen store never ends, and the threads are daemons)."""
+        heartbeat thread blocked on a frozen store never ends, and the threads are daemons).
+        `switched_after`: this rank leaves the group for the agent's next round, in process, after
+        that committed step; its peers are told so in place of its heartbeat (`on_switched`), from a
+        thread of its own that nothing waits for (the store may not answer)."""
         self._stop.set()
         self._wake()
         for thread in (self._thread, self._exchanger) if wait else ():
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s * 4)
+        if switched_after is not None:
+            threading.Thread(target=self._mark_switched, args=(switched_after,), name="elastic-ddp-watchdog-switch",
+                             daemon=True).start()
+
+    def _mark_switched(self, step: int) -> None:
+        if self._exchanger is not None:
+            self._exchanger.join(timeout=self.bound_s)  # its last beat must not overwrite the mark
+        try:
+            self._store.set(str(self.rank), SWITCHED_PREFIX + str(step).encode())
+        except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
+            logger.debug("could not mark rank %d as switched: %s", self.rank, exc)
 
     def leave(self) -> None:
         """This rank stops training on its own: peers stop watching it; this watchdog stops. Waits
@@ -287,6 +318,7 @@ class PeerWatchdog:
             if answer is not judged:
                 judged = answer
                 silent = judge.read(answer)
+                self._hand_on_switches(judge)
                 if silent:
                     self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone "
                                "without closing their connections)", silent_nodes=judge.nodes_of(silent),
@@ -311,6 +343,13 @@ class PeerWatchdog:
             store_deadline = asked_at + self.bound_s if asked_at is not None else None
             wake_at = min((t for t in (suspect_at, deadline, store_deadline) if t is not None and t > now),
                           default=now + self.interval_s)
+
+    def _hand_on_switches(self, judge: _Judge) -> None:
+        switches, judge.switches = judge.switches, []
+        for step in switches:
+            logger.info("peer watchdog: a peer left the group for the next round after step %d", step)
+            if self.on_switched is not None:
+                self.on_switched(step)
 
     def _new_longest_gap(self, gap_s: float) -> None:
         self.longest_gap_s = gap_s

@@ -168,6 +168,8 @@ class ElasticRun:
         self._regrouped_at: int | None = None  # the committed step at the last in-process re-form
         self._silent_peer: str | None = None  # what the watchdog found, when it handed the re-form over
         self._warm_staging: StagingBuffers | None = None  # the last incarnation's, for the next (in process)
+        self._peer_switched_after: int | None = None  # a peer left this group for the next round after it
+        self.regroup.alarm.also_when(self._past_a_peers_switch)
         self._entered = False
         self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
         self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
@@ -273,7 +275,7 @@ class ElasticRun:
             exits.push(_on_success(self._finish))
             guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
                                                 self.config.epochs, self.config.watchdog_timeout_s,
-                                                self._re_form_without_silent_peer)
+                                                self._re_form_without_silent_peer, self._peer_switched)
             exits.enter_context(guard.watching_peers(incarnation))
             log.started(in_process=re_formed is not None)
             snapshots.start()
@@ -385,7 +387,9 @@ class ElasticRun:
                                             "for; end every step with step.commit() (or `with step.committing():`)")
                 if self._lost_peer is None:
                     self._step_boundary()
-                if self._lost_peer is None and self.regroup.replaced():  # a join (or a loss elsewhere)
+                if self._lost_peer is None and (self.regroup.replaced() or self._peer_switched_after is not None):
+                    # A join (or a loss elsewhere): every rank leaves after this step, also one whose
+                    # agent has not taken the round yet, told by the first that left (`_peer_switched`).
                     self.run_log.training_interrupted(wait_at_most=SWITCH_REPORT_WAIT)
                     self._lost_peer = f"the agent took a new round in process after step {self.global_step}"
                     logger.info("%s; re-forming the group", self._lost_peer)
@@ -444,6 +448,19 @@ class ElasticRun:
         self._silent_peer = reason
         return True
 
+    def _peer_switched(self, step: int) -> None:
+        """From the watchdog's thread: a peer left this group for the agent's next round after the
+        committed step `step` (its agent took the round first). This rank leaves at that step's
+        boundary too, and a collective of a later step that waits (begun before this was known)
+        is failed by the alarm (`_past_a_peers_switch`): that peer takes part in none."""
+        if self._peer_switched_after is None or step < self._peer_switched_after:
+            self._peer_switched_after = step
+
+    def _past_a_peers_switch(self) -> bool:
+        """(The alarm's thread.) Whether the step in progress comes after the one a peer left after."""
+        left_after, step = self._peer_switched_after, self.current_step
+        return left_after is not None and step is not None and step.number > left_after
+
     def _absorbs_fsdps_lost_peer(self, what: str, exc: RuntimeError) -> bool:
         if self.current_step is None:  # (outside a step: an evaluation) never absorbed
             return False
@@ -464,7 +481,7 @@ class ElasticRun:
         reason, self._lost_peer = self._lost_peer, None
         self.current_step = None
         self.run_log.training_interrupted()
-        self.stop_guard.stop_watching()  # the peers' heartbeats stop too; the re-form has its own deadline
+        self.stop_guard.stop_watching(switched_after=self.global_step)  # the re-form has its own deadline
         sharded = self.config.sharding == "fsdp"
         silent_peer, self._silent_peer = self._silent_peer, None
         # A keep also reports the step whose exchange ended meanwhile (sharded) and writes every rank's
@@ -486,6 +503,7 @@ class ElasticRun:
         # RejoinRefused propagates with this incarnation still open: on its way out it keeps the last
         # committed step in node memory (already there), which torchrun's restart then restores.
         context = self.regroup.rejoin(reason, lambda: self.drain.requested)
+        self._peer_switched_after = None  # (the old group's watchdog reports no more: `stop_watching`)
         self._leave_incarnation(GroupReformed, GroupReformed(reason), None)  # closes its log and snapshots
         self.context = context
         if self.log_prefix is not None:

@@ -129,6 +129,7 @@ class BrokenGroupAlarm:
 
     def __init__(self, regroup: Regroup):
         self._regroup = regroup
+        self._also: Callable[[], bool] = lambda: False
         self._waiting: set[torch.futures.Future] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -158,6 +159,11 @@ class BrokenGroupAlarm:
         collective.add_done_callback(forward)
         return guarded
 
+    def also_when(self, condition: Callable[[], bool]) -> None:
+        """Fail the waiting collectives also once `condition()` (polled from the alarm's thread) holds:
+        the run's word that a peer left the group for the next round before this step."""
+        self._also = condition
+
     def waiting(self) -> bool:
         """Whether a collective of the run's waits through this alarm now."""
         with self._lock:
@@ -168,7 +174,7 @@ class BrokenGroupAlarm:
         # thread switch (docs/benchmarks.md, "What in-process re-forms cost in steady state").
         while True:
             time.sleep(ALARM_POLL_S)
-            if not self._waiting or not self._regroup.abandons_the_group():
+            if not self._waiting or not (self._regroup.abandons_the_group() or self._also()):
                 continue
             with self._lock:
                 waiting, self._waiting = self._waiting, set()

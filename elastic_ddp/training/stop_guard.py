@@ -75,15 +75,21 @@ class StopGuard:
 
     def __init__(self, state: TrainingState, run_log: RunLog, snapshots: SnapshotSession,
                  context: DistributedContext, drain: DrainSignal, epochs: int, watchdog_timeout_s: float,
-                 in_process: Callable[[str], bool] | None = None):
+                 in_process: Callable[[str], bool] | None = None,
+                 peer_switched: Callable[[int], None] | None = None):
         """`in_process(reason)`, from the watchdog's thread: whether the worker re-forms without the
-        silent peer in process (it asked its agent for the round); None: it never does."""
+        silent peer in process (it asked its agent for the round); None: it never does.
+        `peer_switched(step)`, from the same thread: a peer left the group for the agent's next
+        round after that committed step (`stop_watching(switched_after=)` on its side)."""
         self.state, self.run_log, self.snapshots = state, run_log, snapshots
         self.context = context
         self.drain = drain
         self.epochs = epochs
         self.watchdog_timeout_s = watchdog_timeout_s if context.in_process_group else 0
         self.in_process = in_process
+        self.peer_switched = peer_switched
+        self._switch_lock = threading.Lock()  # no `peer_switched` call once `stop_watching` returned
+        self._watching = True
         self._kept_step: int | None = None
         self._lock = threading.Lock()  # the main thread and the watchdog's may both stop training
         self._watchdog: PeerWatchdog | None = None
@@ -148,7 +154,8 @@ class StopGuard:
         watchdog = self._watchdog = PeerWatchdog(
             self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
             on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
-            node_rank=int(node_rank) if node_rank.isdigit() else None, verdict_address=worker_verdict_address()).start()
+            node_rank=int(node_rank) if node_rank.isdigit() else None, verdict_address=worker_verdict_address(),
+            on_switched=self._on_peer_switched if self.peer_switched is not None else None).start()
         try:
             yield
         except DrainRequested:
@@ -163,13 +170,21 @@ class StopGuard:
         self._cancel_way_out()
         watchdog.leave()
 
-    def stop_watching(self) -> None:
-        """Stop the watchdog now, without a word to the peers and without waiting for its threads:
-        the group broke and is being re-formed in process (its peers' heartbeats stop too, and the
-        re-form has a deadline of its own)."""
+    def stop_watching(self, switched_after: int) -> None:
+        """Stop the watchdog now, without waiting for its threads: this rank leaves the group for
+        the agent's next round, in process, after the committed step `switched_after`, which its
+        peers are told in place of its heartbeat (a peer that has not seen the round yet would
+        otherwise wait in the next step's collectives for it; the re-form has a deadline of its own)."""
         self._cancel_way_out()
+        with self._switch_lock:
+            self._watching = False
         if self._watchdog is not None:
-            self._watchdog.stop(wait=False)
+            self._watchdog.stop(wait=False, switched_after=switched_after)
+
+    def _on_peer_switched(self, step: int) -> None:
+        with self._switch_lock:
+            if self._watching:
+                self.peer_switched(step)
 
     def _cancel_way_out(self) -> None:
         if self._way_out is not None:

@@ -103,6 +103,22 @@ def test_the_alarm_fails_a_collective_left_waiting_once_the_agent_announces_a_ne
     assert guarded.done()
 
 
+def test_the_alarm_fails_a_collective_of_a_step_a_peer_left_before():
+    """A join announced to this node later than to a peer's: the peer left after step N, this rank
+    began step N + 1 and waits in its collective. The run's word (`also_when`) fails it, though the
+    round only adds nodes."""
+    rounds = _Rounds()  # this node's agent has announced nothing yet
+    alarm = BrokenGroupAlarm(rounds)
+    peer_left_before_this_step = threading.Event()
+    alarm.also_when(peer_left_before_this_step.is_set)
+    never: torch.futures.Future = torch.futures.Future()
+    guarded = alarm.guard(never)
+    assert not guarded.done()
+    peer_left_before_this_step.set()
+    with pytest.raises(RuntimeError, match=REPLACED_GROUP):
+        guarded.wait()  # within ALARM_POLL_S (the test's timeout bounds it)
+
+
 def test_the_loops_own_comm_hook_runs_in_place_of_the_default_once():
     hook = InterruptibleCommHook(BrokenGroupAlarm(_Rounds()))
     calls = []

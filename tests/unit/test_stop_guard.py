@@ -90,7 +90,7 @@ def test_a_silent_peer_handed_to_an_in_process_re_form_ends_the_worker_only_if_t
         if trainer.global_step == 2:  # the training thread begins the re-form in time: no way out
             guard._stop_for_silent_peer(silent, connected=True)
             way_out = guard._way_out
-            guard.stop_watching()
+            guard.stop_watching(switched_after=trainer.global_step)
             way_out.join(timeout=10)
             assert exits == [], "the way out was taken although the re-form began"
         if trainer.global_step == 3:  # the store did not answer (this node may be the one cut off): no handover

@@ -101,6 +101,23 @@ def test_a_rank_that_left_is_not_watched(store):
     dogs[0].leave()
 
 
+def test_a_rank_that_switched_to_the_next_round_is_not_watched_and_its_step_is_handed_on(store):
+    """A rank that leaves the group for the agent's next round in process tells its peers the
+    committed step it left after, in place of its heartbeat: they stop watching it (never silent)
+    and hear the step once, from `on_switched`."""
+    fired = [threading.Event(), threading.Event()]
+    switched: list[int] = []
+    heard = threading.Event()
+    dogs = [PeerWatchdog(rank, 2, 1, BOUND_S, lambda reason, connected, rank=rank: fired[rank].set(), INTERVAL_S,
+                         store=client(store), on_switched=lambda step: switched.append(step) or heard.set()).start()
+            for rank in range(2)]
+    dogs[1].stop(wait=False, switched_after=759)
+    assert heard.wait(10)
+    assert not fired[0].wait(QUIET_WINDOW_S)
+    assert switched == [759]
+    dogs[0].leave()
+
+
 def test_a_peer_that_never_published_is_silent_after_the_bound(store):
     dogs, fired, reasons = watchdogs(store, 2)
     dogs[0].start()  # rank 1 never starts
