@@ -41,7 +41,10 @@ What it never does: judge a peer by how fast it trains. A heartbeat comes from a
 nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
 only; `bound_s` (default `--watchdog_timeout_s`) leaves a wide margin for that (docs/failure-semantics.md,
 "The watchdog"). A rank that leaves training on its own (finished, drained, failed) marks its
-heartbeat `left`, and its peers stop watching it. Heartbeats are stored per incarnation, so a store
+heartbeat `left`, and its peers stop watching it. One that leaves the group for the agent's next
+round, in process, marks it `switched after N`, N the committed step it left after: its peers
+stop watching it too and hand N on (`on_switched`), so that every rank leaves after the same step
+(a rank whose agent announced the round later would wait in step N + 1's collectives for it). Heartbeats are stored per incarnation, so a store
 shared across rounds cannot mix them.
 
 Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
