@@ -229,8 +229,10 @@ def _timed(function) -> float:
 
 
 def run_benchmark(sizes_mb: list[int], repeats: int = 1, baseline: str | None = None) -> dict[str, Any]:
-    """Every (setting, size) `repeats` times, interleaved; the raw records and the summary."""
+    """Every (setting, size) `repeats` times, interleaved; the raw records and the summary. A run
+    that times out is reported (`failed`) and the others go on."""
     records: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="large-state-") as root:
         trees = {"current": REPO}
         if baseline:
@@ -239,8 +241,13 @@ def run_benchmark(sizes_mb: list[int], repeats: int = 1, baseline: str | None = 
             for repeat in range(repeats):
                 for size in sizes_mb:
                     for setting, tree in trees.items():
-                        record = measure_once(setting, size, Path(root) / f"{setting}-{size}-{repeat}", str(tree))
-                        records.append(record)
+                        try:
+                            record = measure_once(setting, size, Path(root) / f"{setting}-{size}-{repeat}", str(tree))
+                        except TimeoutError as exc:
+                            failed.append({"setting": setting, "size_mb": size, "repeat": repeat, "error": str(exc)})
+                            print(f"{setting} {size} MB #{repeat + 1}: FAILED: {exc}", file=sys.stderr, flush=True)
+                            continue
+                        records.append({**record, "repeat": repeat})
                         print(f"{setting} {size} MB #{repeat + 1}: kill -> step {record['kill']['seconds']} s, "
                               f"join -> step {record['join']['seconds']} s, peaks {record['join']['peak_mb']} MB, "
                               f"gap {record['longest_gap_s']} s, evictions {record['evictions']}",
@@ -250,8 +257,8 @@ def run_benchmark(sizes_mb: list[int], repeats: int = 1, baseline: str | None = 
                 if setting != "current":
                     remove_tree(tree)
     others = [setting for setting in trees if setting != "current"]
-    return {"records": records, "summary": summarise(records), "memory_bandwidth_gb_s": memory_bandwidth_gb_s(),
-            "ratios": {setting: ratios(records, setting) for setting in others}}
+    return {"records": records, "failed": failed, "summary": summarise(records),
+            "memory_bandwidth_gb_s": memory_bandwidth_gb_s(), "ratios": {setting: ratios(records, setting) for setting in others}}
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -304,6 +311,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"  {'state':>8}" + "".join(f"{title:>21}" for title in COLUMNS.values()) + f"{'evictions':>10}")
         for size, row in sizes.items():
             print(f"  {size:>6}MB" + "".join(f"{_cell(row[key]):>21}" for key in COLUMNS) + f"{row['evictions']:>10}")
+    for run in result.get("failed", []):
+        print(f"\n{run['setting']} {run['size_mb']} MB #{run['repeat'] + 1} failed: {run['error']}")
     for baseline, by_size in result.get("ratios", {}).items():
         print(f"\n{baseline} / current (per repeat, paired)")
         for size, row in by_size.items():
@@ -326,12 +335,14 @@ RATIOS = {"kill->step": lambda r: r["kill"]["seconds"], "join->step": lambda r: 
 
 
 def ratios(records: list[dict[str, Any]], baseline: str) -> dict[int, dict[str, dict[str, float] | None]]:
-    """Per size: `baseline` / current of each figure, per repeat (paired: run one after the other)."""
+    """Per size: `baseline` / current of each figure, per repeat (paired: run one after the other;
+    a repeat that one of them lacks is left out)."""
     result = {}
     for size in sorted({r["size_mb"] for r in records}):
-        current = [r for r in records if r["setting"] == "current" and r["size_mb"] == size]
-        other = [r for r in records if r["setting"] == baseline and r["size_mb"] == size]
-        result[size] = {name: _stats([value(b) / value(c) for c, b in zip(current, other) if value(c) and value(b)])
+        current = {r.get("repeat"): r for r in records if r["setting"] == "current" and r["size_mb"] == size}
+        other = {r.get("repeat"): r for r in records if r["setting"] == baseline and r["size_mb"] == size}
+        pairs = [(current[repeat], other[repeat]) for repeat in current.keys() & other.keys()]
+        result[size] = {name: _stats([value(b) / value(c) for c, b in pairs if value(c) and value(b)])
                         for name, value in RATIOS.items()}
     return result
 

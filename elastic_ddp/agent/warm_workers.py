@@ -18,8 +18,9 @@ before it arrives at a round (plugin.ready_handler), so that its round does not 
 nodes for its imports; a job's first round and a member's next ones do not wait. Forking, not
 starting a new interpreter, saves the server torch's own import (1.0-1.5 s of CPU here, per node
 start: docs/benchmarks.md).
-A worker that connects before the imports are done (the wait timed out) waits in the socket's backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes a
-connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
+A worker that connects before the imports are done (the wait timed out) waits in the socket's
+backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes
+a connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
 way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
 any client, and only then forks. It relays each child's exit status to its client when the child
 ends (pidfds in one selector: one thread, as a process that forks must be).
@@ -47,11 +48,12 @@ their proof (a new one pushes out the oldest). Each kind of refusal is logged at
 `LOG_INTERVAL_S`; nothing of a request is logged (the environment holds secrets).
 
 Limits: the agent must run one Python thread where it starts the server (torchrun's does: the
-handler is created before its agent starts any; otherwise no server, one line), and the preload modules must
-not start threads or initialise CUDA when imported (torch does neither): the server forks. What the
-agent imported or registered before the fork (torchrun's modules; its atexit handlers: none beyond
-torch's own in torch 2.13) is the workers' too. OpenMP reads OMP_NUM_THREADS when torch is imported, in the server: each
-child applies the OMP_NUM_THREADS of its client's environment with `torch.set_num_threads`.
+handler is created before its agent starts any; otherwise no server, one line), and the preload
+modules must not start threads or initialise CUDA when imported (torch does neither): the server
+forks. What the agent imported or registered before the fork (torchrun's modules; its atexit
+handlers: none beyond torch's own in torch 2.13) is the workers' too. OpenMP reads OMP_NUM_THREADS
+when torch is imported, in the agent: each child applies the OMP_NUM_THREADS of its client's
+environment with `torch.set_num_threads`.
 
 Turn it off with `--rdzv_conf ...,warm_workers=0` or `ELASTIC_DDP_WARM_WORKERS=0` in the agent's
 environment.
@@ -164,9 +166,8 @@ def start_warm_worker_server(announce_ready: bool = False) -> StartedServer | No
     runs), off Linux, or when this process runs more than one Python thread (a fork copies only
     the calling thread, with whatever locks the others held: the workers then start cold, said in
     one line; the native pool that torch's import starts, OpenBLAS's, idles and handles a fork
-    itself). With
-    `announce_ready`, the server writes READY_BYTE to a pipe once its preloads are imported
-    (`StartedServer.wait_until_ready`)."""
+    itself). With `announce_ready`, the server writes READY_BYTE to a pipe once its preloads are
+    imported (`StartedServer.wait_until_ready`)."""
     if os.environ.get(VARIABLE) or not sys.platform.startswith("linux"):
         return None
     threads = threading.active_count()

@@ -8,8 +8,10 @@ from __future__ import annotations
 from benchmarks.large_state import ratios, summarise
 
 
-def record(setting: str, size_mb: int, kill_s: float, peaks: list[int], gap: float, evictions: int = 0) -> dict:
+def record(setting: str, size_mb: int, kill_s: float, peaks: list[int], gap: float, evictions: int = 0,
+           repeat: int = 0) -> dict:
     return {"setting": setting, "size_mb": size_mb, "evictions": evictions, "longest_gap_s": gap, "restarts": 0,
+            "repeat": repeat,
             "kill": {"seconds": kill_s, "keep_s": 0.1, "restore_s": 0.2, "peak_mb": [peaks[0]], "first_snapshot_s": 0.4},
             "join": {"seconds": 2 * kill_s, "restore_s": 0.3, "peak_mb": peaks[1:], "first_snapshot_s": None},
             "snapshot_blocked_s": {"max": 0.5, "median": 0.1, "n": 3}}
@@ -28,7 +30,10 @@ def test_the_peak_is_counted_in_states_over_the_smallest_sizes_run():
 
 def test_ratios_pair_each_repeat_of_the_baseline_with_the_same_repeat_of_this_tree():
     records = [record("current", 1024, 4.0, [1, 2, 3], 0.5), record("old", 1024, 8.0, [1, 4, 3], 2.0),
-               record("current", 1024, 5.0, [1, 2, 3], 1.0), record("old", 1024, 15.0, [1, 4, 3], 2.0)]
+               record("current", 1024, 5.0, [1, 2, 3], 1.0, repeat=1), record("old", 1024, 15.0, [1, 4, 3], 2.0, repeat=1)]
     by_size = ratios(records, "old")[1024]
     assert by_size["kill->step"] == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 2}
     assert by_size["peak MB"]["median"] == round(4 / 3, 2) and by_size["longest gap"]["max"] == 4.0
+    # A run that failed (the baseline's first repeat): its partner is left out, the other pair stays.
+    by_size = ratios(records[:1] + records[2:], "old")[1024]
+    assert by_size["kill->step"] == {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
