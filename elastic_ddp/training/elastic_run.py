@@ -453,7 +453,7 @@ class ElasticRun:
         committed step `step` (its agent took the round first). This rank leaves at that step's
         boundary too, and a collective of a later step that waits (begun before this was known)
         is failed by the alarm (`_past_a_peers_switch`): that peer takes part in none."""
-        if self._peer_switched_after is None or step < self._peer_switched_after:
+        if self.regroup.enabled and (self._peer_switched_after is None or step < self._peer_switched_after):
             self._peer_switched_after = step
 
     def _past_a_peers_switch(self) -> bool:
