@@ -635,6 +635,6 @@ def test_an_agent_running_threads_forks_no_server_and_says_so():
     env = {**os.environ}
     env.pop(VARIABLE, None)
     agent = subprocess.run([sys.executable, "-c", THREADED_AGENT], cwd=REPO, env=env, text=True,
-                           stdin=subprocess.PIPE, capture_output=True, timeout=BOUND_S)
+                           stdin=subprocess.PIPE, capture_output=True, timeout=BOUND_S, check=True)
     assert agent.stdout.split() == ["None", "unset"], agent
     assert "no warm-worker server: this agent runs 2 Python threads" in agent.stderr, agent.stderr

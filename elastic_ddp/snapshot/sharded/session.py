@@ -363,7 +363,6 @@ class ShardedSnapshotSession:
 
     def staging_to_reuse(self) -> None:
         """Nothing is carried to the next incarnation: the parts' buffers are this session's."""
-        return None
 
     def close(self) -> None:
         """The optimizer hooks are removed; an exchange still in flight (training raised) is waited
