@@ -206,15 +206,20 @@ def events(tmp_path, kind: str) -> list[dict]:
 def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step_kept(tmp_path, stand_in_nodes):
     """The worker's side alone, the agents played by the test: a peer lost as a step's forward
     begins (a model with BatchNorm: the survivors' first collective of the step is the broadcast of
-    its buffers, in_process.InterruptibleDDP; they abandon the step there), a round in process (the survivors re-form on a new port and keep their own
-    state), then a second loss, whose round the agent answers with a restart: the worker ends
-    (torchrun would restart it), its last committed step kept in its node's memory, and nothing hangs."""
+    its buffers, in_process.InterruptibleDDP; they abandon the step there), a round in process (the
+    survivors re-form on a new port and keep their own state), a round that loses no node announced
+    to one node before the other (agents take a round at their own polls: both workers still leave
+    after the same step), then a second loss, whose round the agent answers with a restart: the
+    worker ends (torchrun would restart it), its last committed step kept in its node's memory, and
+    nothing hangs."""
     hold = tmp_path / "hold"
     env = hold_settings(hold)["env"]
     # Rank 2 dies as step 3's forward begins (past the group's second step, whose forward rebuilds
     # DDP's buckets in one blocking call of DDP's).
     env[FAULT_VARIABLE] = f"rank=2,step=3,at=forward,once={tmp_path / 'fired'}"
-    nodes = stand_in_nodes(3, [*stand_in_args(tmp_path), "--model", "mini_resnet"], env)
+    args = stand_in_args(tmp_path)
+    args[args.index("--watchdog_timeout_s") + 1] = "3"  # its mark tells a peer that a rank switched
+    nodes = stand_in_nodes(3, [*args, "--model", "mini_resnet"], env)
     nodes[2].agent.wait(timeout=120)
     assert (tmp_path / "fired").exists(), nodes[2].log_text()
     first = events(tmp_path, "start")[0]
@@ -239,19 +244,39 @@ def test_a_worker_that_loses_a_peer_twice_ends_in_the_restart_path_with_its_step
     assert {rank["pid"] for rank in start["ranks"]} == {rank["pid"] for rank in first["ranks"][:2]}, (first, start)
     restore = next(event for event in events(tmp_path, "restore") if event["incarnation"] == start["incarnation"])
     assert restore["lost_steps"] == 0 and restore["source"] == "live", restore
-    wait_for(lambda: any(e["incarnation"] == start["incarnation"] for e in events(tmp_path, "step")), 60,
-             "a step of the survivors' group")
+    wait_for(lambda: sum(e["incarnation"] == start["incarnation"] for e in events(tmp_path, "step")) >= 3, 60,
+             "three steps of the survivors' group", still_possible=running)
+
+    # Node 0's agent announces round 2 first: its worker leaves after its step N. Node 1's worker,
+    # told nothing by its agent, may begin step N + 1 and wait in its all-reduce: node 0's watchdog
+    # mark (`switched after N`) makes it leave after N too, and ask its agent for the round.
+    port = free_port()
+    survivors[0].announce(round_handoff.RoundAnnouncement(2, 0, 2, "127.0.0.1", port, True, first_rank=0,
+                                                          world_size=2))
+    wait_for(lambda: survivors[1].requests(), 30, "the other worker's request", still_possible=running)
+    survivors[1].announce(round_handoff.RoundAnnouncement(2, 1, 2, "127.0.0.1", port, True, first_rank=1,
+                                                          world_size=2))
+    wait_for(lambda: len(events(tmp_path, "start")) == 3, 60, "the group re-formed after one step on both",
+             still_possible=running)
+    switched = events(tmp_path, "start")[2]
+    assert switched["in_process"] is True and {rank["pid"] for rank in switched["ranks"]} == \
+        {rank["pid"] for rank in start["ranks"]}, (start, switched)
+    both = next(event for event in events(tmp_path, "restore") if event["incarnation"] == switched["incarnation"])
+    assert both["lost_steps"] == 0 and both["source"] == "live", both  # live: both held the same step
+    assert "sent no heartbeat" not in survivors[1].log_text(), "the mark, not the watchdog's bound"
+    wait_for(lambda: any(e["incarnation"] == switched["incarnation"] for e in events(tmp_path, "step")), 60,
+             "a step of the re-formed group", still_possible=running)
 
     signal_tree(survivors[1].agent.pid, signal.SIGKILL)  # a second node lost: this time the agent restarts
     wait_for(lambda: survivors[0].requests(), 60, "the last worker's request")
-    survivors[0].announce(round_handoff.RoundAnnouncement(2, 0, 1, "127.0.0.1", free_port(), False,
+    survivors[0].announce(round_handoff.RoundAnnouncement(3, 0, 1, "127.0.0.1", free_port(), False,
                                                           "a member arrived without the in-process mark"))
     assert survivors[0].agent.wait(timeout=60) == 1, survivors[0].log_text()
     log = survivors[0].log_text()
     assert "the agent restarts the workers instead: a member arrived without the in-process mark" in log, log
     # Kept on its way out (SIGTERM would wait for the keep), so the fallback loses nothing.
-    kept = [event for event in events(tmp_path, "memory_copy") if event["incarnation"] == start["incarnation"]]
-    assert kept and kept[-1]["global_step"] >= restore["global_step"], "the last step kept for torchrun's restart"
+    kept = [event for event in events(tmp_path, "memory_copy") if event["incarnation"] == switched["incarnation"]]
+    assert kept and kept[-1]["global_step"] >= both["global_step"], "the last step kept for torchrun's restart"
     assert "RejoinRefused" in kept[-1]["reason"], kept[-1]
 
 
