@@ -166,8 +166,8 @@ def ended_together(server: TCPStore, run_id: str, lost_counted_first: bool) -> l
 
     made = RoundRendezvousHandler.__new__(RoundRendezvousHandler)  # only the board's store and the run id are read
     made._board, made._settings = SimpleNamespace(store=server), SimpleNamespace(run_id=run_id)
-    for node in (A, B):  # the survivors' in-process marks: torch's round 0, of 3 nodes
-        server.set(made._mark_key(1, node), b"0 3")
+    for node in (A, B):  # the survivors' in-process marks: torch's round 0, of 3 nodes; one worker each
+        server.set(made._mark_key(1, node), b"0 3 1")
     passed: list[int] = []
 
     def end(store: PrefixStore) -> None:
@@ -175,7 +175,7 @@ def ended_together(server: TCPStore, run_id: str, lost_counted_first: bool) -> l
         passed.append(1)
 
     if lost_counted_first:
-        made._settle_exit_barriers(RoundRecord(1, (A, B)), [])
+        made._settle_exit_barriers(RoundRecord(1, (A, B)), 0, made._marks(1, [A, B]))
     survivors = [threading.Thread(target=end, args=(client(),), daemon=True) for _ in range(2)]
     for survivor in survivors:
         survivor.start()
@@ -183,8 +183,8 @@ def ended_together(server: TCPStore, run_id: str, lost_counted_first: bool) -> l
         counter = f"{_TERMINAL_STATE_SYNC_ID}/num_members"
         wait_for(lambda: int(client().add(counter, 0)) == 2, 10, "both survivors at the barrier")
         assert not passed
-        made._settle_exit_barriers(RoundRecord(1, (A, B)), [])
-    made._settle_exit_barriers(RoundRecord(1, (A, B)), [])  # again (a retried round): counted once
+        made._settle_exit_barriers(RoundRecord(1, (A, B)), 0, made._marks(1, [A, B]))
+    made._settle_exit_barriers(RoundRecord(1, (A, B)), 0, made._marks(1, [A, B]))  # again (a retried round): counted once
     for survivor in survivors:
         survivor.join(timeout=15)
     assert int(client().add(f"{_TERMINAL_STATE_SYNC_ID}/num_members", 0)) == 3

@@ -362,6 +362,13 @@ class RoundRendezvousHandler(RendezvousHandler):
         """The board store's key that says `node` arrived at `round_number` for an in-process round."""
         return f"rdzv/{self._settings.run_id}/in_process/{round_number}/{node_name(node)}"
 
+    def _marks(self, round_number: int, nodes: list[NodeDesc]) -> list[tuple[int, int, int]]:
+        """The in-process marks of `nodes` at `round_number` (all there: `_unmarked` said so), one
+        request: (torch's round its agent holds, that round's members, its number of workers) each
+        (`_torch_round_mark`)."""
+        marks = self._board.store.multi_get([self._mark_key(round_number, node) for node in nodes])
+        return [tuple(int(part) for part in bytes(mark).split()) for mark in marks]
+
     def _outcome_key(self, round_number: int) -> str:
         """The board store's key that says, once for every node, whether `round_number` was taken in process."""
         return f"rdzv/{self._settings.run_id}/in_process_outcome/{round_number}"
@@ -491,12 +498,15 @@ class RoundRendezvousHandler(RendezvousHandler):
         `current`: a newcomer may be group rank 0), and tell the workers."""
         store, rank, bootstrap = self._enter(record)
         newcomers = [node for node in record.members if node not in current.members]
+        old_members = [node for node in record.members if node not in newcomers]
+        marks = self._marks(record.round, old_members)
         if newcomers:
             first_rank, world_size = self._assign_ranks_as_torch(store, rank, len(record.members))
-        else:
-            first_rank, world_size = self._ranks_as_torch_assigns(record, rank)
-        if self._node == next(node for node in record.members if node not in newcomers):
-            self._settle_exit_barriers(record, newcomers)
+        else:  # the members' workers in group-rank order, as torch's assignment orders them
+            workers = [mark[2] for mark in marks]
+            first_rank, world_size = sum(workers[:rank]), sum(workers)
+        if self._node == old_members[0]:
+            self._settle_exit_barriers(record, len(newcomers), marks)
         round_handoff.clear_requests(self.agent_pid)  # before the round: a request of the new round must stay
         self._announce(RoundAnnouncement(record.round, rank, len(record.members), bootstrap.master_addr,
                                          bootstrap.master_port, in_process=True, joined=len(newcomers),
@@ -515,14 +525,6 @@ class RoundRendezvousHandler(RendezvousHandler):
         return take_part_in_rank_assignment(store, rank, world_size, local_world_size,
                                             timedelta(seconds=REFORM_TIMEOUT_S))
 
-    def _ranks_as_torch_assigns(self, record: RoundRecord, rank: int) -> tuple[int, int]:
-        """(the global rank of this node's first worker, the world size) in `record`, a round of members
-        only, each marked with its number of workers: the nodes' workers in group-rank order, as
-        torch's assignment orders them."""
-        marks = self._board.store.multi_get([self._mark_key(record.round, node) for node in record.members])
-        workers = [int(bytes(mark).split()[2]) for mark in marks]
-        return sum(workers[:rank]), sum(workers)
-
     def _torch_round_mark(self) -> bytes:
         """The in-process mark's value: "<round> <members> <workers>": the round torch's agent holds (set
         with this node's first round, before any round in process), its number of members, and this
@@ -533,7 +535,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             raise RendezvousError("a worker of this node ended before the round")
         return f"{held.round} {len(held.members)} {workers}".encode()
 
-    def _settle_exit_barriers(self, record: RoundRecord, newcomers: list[NodeDesc]) -> None:
+    def _settle_exit_barriers(self, record: RoundRecord, newcomers: int, marks: list[tuple[int, int, int]]) -> None:
         """Make torch's exit barriers end for the members of `record`, which hold different rounds
         of torch's: the survivors the round torch last started them in, the newcomers `record`.
         torch's agent waits at the end of the job until as many agents as its round had reached
@@ -542,11 +544,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         rounds that members of `record` hold, the missing count is credited once (a credit key per
         round remembers what earlier in-process rounds added): else they would wait out the
         barrier's timeout (300 s). A member then waits at the end only for the members that hold
-        the same round of torch's (a newcomer for nobody)."""
-        old_members = [node for node in record.members if node not in newcomers]
-        marks = self._board.store.multi_get([self._mark_key(record.round, node) for node in old_members])
-        rounds_held = [(record.round, len(record.members))] * len(newcomers)  # (torch's round, its members)
-        rounds_held += [tuple(int(part) for part in bytes(mark).split()[:2]) for mark in marks]
+        the same round of torch's (a newcomer for nobody). `marks`: the old members' (`_marks`)."""
+        rounds_held = [(record.round, len(record.members))] * newcomers  # (torch's round, its members)
+        rounds_held += [(torch_round, members) for torch_round, members, _ in marks]
         held: dict[int, list[int]] = {}  # torch's round -> [its members, members of `record` that hold it]
         for torch_round, members in rounds_held:
             held.setdefault(torch_round, [members, 0])[1] += 1
