@@ -508,7 +508,7 @@ class ElasticRun:
         self.context = context
         if self.log_prefix is not None:
             self.log_prefix.rank, self.log_prefix.world_size = context.rank, context.world_size
-        if self.config.sharding == "fsdp":
+        if sharded:
             self._rebuild_sharded()
         self._enter_incarnation(re_formed)
         self._regrouped_at = self.global_step
