@@ -44,8 +44,8 @@ only; `bound_s` (default `--watchdog_timeout_s`) leaves a wide margin for that (
 heartbeat `left`, and its peers stop watching it. One that leaves the group for the agent's next
 round, in process, marks it `switched after N`, N the committed step it left after: its peers
 stop watching it too and hand N on (`on_switched`), so that every rank leaves after the same step
-(a rank whose agent announced the round later would wait in step N + 1's collectives for it). Heartbeats are stored per incarnation, so a store
-shared across rounds cannot mix them.
+(a rank whose agent announced the round later would wait in step N + 1's collectives for it).
+Heartbeats are stored per incarnation, so a store shared across rounds cannot mix them.
 
 Cost: nothing on the training thread; per rank, one small write and one read of `world_size`
 small values per `interval_s` on rank 0's store (tens of µs each on loopback), and one more of each
