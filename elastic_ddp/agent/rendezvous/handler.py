@@ -48,8 +48,8 @@ broke: a lost node, or its watchdog found one silent), when newcomers that the r
 wait at the next one (a join), or when members of the current round wait there, each with the
 in-process mark. It writes its own mark (a store key, before its arrival, holding which of
 torch's rounds its agent holds and its number of workers), arrives, and waits and closes as above
-(same loop, same closing rule: the lost member is out once its beacon refuses), looking every `REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to
-decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
+(same loop, same closing rule: the lost member is out once its beacon refuses), looking every
+`REFORM_POLL_S` for at most `REFORM_TIMEOUT_S`. Then the first node to decide writes the round's outcome (one `compare_set`) and every node follows it, so that no node
 takes the round in process while another gave it up. Outcomes:
 
 - the round holds this node, and every member of the last round in it is marked: this node takes
