@@ -199,13 +199,13 @@ def _serve_forked(listener: socket.socket, agent_pid: int, key: bytes, ready: in
     try:
         os.setsid()  # a Ctrl-C meant for the agent's terminal does not end it first
         end_with_the_parent(agent_pid)
-        name_this_process(SERVER_PROCESS_NAME)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         keep = sorted({0, 1, 2, listener.fileno(), *(() if ready is None else (ready,))})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             if high > low + 1:  # (an empty range is not always a no-op: closerange(0, 0) closes every fd)
                 os.closerange(low + 1, high)  # the agent's sockets and files are not the workers' to hold
+        name_this_process(SERVER_PROCESS_NAME)  # only now: a process of this name holds none of the agent's files
         started = time.monotonic()
         for module in preload_modules():
             try:
