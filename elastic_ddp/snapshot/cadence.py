@@ -15,7 +15,9 @@ no core to spare for it, the CPU time of the background write (serialising, hash
 writer's thread takes it from training's cores).
 
 The first snapshot of each worker group comes `PROBE_STEPS` steps after it starts (to measure the
-cost); after each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
+cost); while rank 0's write of an earlier snapshot still runs then (the one an in-process re-form
+takes at once, or a restored state's), the probe moves `PROBE_STEPS` later instead of waiting for
+it (`defer_probe`: the session agrees on it). After each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
 small collective per snapshot), so every rank decides the same at every step. Epoch ends follow the
 budget too. The end of training is always saved, and so is a drain (its `final` snapshot).
 
@@ -59,6 +61,7 @@ class SnapshotCadence:
         self.next_due_step: int | None = None  # on the budget: agreed by every rank
         self.interval: Interval | None = None
         self._clock: tuple[int, float] | None = None  # (step, time.monotonic()) when this group started
+        self._measured = False  # a budgeted snapshot of this group set the interval (the probe is past)
         self._blocked_total = 0.0  # seconds snapshots blocked training since then (rank 0)
 
     @property
@@ -76,6 +79,14 @@ class SnapshotCadence:
             return epoch_ended or bool(self.every_steps and global_step % self.every_steps == 0)
         return global_step >= self.next_due_step
 
+    def at_probe(self, training_done: bool) -> bool:
+        """Whether the step just found due is this group's probe on the budget, which may move."""
+        return self.on_budget and not self._measured and not training_done
+
+    def defer_probe(self, global_step: int) -> None:
+        """Every rank alike: the probe found due at `global_step` moves `PROBE_STEPS` later."""
+        self.next_due_step = global_step + PROBE_STEPS
+
     def next_due(self, global_step: int, blocked_seconds: float, writer_cpu_seconds: float = 0.0) -> int:
         """Rank 0, after saving `global_step` at a cost of `blocked_seconds` on the training thread
         and `writer_cpu_seconds` of a background write that competes with training (0 where a core
@@ -83,6 +94,7 @@ class SnapshotCadence:
         if self._clock is None:  # saved before this group's first step (an in-process re-form): probe first
             self._clock = (global_step, time.monotonic())
             return global_step + PROBE_STEPS
+        self._measured = True
         self._blocked_total += blocked_seconds
         start_step, start_time = self._clock
         steps = max(1, global_step - start_step)

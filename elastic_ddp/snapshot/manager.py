@@ -148,10 +148,23 @@ class SnapshotSession:
         or --snapshot_every_steps, the end of training, and `final`, a drain). Call it after every
         committed step on every rank: when it saves it is a collective (every rank's RNG), and rank
         0 queues the write. Returns whether it saved."""
-        due = self.schedule.due(state, epoch_ended=epoch_ended, final=final)
+        due = self.schedule.due(state, epoch_ended=epoch_ended, final=final,
+                                write_in_flight=self._writing_everywhere)
         if due:
             self._save_now(state, final)
         return due
+
+    def _writing_everywhere(self) -> bool:
+        """Whether rank 0's writer is still writing a snapshot that is not yet slow (`writing`), as
+        every rank learns it (one broadcast): the cadence's probe then moves rather than wait for
+        it. After an in-process re-form it is the snapshot taken at once, 1-3 s at 1 GB here, which
+        the probe 10 steps later waited for."""
+        writing = self.writer is not None and self.writer.writing()
+        if self.context.in_process_group:
+            agreed = torch.tensor([int(writing)], dtype=torch.int64, device=self.context.collective_device)
+            torch.distributed.broadcast(agreed, src=0)
+            writing = bool(agreed.item())
+        return writing
 
     def counted_step(self, state: TrainingState) -> int:
         """The newest committed step that counts (its `step` event, its audit line, a state a
@@ -277,11 +290,14 @@ class SnapshotSession:
         write still reads them."""
         return self.writer.staging_to_reuse() if self.writer is not None else None
 
-    def close(self) -> None:
-        """Finish a write in flight (so that a clean exit keeps it) and stop every thread."""
+    def close(self, superseded: bool = False) -> None:
+        """Finish a write in flight (so that a clean exit keeps it) and stop every thread.
+        `superseded`: the next session of this run snapshots a state at least as new at once (an
+        in-process re-form: `resume_live`, or the restore's own write), so a write in flight stops
+        instead; the listed snapshots stay as they were."""
         try:
             if self.writer is not None:
-                self.writer.close()
+                self.writer.close(superseded=superseded)
         finally:
             self.replication.close()
 

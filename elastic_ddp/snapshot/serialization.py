@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import torch
 
 from elastic_ddp.snapshot.files.checksum import DEFAULT_ALGORITHM
-from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError
+from elastic_ddp.snapshot.files.errors import IncompatibleSnapshotError, SnapshotError, WriteCancelled
 from elastic_ddp.snapshot.files.file_layout import (
     FORMAT_VERSION,
     TRAILER_BYTES,
@@ -58,15 +58,50 @@ def header_of(snapshot: Snapshot) -> SnapshotHeader:
                           snapshot.incarnation, snapshot.wall_time, snapshot.fingerprint, tuple(snapshot.states))
 
 
-def write_snapshot(snapshot: Snapshot, file: BinaryIO, algorithm: str = DEFAULT_ALGORITHM) -> Seal:
-    """Write `snapshot` as one format-2 file into `file`, hashing it on the way (one pass)."""
+def write_snapshot(snapshot: Snapshot, file: BinaryIO, algorithm: str = DEFAULT_ALGORITHM,
+                   stopped: Callable[[], bool] | None = None) -> Seal:
+    """Write `snapshot` as one format-2 file into `file`, hashing it on the way (one pass).
+    `stopped`: asked before each STOP_CHECK_BYTES of the payload; once it says so, nothing more is
+    written and WriteCancelled is raised (`file` then holds a part that must not be used)."""
     payload = {"states": snapshot.states, "rng_per_rank": snapshot.rng_per_rank}
 
     def save(stream: BinaryIO) -> None:
+        target = stream if stopped is None else _StoppableStream(stream, stopped)
         with _ZipCrc32.off():
-            torch.save(payload, stream)
+            torch.save(payload, target)
+        if stopped is not None and target.stopped_after is not None:
+            raise WriteCancelled(f"the snapshot of step {snapshot.global_step} was stopped after "
+                                 f"{target.stopped_after} bytes of its payload")
 
     return write_framed(file, header_of(snapshot), save, algorithm)
+
+
+STOP_CHECK_BYTES = 16 * 2**20  # how much of a payload may still be written after a stop was asked
+
+
+class _StoppableStream:
+    """What torch.save writes into while `stopped()` says no (asked before each STOP_CHECK_BYTES);
+    from then on every write is dropped. A write that raised instead would unwind through
+    torch.save's C++ writer, whose destructor writes the zip's end (a second raise, in C++)."""
+
+    def __init__(self, target: BinaryIO, stopped: Callable[[], bool]):
+        self._target = target
+        self._stopped = stopped
+        self._written = 0
+        self.stopped_after: int | None = None  # bytes written when the stop was seen
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), STOP_CHECK_BYTES):
+            if self.stopped_after is None and self._stopped():
+                self.stopped_after = self._written
+            if self.stopped_after is not None:
+                break
+            self._written += self._target.write(view[start:start + STOP_CHECK_BYTES])
+        return len(view)
+
+    def flush(self) -> None:
+        self._target.flush()
 
 
 class _ZipCrc32:

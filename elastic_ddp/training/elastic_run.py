@@ -310,10 +310,14 @@ class ElasticRun:
         try:
             self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
                                                    incarnation, self._warm_staging)
+            re_forming = False
             try:
                 yield self.run_log, self.snapshots
+            except GroupReformed:
+                re_forming = True  # the next incarnation snapshots at once: an older write in flight stops
+                raise
             finally:
-                self.snapshots.close()
+                self.snapshots.close(superseded=re_forming)
                 self._warm_staging = self.snapshots.staging_to_reuse()
         finally:
             self.run_log.close()

@@ -97,6 +97,44 @@ def test_the_schedule_saves_a_drain_once_and_the_end_of_training_always():
     assert not schedule.due(committed(9), epoch_ended=False, final=True)
 
 
+def test_the_probe_moves_while_a_write_runs_and_nothing_else_asks(clock):
+    """After an in-process re-form the group saves before its first step; its probe 10 steps later
+    waited for that write (1-3 s at 1 GB). While rank 0 still writes, the probe moves instead; the
+    question is asked at the probe only, and a drain or the end of training never moves."""
+    cadence = SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600)
+    schedule = SnapshotSchedule(cadence, epochs=1)
+    cadence.agree(cadence.next_due(40, blocked_seconds=0.1))  # the re-form's snapshot, before any step
+    schedule.last_saved_step = 40
+    asked: list[int] = []
+    answers = iter([True, True, False])
+
+    def write_in_flight() -> bool:
+        asked.append(step)
+        return next(answers)
+
+    saved = []
+    for step in range(41, 41 + 3 * PROBE_STEPS + 5):
+        clock.now += 0.1
+        if schedule.due(committed(step), epoch_ended=False, final=False, write_in_flight=write_in_flight):
+            saved.append(step)
+            cadence.agree(cadence.next_due(step, blocked_seconds=0.01))
+    probe = 40 + PROBE_STEPS
+    assert asked == [probe, probe + PROBE_STEPS, probe + 2 * PROBE_STEPS], asked
+    assert saved[0] == probe + 2 * PROBE_STEPS and schedule.last_saved_step == saved[-1]
+    assert not schedule.due(committed(saved[-1]), epoch_ended=False, final=True)  # saved: a drain adds none
+    assert schedule.due(committed(saved[-1] + 1, epoch=1), epoch_ended=True, final=False,
+                        write_in_flight=lambda: pytest.fail("the end of training was asked to move"))
+
+
+def test_a_deferred_probe_does_not_count_as_saved_for_a_drain(clock):
+    schedule = SnapshotSchedule(SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600), epochs=1)
+    for step in range(1, PROBE_STEPS):
+        assert not schedule.due(committed(step), epoch_ended=False, final=False, write_in_flight=lambda: True)
+    assert not schedule.due(committed(PROBE_STEPS), epoch_ended=False, final=False, write_in_flight=lambda: True)
+    assert schedule.last_saved_step is None
+    assert schedule.due(committed(PROBE_STEPS), epoch_ended=False, final=True)  # a drain at that step saves it
+
+
 def snapshot_events(config, kind: str) -> list[dict]:
     return [e for e in read_events(os.path.join(config.checkpoint_dir, "events.jsonl")) if e["event"] == kind]
 

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -282,6 +283,7 @@ class ChunkGatedStorage(LocalDirectoryStorage):
         super().__init__(directory)
         self.gate = threading.Event()
         self.writing = threading.Event()
+        self.bytes_written = 0  # into snapshot files
 
     def write_stream_atomically(self, name, produce):
         if not SNAPSHOT_PATTERN.match(name):
@@ -297,6 +299,7 @@ class ChunkGatedStorage(LocalDirectoryStorage):
                     if inner.chunks == 1:
                         self.writing.set()
                         assert self.gate.wait(timeout=60), "the test never opened the gate"
+                    self.bytes_written += memoryview(data).nbytes
                     return file.write(data)
 
                 def flush(inner):
@@ -327,3 +330,42 @@ def test_a_snapshot_point_stops_the_write_of_a_restored_state_and_writes_its_new
     assert [e.global_step for e in writer.store.manifest_entries()] == [2]
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
     assert "the write of the restored state of step 1 stopped: a newer snapshot is being taken" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_closed_for_a_re_form_stops_its_write_and_keeps_the_listed_snapshot(tmp_path, caplog):
+    """`close(superseded=True)` (an in-process re-form, whose next group snapshots at once) does not
+    wait for the whole write in flight (0.5-3.4 s at 1 GB): the write stops at its next chunk, lists
+    nothing and leaves no file behind; the snapshot listed before stays, and the staging is free for
+    the next writer."""
+    storage = ChunkGatedStorage(tmp_path)
+    storage.gate.set()
+    failures: list = []
+    writer = SnapshotWriter(SnapshotStore(storage), on_failed=lambda step, why: failures.append((step, why)))
+    writer.submit(lambda staging: tiny_snapshot(1, staging))
+    assert writer.wait(timeout=30)
+    storage.gate.clear()
+    storage.writing.clear()
+    storage.bytes_written = 0
+    large = torch.ones(12 * 2**20)  # 48 MB: three of serialization.STOP_CHECK_BYTES
+    writer.submit(lambda staging: make_snapshot(2, model=staging.copy({"w": large}, "model")))
+    assert storage.writing.wait(timeout=30)
+
+    closed: list[bool] = []
+    closing = threading.Thread(target=lambda: closed.append(writer.close(timeout=30, superseded=True)))
+    with caplog.at_level(logging.INFO):
+        closing.start()
+        deadline = time.monotonic() + 30
+        while not writer._in_flight.stop.is_set():  # the stop is asked before the paused chunk ends
+            assert time.monotonic() < deadline, "close(superseded=True) never asked the write to stop"
+            time.sleep(0.01)
+        storage.gate.set()
+        closing.join(timeout=60)
+    assert closed == [True] and failures == [] and writer.failed_writes == 0
+    assert storage.bytes_written < large.nbytes / 2  # stopped, not written to its end
+    assert [e.global_step for e in writer.store.manifest_entries()] == [1]
+    assert load_snapshot(tmp_path)["model"]["w"][0].item() == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+    assert "the write of the snapshot of step 2 stopped: the next group snapshots a newer state at once" \
+        in caplog.text
+    assert writer.staging_to_reuse() is not None

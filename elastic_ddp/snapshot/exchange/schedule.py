@@ -9,6 +9,8 @@ event.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -34,16 +36,23 @@ class SnapshotSchedule:
         return cls(SnapshotCadence(config.snapshot_every_steps, config.snapshot_budget,
                                    config.snapshot_max_interval_s), config.epochs)
 
-    def due(self, state: TrainingState, *, epoch_ended: bool, final: bool) -> bool:
+    def due(self, state: TrainingState, *, epoch_ended: bool, final: bool,
+            write_in_flight: Callable[[], bool] | None = None) -> bool:
         """Whether to save the step just committed in `state`: on `final` (a drain) unless that step
         is saved already, always at the end of training, else as the cadence says. Call it after
         every committed step on every rank. A step found due counts as `last_saved_step` from then
-        on, whether or not its write succeeds."""
+        on, whether or not its write succeeds. `write_in_flight`: asked at the cadence's probe
+        (a collective: the same answer on every rank); True moves the probe (`defer_probe`)."""
         step = state.global_step
+        training_done = state.sampler.epoch >= self.epochs
         if final:
             due = self.last_saved_step != step
         else:
-            due = self.cadence.due(step, epoch_ended, training_done=state.sampler.epoch >= self.epochs)
+            due = self.cadence.due(step, epoch_ended, training_done=training_done)
+            if due and write_in_flight is not None and self.cadence.at_probe(training_done) \
+                    and write_in_flight():
+                self.cadence.defer_probe(step)
+                due = False
         if due:
             self.last_saved_step = step
         return due

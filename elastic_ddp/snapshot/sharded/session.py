@@ -364,9 +364,10 @@ class ShardedSnapshotSession:
     def staging_to_reuse(self) -> None:
         """Nothing is carried to the next incarnation: the parts' buffers are this session's."""
 
-    def close(self) -> None:
+    def close(self, superseded: bool = False) -> None:
         """The optimizer hooks are removed; an exchange still in flight (training raised) is waited
-        for a moment and its failure logged."""
+        for a moment and its failure logged. `superseded` (`SnapshotSession.close`) changes nothing:
+        no file is written in the background here."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
