@@ -24,7 +24,8 @@ is durable, then:
 Per run it records the times above, the peak resident memory (VmHWM) of each worker after its
 restore, the longest heartbeat gap and the watchdog's evictions from the workers' logs, and the
 snapshots' `blocked_seconds` (rank 0's training thread blocked by a snapshot; the first snapshot
-of the kill's and of the join's group, right after their restore, apart). Memory is given
+of the kill's and of the join's group, right after their restore, apart; the drain's final
+snapshot, which waits for the write in flight by design, apart too). Memory is given
 against the smallest size's run of the same setting (interpreter, torch, data): what the state
 adds, in units of the state (1 is the state itself, so the goal "at most 2x the state beside it
 during a restore" is a figure of at most 3).
@@ -191,7 +192,13 @@ def measure_once(setting: str, size_mb: int, run_dir: Path, pythonpath: str) -> 
             shutil.rmtree(job.node_memory_dir(node.name), ignore_errors=True)
     logs = "\n".join(node.log_text() for node in job.nodes)
     events.poll()
-    blocked = [e["blocked_seconds"] for e in events.of_kind(schema.SNAPSHOT_CAPTURED)]
+    # The drains' final snapshots wait for the write in flight by design (snapshots.md): apart.
+    drained = {e["global_step"] for e in events.of_kind(schema.DRAIN)}
+    captured = events.of_kind(schema.SNAPSHOT_CAPTURED)
+    blocked = [e["blocked_seconds"] for e in captured if e["global_step"] not in drained]
+    largest = max((e for e in captured if e["global_step"] not in drained), key=lambda e: e["blocked_seconds"],
+                  default=None)
+    drain_blocked = [e["blocked_seconds"] for e in captured if e["global_step"] in drained]
     kill["first_snapshot_s"], join["first_snapshot_s"] = (_first_snapshot_blocked(events, group)
                                                           for group in (alone, both))
     return {"setting": setting, "size_mb": size_mb, "kill": kill, "join": join,
@@ -199,7 +206,20 @@ def measure_once(setting: str, size_mb: int, run_dir: Path, pythonpath: str) -> 
             "evictions": sum(len(EVICTION_LINE.findall(text)) for text in watched),
             "restarts": len(events.groups) - 3,  # beyond the three groups of the scenario
             "snapshot_blocked_s": {"max": max(blocked, default=None), "n": len(blocked),
-                                   "median": statistics.median(blocked) if blocked else None}}
+                                   "median": statistics.median(blocked) if blocked else None,
+                                   "max_at": None if largest is None else _placed(largest, events)},
+            "drain_snapshot_blocked_s": max(drain_blocked, default=None)}
+
+
+def _placed(captured: dict[str, Any], events: EventFollower) -> str:
+    """Where a snapshot was taken: its step, which of the run's worker groups, and which of its
+    snapshots ("group 2, snapshot 1": the kill's group, its first)."""
+    groups = [g for g in events.groups_since(0.0) if g.started <= captured["time"]]
+    if not groups:
+        return f"step {captured['global_step']}"
+    group = groups[-1]
+    nth = sum(1 for e in events.of_kind(schema.SNAPSHOT_CAPTURED) if group.started <= e["time"] <= captured["time"])
+    return f"step {captured['global_step']}, group {len(groups)}, its snapshot {nth}"
 
 
 def baseline_tree(revision: str, root: Path) -> Path:
@@ -250,7 +270,9 @@ def run_benchmark(sizes_mb: list[int], repeats: int = 1, baseline: str | None = 
                         records.append({**record, "repeat": repeat})
                         print(f"{setting} {size} MB #{repeat + 1}: kill -> step {record['kill']['seconds']} s, "
                               f"join -> step {record['join']['seconds']} s, peaks {record['join']['peak_mb']} MB, "
-                              f"gap {record['longest_gap_s']} s, evictions {record['evictions']}",
+                              f"gap {record['longest_gap_s']} s, evictions {record['evictions']}, largest "
+                              f"snapshot block {record['snapshot_blocked_s']['max']} s "
+                              f"({record['snapshot_blocked_s']['max_at']})",
                               file=sys.stderr, flush=True)
         finally:
             for setting, tree in trees.items():
@@ -293,6 +315,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
                                            + [r["join"].get("first_snapshot_s") for r in runs]),
                 "snapshot_blocked_s": _stats([r["snapshot_blocked_s"]["median"] for r in runs]),
                 "snapshot_blocked_max_s": _stats([r["snapshot_blocked_s"]["max"] for r in runs]),
+                "drain_snapshot_s": _stats([r.get("drain_snapshot_blocked_s") for r in runs]),
             }
     return summary
 
@@ -300,7 +323,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
 COLUMNS = {"kill_s": "kill->step s", "keep_s": "keep s", "join_s": "join->step s", "restore_s": "restore s",
            "peak_mb": "peak MB", "peak_states": "(peak-base)/state", "longest_gap_s": "longest gap s",
            "first_snapshot_s": "1st snap after restore s", "snapshot_blocked_s": "snap blocked s",
-           "snapshot_blocked_max_s": "snap blocked max s"}
+           "snapshot_blocked_max_s": "snap blocked max s", "drain_snapshot_s": "drain's snap s"}
 
 
 def print_table(result: dict[str, Any]) -> None:
