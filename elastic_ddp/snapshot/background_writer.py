@@ -17,7 +17,7 @@ serialised (`submit_serialized`: the state a restore took from memory or a peer,
 that it is durable) is stopped by the next snapshot point, whose state is newer: it waits for
 that write to stop (between two chunks), not to end. So does a writer closed for an in-process
 re-form (`close(superseded=True)`): the next group snapshots its state at once, and the re-form
-does not wait for an older step's write (0.5-3.4 s at 1 GB on this machine's disk).
+does not wait for the whole write of an older step.
 
 A write that still fails after the store's retries is logged as an error (`SNAPSHOT NOT SAVED`),
 counted in `failed_writes` and passed to `on_failed`; training goes on, the previous snapshots stay
@@ -158,8 +158,8 @@ class SnapshotWriter:
         """Let the write in flight finish (so a clean exit keeps its last snapshot), at most
         `timeout` seconds (default `write_timeout_s`); whether it did. `superseded`: a newer
         snapshot of the same run is taken at once by the next writer (an in-process re-form): the
-        write in flight stops at its next chunk instead (STOP_CHECK_BYTES), and the listed snapshots
-        stay as they were."""
+        write in flight stops at its next chunk instead (`serialization.STOP_CHECK_BYTES`), and the
+        listed snapshots stay as they were."""
         if superseded and self._in_flight is not None:
             self._in_flight.stop.set()
         finished = self.wait(self.write_timeout_s if timeout is None else timeout)

@@ -17,8 +17,9 @@ writer's thread takes it from training's cores).
 The first snapshot of each worker group comes `PROBE_STEPS` steps after it starts (to measure the
 cost); while rank 0's write of an earlier snapshot still runs then (the one an in-process re-form
 takes at once, or a restored state's), the probe moves `PROBE_STEPS` later instead of waiting for
-it (`defer_probe`: the session agrees on it). After each snapshot rank 0 chooses when the next one is due and broadcasts that step (one
-small collective per snapshot), so every rank decides the same at every step. Epoch ends follow the
+it (`defer_probe`: the session agrees on it). After each snapshot rank 0 chooses when the next one
+is due and broadcasts that step (one small collective per snapshot), so every rank decides the
+same at every step. Epoch ends follow the
 budget too. The end of training is always saved, and so is a drain (its `final` snapshot).
 
 `--snapshot_every_steps N` overrides the budget: every N steps and at every epoch end (0: only at

@@ -157,8 +157,8 @@ class SnapshotSession:
     def _writing_everywhere(self) -> bool:
         """Whether rank 0's writer is still writing a snapshot that is not yet slow (`writing`), as
         every rank learns it (one broadcast): the cadence's probe then moves rather than wait for
-        it. After an in-process re-form it is the snapshot taken at once, 1-3 s at 1 GB here, which
-        the probe 10 steps later waited for."""
+        it. After an in-process re-form it is the write of the snapshot taken at once, which the
+        probe 10 steps later would wait for at large states (docs/benchmarks.md)."""
         writing = self.writer is not None and self.writer.writing()
         if self.context.in_process_group:
             agreed = torch.tensor([int(writing)], dtype=torch.int64, device=self.context.collective_device)

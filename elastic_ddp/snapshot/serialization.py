@@ -81,8 +81,8 @@ STOP_CHECK_BYTES = 16 * 2**20  # how much of a payload may still be written afte
 
 class _StoppableStream:
     """What torch.save writes into while `stopped()` says no (asked before each STOP_CHECK_BYTES);
-    from then on every write is dropped. A write that raised instead would unwind through
-    torch.save's C++ writer, whose destructor writes the zip's end (a second raise, in C++)."""
+    from then on every write is dropped. A write that raised instead would come out of torch.save
+    as another error, its zip writer's own ("unexpected pos"), as it then writes the zip's end."""
 
     def __init__(self, target: BinaryIO, stopped: Callable[[], bool]):
         self._target = target
