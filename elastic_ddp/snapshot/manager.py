@@ -206,7 +206,7 @@ class SnapshotSession:
                          blocked_seconds=round(blocked_seconds, 4))
 
     def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None,
-                       committed_by: tuple[int, int] | None = None) -> KeptCopy | None:
+                       committed_by: tuple[int, int] | None = None, after_silence: bool = False) -> KeptCopy | None:
         """Keep the last committed step of `state` in this node's memory, as training stops early
         (not a collective: the group may be broken). Nothing when the state is half updated or
         holds a NaN or an infinity, nor when the state is not free within `wait_s` seconds (None:
@@ -214,7 +214,8 @@ class SnapshotSession:
         training thread may be stuck inside a commit), nor, with a bound, when the device's work of
         that step does not end within it either. A refusal is logged and emitted. `committed_by`:
         (incarnation, world size) of the group that committed the step, when not this session's
-        (a group re-formed in process keeps the step its previous group committed)."""
+        (a group re-formed in process keeps the step its previous group committed). `after_silence`
+        changes nothing here (the sharded session's: no exchange of parts to wait for)."""
         if self.memory is None or self._kept_in_memory == state.global_step:
             return None
         # No step is applied while the state is copied, from whatever thread this is called.

@@ -491,7 +491,7 @@ class ElasticRun:
         # A keep also reports the step whose exchange ended meanwhile (sharded) and writes every rank's
         # audit share of the last counted step: a lost rank that committed it never wrote its line.
         if silent_peer is not None:  # kept as the watchdog's way out keeps it, and said so (the restart's cause)
-            self.stop_guard.keep(f"{WATCHDOG_REASON}: {silent_peer}")
+            self.stop_guard.keep(f"{WATCHDOG_REASON}: {silent_peer}", after_silence=True)
         elif sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
             self.stop_guard.keep(f"in-process re-form: {reason}")
         else:

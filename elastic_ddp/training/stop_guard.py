@@ -95,12 +95,14 @@ class StopGuard:
         self._watchdog: PeerWatchdog | None = None
         self._way_out: threading.Timer | None = None  # after a silent peer was handed to an in-process re-form
 
-    def keep(self, reason: str, commit_wait_s: float | None = None) -> None:
+    def keep(self, reason: str, commit_wait_s: float | None = None, after_silence: bool = False) -> None:
         """Keep the last committed step now (audit shares, memory copy); once per step.
 
         `commit_wait_s` bounds the wait for the training thread to leave a commit (None: no bound,
         for the training thread itself, which is never inside one when it calls this). A call with a
         bound also waits at most KEEPING_WAIT_S for a copy another thread is keeping.
+        `after_silence`: a peer has been silent for the watchdog's timeout, so an exchange of parts
+        in flight (sharded) that could end has ended: none is waited for.
         """
         if not self._lock.acquire(timeout=-1 if commit_wait_s is None else KEEPING_WAIT_S):
             logger.error("%s: another thread has been keeping step %d for over %.0f s; not waiting longer",
@@ -109,7 +111,7 @@ class StopGuard:
         try:
             if self._kept_step == self.state.global_step:
                 return
-            self.snapshots.keep_in_memory(self.state, reason, wait_s=commit_wait_s)
+            self.snapshots.keep_in_memory(self.state, reason, wait_s=commit_wait_s, after_silence=after_silence)
             self.run_log.steps_counted(self.snapshots.counted_step(self.state))  # a sharded step may count now
             self.run_log.stopped_early(reason)
             self._kept_step = self.state.global_step

@@ -344,3 +344,37 @@ def test_two_neighbouring_nodes_lost_together_fall_back_to_the_durable_step(one_
     refusal = next(item for item in restore["refused"] if item["global_step"] == 5)
     assert refusal["source"] == "memory" and refusal["reason"].startswith(
         "part(s) [0] of the 3 ranks that committed it are on no node of this group (a part and its copy were both lost)")
+
+
+class _Emitted:
+    """An event log that only records what is emitted."""
+
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+
+    def emit(self, kind, **fields) -> None:
+        self.events.append((kind.name, fields))
+
+
+def test_a_keep_after_a_peers_silence_waits_for_no_exchange(tmp_path, monkeypatch):
+    """A re-form the watchdog handed over (a peer silent for its timeout) keeps at once: an exchange
+    in flight then involves the silent peer and cannot end, and waiting SETTLE_S for it (2 s) added
+    that much to every frozen node in sharded mode. The step before it is the one kept."""
+    from elastic_ddp.snapshot.sharded import memory_session
+    monkeypatch.setattr(memory_session, "SETTLE_S", 60.0)  # a keep that waited would not return in this test
+    events = _Emitted()
+    copies = memory_session.MemoryCopies(None, _context(), events)
+    copies.memory = ShardMemory(_context(), tmp_path)
+    _exchange(copies.memory, 1)
+    copies.memory.wait()
+    held = threading.Event()
+    _exchange(copies.memory, 2, check=held.wait)
+    keeping = threading.Thread(target=copies.keep, args=("peer watchdog: rank 1 silent",), kwargs={"settle": False})
+    keeping.start()
+    keeping.join(timeout=20)
+    waited = keeping.is_alive()
+    held.set()
+    keeping.join(timeout=60)
+    assert not waited, "the keep waited for the exchange in flight"
+    assert sorted(path.name.split("-")[1] for path in tmp_path.glob("shard-*")) == ["000000001"]
+    assert [(kind, fields["global_step"]) for kind, fields in events.events] == [("memory_copy", 1)]

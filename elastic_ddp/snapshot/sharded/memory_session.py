@@ -139,13 +139,13 @@ class MemoryCopies:
             refused.append({"source": "memory", "global_step": in_memory.step, "host": "", "reason": f"refused: {reason}"})
             tried.add((in_memory.step, in_memory.incarnation))
 
-    def keep(self, reason: str, from_training_thread: bool = True) -> None:
+    def keep(self, reason: str, settle: bool = True) -> None:
         """Write the parts this rank holds into its node's memory directory (no collective). An
-        exchange in flight is waited for SETTLE_S at most first (`ShardMemory.settle`); from
-        another thread (the watchdog: a peer has been silent for seconds) not at all, as an
-        exchange that could end has ended by then."""
+        exchange in flight is waited for SETTLE_S at most first (`ShardMemory.settle`); without
+        `settle` (a peer has been silent for seconds: an exchange that could end has ended by then)
+        not at all."""
         started = time.monotonic()
-        self.memory.settle(SETTLE_S if from_training_thread else 0.0)
+        self.memory.settle(SETTLE_S if settle else 0.0)
         written, size = self.memory.keep()
         step = self.memory.counted
         if not self.context.is_main or step is None:

@@ -345,12 +345,14 @@ class ShardedSnapshotSession:
 
     # ------------------------------------------------------------------------------- the rest
 
-    def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None) -> None:
+    def keep_in_memory(self, state: TrainingState, reason: str, wait_s: float | None = None,
+                       after_silence: bool = False) -> None:
         """Write the parts this rank holds (its own and its ring partner's, memory_shards.py) into
         its node's memory directory, without a collective: the group may be broken. A bound
-        (`wait_s`: the watchdog's thread) waits for no exchange in flight."""
+        (`wait_s`: the watchdog's thread) or `after_silence` (a peer silent for the watchdog's
+        timeout) waits for no exchange in flight: one that could end has ended by then."""
         if self.memory is not None:
-            self.memory.keep(reason, from_training_thread=wait_s is None)
+            self.memory.keep(reason, settle=wait_s is None and not after_silence)
 
     def finish(self) -> bool | None:
         """Whether the last save is durable (writes are synchronous); None off rank 0."""
