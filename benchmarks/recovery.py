@@ -6,6 +6,8 @@ committed steps redone.
     python -m benchmarks.recovery --settings plain restart --repeats 3   # in-process re-form against restart
     python benchmarks/recovery.py --settings ours plain   # only some settings
     python -m benchmarks.recovery --partition     # a network partition against a freeze (root: benchmarks/recovery_network.py)
+    python -m benchmarks.recovery --settings ours ours-cold --device cuda   # on a GPU machine: warm and cold CUDA workers
+    python -m benchmarks.recovery --settings fsdp --keep-logs /tmp/runs     # each run's logs kept
 
 (run from the repository root). Each repetition starts a job of three torchrun agents ("nodes")
 on 127.0.0.1 with one worker each, lets it train, SIGKILLs one node (agent and workers), waits
@@ -103,9 +105,14 @@ def with_keep_alive_max_attempt(attempts: int) -> dict[str, Any]:
     return {**SETTINGS["ours"], "rdzv_conf": conf}
 
 
-def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str, Any]:
+# The workers' flags for a device: on CUDA every node's worker shares the machine's GPUs over gloo
+# (NCCL refuses two ranks on one GPU), as tests/run_cuda.sh runs the cluster tests.
+DEVICE_ARGS = {"cpu": [], "cuda": ["--device", "cuda", "--dist_backend", "gloo"]}
+
+
+def measure_once(setting: str, run_dir: Path, timeout: float = 180, device: str = "cpu") -> dict[str, Any]:
     """One kill, one join and one freeze under `setting`; seconds, lost steps and their phases."""
-    job = LocalJob(run_dir, [*TRAINING_ARGS, *SNAPSHOT_FLAGS.get(setting, [])], nnodes="1:4",
+    job = LocalJob(run_dir, [*TRAINING_ARGS, *SNAPSHOT_FLAGS.get(setting, []), *DEVICE_ARGS[device]], nnodes="1:4",
                    run_id=f"recovery-{setting}", agent_env={**AGENT_ENV, "LOGLEVEL": "INFO"}, **SETTINGS[setting])
     events = EventFollower(job.event_log)
     try:
@@ -154,13 +161,13 @@ def measure_once(setting: str, run_dir: Path, timeout: float = 180) -> dict[str,
         job.stop()
 
 
-def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str, Any]]:
+def measure(settings: list[str], repeats: int, run_root: Path, device: str = "cpu") -> list[dict[str, Any]]:
     """`repeats` rounds; each round measures every setting once (interleaved, so that a busy
     machine affects all settings alike). Returns one record per measurement."""
     records = []
     for repeat in range(repeats):
         for setting in settings:
-            record = measure_once(setting, run_root / f"{setting}-{repeat}")
+            record = measure_once(setting, run_root / f"{setting}-{repeat}", device=device)
             records.append(record)
             print(f"{setting} #{repeat + 1}: " + ", ".join(
                 f"{event} -> training {record[event]['seconds']:.1f} s ({record[event]['lost_steps']} steps lost, "
@@ -170,15 +177,26 @@ def measure(settings: list[str], repeats: int, run_root: Path) -> list[dict[str,
 
 
 def run_benchmark(repeats: int = 1, settings: list[str] | None = None,
-                  keep_alive_max_attempts: Sequence[int] = ()) -> dict[str, Any]:
-    """For benchmark runners: {"records": [...], "summary": {setting: {kill|join: {phase: stats}}}}."""
+                  keep_alive_max_attempts: Sequence[int] = (), device: str = "cpu",
+                  keep_logs: Path | None = None) -> dict[str, Any]:
+    """For benchmark runners: {"records": [...], "summary": {setting: {kill|join: {phase: stats}}}}.
+    `keep_logs`: the runs' directories (every node's log, the event log) go there and stay."""
     names = list(settings or DEFAULT_SETTINGS)
     for attempts in keep_alive_max_attempts:
         SETTINGS[f"ours-ka{attempts}"] = with_keep_alive_max_attempt(attempts)
         names.append(f"ours-ka{attempts}")
-    with tempfile.TemporaryDirectory(prefix="recovery-") as root:
-        records = measure(names, repeats, Path(root))
+    if keep_logs is not None:
+        keep_logs.mkdir(parents=True, exist_ok=True)
+        records = measure(names, repeats, keep_logs, device)
+    else:
+        with tempfile.TemporaryDirectory(prefix="recovery-") as root:
+            records = measure(names, repeats, Path(root), device)
     return {"records": records, "summary": summarise(records)}
+
+
+def _cuda_available() -> bool:
+    import torch  # (only asked for --device cuda: the benchmark itself runs no torch)
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,15 +211,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="Instead: a network partition, its heal and a freeze of 1 of 3 nodes, each node a "
                              "host of its own (root; settings ours and plain: benchmarks/recovery_network.py).")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
-                        help="With --partition: keep every node's logs and event log under DIR (else a temporary "
-                             "directory, removed).")
+                        help="Keep every run's directory (each node's log, the event log) under DIR (else a "
+                             "temporary directory, removed).")
+    parser.add_argument("--device", choices=list(DEVICE_ARGS), default="cpu",
+                        help="Where the workers train: cuda puts every node's worker on this machine's GPUs, over "
+                             "gloo (not with --partition).")
     parser.add_argument("--partition-seconds", type=float, default=0,
                         help="With --partition: keep the link down at least this long before the heal.")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not _cuda_available():
+        parser.error("--device cuda: torch sees no CUDA GPU on this machine; use --device cpu")
+    if args.device == "cuda" and args.partition:
+        parser.error("--device cuda: --partition runs its workers on the CPU only")
     if args.partition:
         from benchmarks.recovery_network import main_partition  # (it builds on this module)
         return main_partition(args, default_settings=args.settings is parser.get_default("settings"))
-    result = run_benchmark(1 if args.quick else args.repeats, args.settings, args.keep_alive_max_attempts)
+    result = run_benchmark(1 if args.quick else args.repeats, args.settings, args.keep_alive_max_attempts,
+                           args.device, args.keep_logs)
     print_table(result["summary"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -37,3 +37,11 @@ def test_ratios_pair_each_repeat_of_the_baseline_with_the_same_repeat_of_this_tr
     # A run that failed (the baseline's first repeat): its partner is left out, the other pair stays.
     by_size = ratios(records[:1] + records[2:], "old")[1024]
     assert by_size["kill->step"] == {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
+
+
+def test_the_drains_snapshot_is_summarised_apart_and_older_records_lack_it():
+    records = [record("current", 1024, 4.0, [1, 2, 3], 0.5), {**record("current", 1024, 5.0, [1, 2, 3], 0.5, repeat=1),
+                                                           "drain_snapshot_blocked_s": 2.5}]
+    summary = summarise(records)["current"][1024]
+    assert summary["drain_snapshot_s"] == {"median": 2.5, "min": 2.5, "max": 2.5, "n": 1}
+    assert summary["snapshot_blocked_max_s"]["median"] == 0.5  # the other blocks, as recorded
