@@ -95,7 +95,6 @@ class SnapshotCadence:
         if self._clock is None:  # saved before this group's first step (an in-process re-form): probe first
             self._clock = (global_step, time.monotonic())
             return global_step + PROBE_STEPS
-        self._measured = True
         self._blocked_total += blocked_seconds
         start_step, start_time = self._clock
         steps = max(1, global_step - start_step)
@@ -108,9 +107,19 @@ class SnapshotCadence:
         self._log_if_changed(Interval(every, every * step_seconds, blocked_seconds, writer_cpu_seconds))
         return global_step + every
 
-    def agree(self, next_due_step: int) -> None:
-        """Every rank: the next budgeted snapshot is due at `next_due_step` (rank 0's choice)."""
+    @property
+    def clock_started(self) -> bool:
+        """Whether this group has committed a step (`due` was asked since it started): the same on
+        every rank until rank 0's `next_due`, which starts the clock of a group that saved first."""
+        return self._clock is not None
+
+    def agree(self, next_due_step: int, probe_measured: bool = True) -> None:
+        """Every rank: the next budgeted snapshot is due at `next_due_step` (rank 0's choice).
+        `probe_measured`: the snapshot just taken came after this group's first step, so it
+        measured what one costs and the probe is past (`at_probe`); False for one taken before it
+        (an in-process re-form's). Every rank must pass the same."""
         self.next_due_step = next_due_step
+        self._measured = self._measured or probe_measured
 
     def _log_if_changed(self, interval: Interval) -> None:
         previous, self.interval = self.interval, interval

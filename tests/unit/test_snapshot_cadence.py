@@ -97,33 +97,52 @@ def test_the_schedule_saves_a_drain_once_and_the_end_of_training_always():
     assert not schedule.due(committed(9), epoch_ended=False, final=True)
 
 
-def test_the_probe_moves_while_a_write_runs_and_nothing_else_asks(clock):
+class _Emitted:
+    def emit(self, kind, **fields) -> None:
+        pass
+
+
+def test_the_probe_moves_while_a_write_runs_the_same_on_every_rank_and_nothing_else_asks(clock, monkeypatch):
     """After an in-process re-form the group saves before its first step; its probe 10 steps later
-    waited for that write (1-3 s at 1 GB). While rank 0 still writes, the probe moves instead; the
-    question is asked at the probe only, and a drain or the end of training never moves."""
-    cadence = SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600)
-    schedule = SnapshotSchedule(cadence, epochs=1)
-    cadence.agree(cadence.next_due(40, blocked_seconds=0.1))  # the re-form's snapshot, before any step
-    schedule.last_saved_step = 40
-    asked: list[int] = []
-    answers = iter([True, True, False])
+    waited for that write. While rank 0 still writes, the probe moves instead. Every rank asks at
+    the same steps (the question is a collective: a rank that asked alone hung in it for the
+    collective timeout, seen in CI), at the probe only; the end of training never moves."""
+    from elastic_ddp.snapshot.exchange import schedule as schedule_module
+    agreed: list[int] = []
 
-    def write_in_flight() -> bool:
-        asked.append(step)
-        return next(answers)
-
-    saved = []
-    for step in range(41, 41 + 3 * PROBE_STEPS + 5):
+    def broadcast(tensor, src):  # rank 0 runs each save first here: the others receive its choice
+        if agreed and len(agreed) > broadcast.received:
+            tensor.fill_(agreed[broadcast.received])
+            broadcast.received += 1
+        else:
+            agreed.append(int(tensor.item()))
+    broadcast.received = 0
+    monkeypatch.setattr(schedule_module.dist, "broadcast", broadcast)
+    ranks = [SimpleNamespace(is_main=rank == 0, in_process_group=True, collective_device="cpu") for rank in (0, 1)]
+    schedules = [SnapshotSchedule(SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600), epochs=1)
+                 for _ in ranks]
+    for context, schedule in zip(ranks, schedules):  # the re-form's snapshot, before any step
+        schedule.last_saved_step = 40
+        schedule.after_save(40, 0.1, context, _Emitted())
+    asked: list[list[int]] = [[], []]
+    answers = [True, True, False]
+    saved: list[list[int]] = [[], []]
+    for step in range(41, 41 + 8 * PROBE_STEPS):  # the probe, then budgeted snapshots every 11 steps
         clock.now += 0.1
-        if schedule.due(committed(step), epoch_ended=False, final=False, write_in_flight=write_in_flight):
-            saved.append(step)
-            cadence.agree(cadence.next_due(step, blocked_seconds=0.01))
+        for rank, (context, schedule) in enumerate(zip(ranks, schedules)):
+            def write_in_flight(rank=rank, step=step) -> bool:
+                asked[rank].append(step)
+                return len(asked[rank]) <= len(answers) and answers[len(asked[rank]) - 1]
+            if schedule.due(committed(step), epoch_ended=False, final=False, write_in_flight=write_in_flight):
+                saved[rank].append(step)
+                schedule.after_save(step, 0.01, context, _Emitted())
     probe = 40 + PROBE_STEPS
-    assert asked == [probe, probe + PROBE_STEPS, probe + 2 * PROBE_STEPS], asked
-    assert saved[0] == probe + 2 * PROBE_STEPS and schedule.last_saved_step == saved[-1]
-    assert not schedule.due(committed(saved[-1]), epoch_ended=False, final=True)  # saved: a drain adds none
-    assert schedule.due(committed(saved[-1] + 1, epoch=1), epoch_ended=True, final=False,
-                        write_in_flight=lambda: pytest.fail("the end of training was asked to move"))
+    assert asked[0] == asked[1] == [probe, probe + PROBE_STEPS, probe + 2 * PROBE_STEPS], asked
+    assert saved[0] == saved[1] and saved[0][0] == probe + 2 * PROBE_STEPS and len(saved[0]) >= 3, saved
+    last = schedules[0].last_saved_step
+    assert last == saved[0][-1] and not schedules[0].due(committed(last), epoch_ended=False, final=True)
+    assert schedules[0].due(committed(last + 1, epoch=1), epoch_ended=True, final=False,
+                            write_in_flight=lambda: pytest.fail("the end of training was asked to move"))
 
 
 def test_a_deferred_probe_does_not_count_as_saved_for_a_drain(clock):

@@ -66,12 +66,13 @@ class SnapshotSchedule:
         cadence = self.cadence
         if not cadence.on_budget:
             return
+        measured = cadence.clock_started  # read before rank 0's next_due, which may start the clock
         next_due = cadence.next_due(global_step, blocked_seconds, writer_cpu_seconds) if context.is_main else 0
         if context.in_process_group:
             agreed = torch.tensor([next_due], dtype=torch.int64, device=context.collective_device)
             dist.broadcast(agreed, src=0)
             next_due = int(agreed.item())
-        cadence.agree(next_due)
+        cadence.agree(next_due, probe_measured=measured)
         interval = cadence.interval
         if context.is_main and interval is not None:
             events.emit(schema.SNAPSHOT_CADENCE, global_step=global_step, every_steps=interval.every_steps,
