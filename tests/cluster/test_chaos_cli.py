@@ -112,9 +112,13 @@ def test_the_chaos_cli_plays_a_blip_a_partition_and_a_heal_on_hosts_of_their_own
     starts = [e["time"] for e in logged if e["event"] == "start"]
     assert not [when for when in starts if blip["fired_at"] < when < partition["fired_at"]], \
         f"the group re-formed after the blip\n{output[-3000:]}"
-    steps = [e["time"] for e in logged
-             if e["event"] == "step" and blip["fired_at"] - 1 < e["time"] < blip["fired_at"] + BLIP_S + 1]
+    # Through the first step once the link is back, whenever that came: a window that ended 1 s after
+    # the blip measured no stall at all when training resumed later than that (CI at 4c13a80: 0.06 s).
+    times = sorted(e["time"] for e in logged if e["event"] == "step")
+    resumed = next(t for t in times if t >= blip["fired_at"] + BLIP_S)
+    steps = [t for t in times if blip["fired_at"] - 1 < t <= resumed]
     stall = max(later - earlier for earlier, later in itertools.pairwise(steps))
     print(f"chaos CLI: a {BLIP_S:g} s blip of node1 stopped training {stall:.2f} s (no group re-formed); the partition: "
           f"node0 trained again {partition['recovery_seconds']} s later; node1 back after the heal")
-    assert stall > BLIP_S / 2, f"the blip did not stop training ({stall:.2f} s between steps): did it bite?"
+    assert stall > BLIP_S / 2, (f"the blip did not stop training ({stall:.2f} s between steps): did it bite? steps "
+                                f"from 1 s before it, s after it fired: {[round(t - blip['fired_at'], 2) for t in steps]}")
