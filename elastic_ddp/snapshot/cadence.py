@@ -19,8 +19,8 @@ cost); while rank 0's write of an earlier snapshot still runs then (the one an i
 takes at once, or a restored state's), the probe moves `PROBE_STEPS` later instead of waiting for
 it (`defer_probe`: the session agrees on it). After each snapshot rank 0 chooses when the next one
 is due and broadcasts that step (one small collective per snapshot), so every rank decides the
-same at every step. Epoch ends follow the
-budget too. The end of training is always saved, and so is a drain (its `final` snapshot).
+same at every step. Epoch ends follow the budget too. The end of training is always saved, and so
+is a drain (its `final` snapshot).
 
 `--snapshot_every_steps N` overrides the budget: every N steps and at every epoch end (0: only at
 epoch ends), as asked.
@@ -62,7 +62,7 @@ class SnapshotCadence:
         self.next_due_step: int | None = None  # on the budget: agreed by every rank
         self.interval: Interval | None = None
         self._clock: tuple[int, float] | None = None  # (step, time.monotonic()) when this group started
-        self._measured = False  # a budgeted snapshot of this group set the interval (the probe is past)
+        self._measured = False  # a snapshot after this group's first step was taken: the probe is past (`agree`)
         self._blocked_total = 0.0  # seconds snapshots blocked training since then (rank 0)
 
     @property
