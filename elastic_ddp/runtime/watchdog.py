@@ -225,16 +225,22 @@ class PeerWatchdog:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=self.interval_s * 4)
         if switched_after is not None:
-            threading.Thread(target=self._mark_switched, args=(switched_after,), name="elastic-ddp-watchdog-switch",
-                             daemon=True).start()
+            self._mark(SWITCHED_PREFIX + str(switched_after).encode(), wait_s=0)
 
-    def _mark_switched(self, step: int) -> None:
-        if self._exchanger is not None:
-            self._exchanger.join(timeout=self.bound_s)  # its last beat must not overwrite the mark
-        try:
-            self._store.set(str(self.rank), SWITCHED_PREFIX + str(step).encode())
-        except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
-            logger.debug("could not mark rank %d as switched: %s", self.rank, exc)
+    def _mark(self, value: bytes, wait_s: float) -> None:
+        """Write `value` in place of this rank's heartbeat, from a thread of its own (the store may
+        not answer), once the heartbeat thread's last beat is done (it must not overwrite the
+        mark); wait at most `wait_s` for the write."""
+        def mark() -> None:
+            if self._exchanger is not None:
+                self._exchanger.join(timeout=self.bound_s)
+            try:
+                self._store.set(str(self.rank), value)
+            except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
+                logger.debug("could not mark rank %d as %r: %s", self.rank, value, exc)
+        marking = threading.Thread(target=mark, name="elastic-ddp-watchdog-mark", daemon=True)
+        marking.start()
+        marking.join(timeout=wait_s)
 
     def leave(self) -> None:
         """This rank stops training on its own: peers stop watching it; this watchdog stops. Waits
@@ -244,15 +250,7 @@ class PeerWatchdog:
         log = logger.warning if self.longest_gap_s > self.bound_s / 2 else logger.info
         log("peer watchdog: the longest a peer's heartbeat stayed unchanged was %.2f s (bound %g s)",
             self.longest_gap_s, self.bound_s)
-
-        def mark_left() -> None:
-            try:
-                self._store.set(str(self.rank), LEFT)
-            except Exception as exc:  # noqa: BLE001 - the group may be gone already; nothing to tell then
-                logger.debug("could not mark rank %d as left: %s", self.rank, exc)
-        marking = threading.Thread(target=mark_left, name="elastic-ddp-watchdog-leave", daemon=True)
-        marking.start()
-        marking.join(timeout=self.interval_s * 4)
+        self._mark(LEFT, wait_s=self.interval_s * 4)
 
     def _wake(self) -> None:
         self._read_now.set()
