@@ -108,14 +108,19 @@ def agent_pid() -> int:
     return parent
 
 
+def rank_0s(context: DistributedContext, value: int) -> int:
+    """Rank 0's `value` on every rank (a collective of one int64; `value` is `value` alone)."""
+    if not context.in_process_group:
+        return value
+    agreed = torch.tensor([value], dtype=torch.int64, device=context.collective_device)
+    dist.broadcast(agreed, src=0)
+    return int(agreed.item())
+
+
 def agree_on_incarnation(context: DistributedContext) -> int:
     """A number shared by all ranks of this worker-group start, larger than any before it: rank 0's
     clock in microseconds (a collective)."""
-    if not context.in_process_group:
-        return time.time_ns() // 1000
-    value = torch.tensor([time.time_ns() // 1000], dtype=torch.int64, device=context.collective_device)
-    dist.broadcast(value, src=0)
-    return int(value.item())
+    return rank_0s(context, time.time_ns() // 1000)
 
 
 def warn_if_agent_store_shared() -> None:

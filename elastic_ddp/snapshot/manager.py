@@ -32,7 +32,7 @@ import torch
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.runtime.distributed import DistributedContext, rank_0s
 from elastic_ddp.snapshot.background_writer import SnapshotWriter
 from elastic_ddp.snapshot.exchange.replication import Replication
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot, agree_on_latest_snapshot
@@ -159,12 +159,7 @@ class SnapshotSession:
         every rank learns it (one broadcast): the cadence's probe then moves rather than wait for
         it. After an in-process re-form it is the write of the snapshot taken at once, which the
         probe 10 steps later would wait for at large states (docs/benchmarks.md)."""
-        writing = self.writer is not None and self.writer.writing()
-        if self.context.in_process_group:
-            agreed = torch.tensor([int(writing)], dtype=torch.int64, device=self.context.collective_device)
-            torch.distributed.broadcast(agreed, src=0)
-            writing = bool(agreed.item())
-        return writing
+        return bool(rank_0s(self.context, int(self.writer is not None and self.writer.writing())))
 
     def counted_step(self, state: TrainingState) -> int:
         """The newest committed step that counts (its `step` event, its audit line, a state a

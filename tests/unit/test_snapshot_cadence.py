@@ -107,7 +107,7 @@ def test_the_probe_moves_while_a_write_runs_the_same_on_every_rank_and_nothing_e
     waited for that write. While rank 0 still writes, the probe moves instead. Every rank asks at
     the same steps (the question is a collective: a rank that asked alone hung in it for the
     collective timeout, seen in CI), at the probe only; the end of training never moves."""
-    from elastic_ddp.snapshot.exchange import schedule as schedule_module
+    from elastic_ddp.runtime import distributed
     agreed: list[int] = []
 
     def broadcast(tensor, src):  # rank 0 runs each save first here: the others receive its choice
@@ -117,7 +117,7 @@ def test_the_probe_moves_while_a_write_runs_the_same_on_every_rank_and_nothing_e
         else:
             agreed.append(int(tensor.item()))
     broadcast.received = 0
-    monkeypatch.setattr(schedule_module.dist, "broadcast", broadcast)
+    monkeypatch.setattr(distributed.dist, "broadcast", broadcast)
     ranks = [SimpleNamespace(is_main=rank == 0, in_process_group=True, collective_device="cpu") for rank in (0, 1)]
     schedules = [SnapshotSchedule(SnapshotCadence(every_steps=None, budget=0.01, max_interval_s=600), epochs=1)
                  for _ in ranks]

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-
 from elastic_ddp.config import TrainingConfig
 from elastic_ddp.runlog import schema
 from elastic_ddp.runlog.events import EventLog
-from elastic_ddp.runtime.distributed import DistributedContext
+from elastic_ddp.runtime.distributed import DistributedContext, rank_0s
 from elastic_ddp.snapshot.cadence import SnapshotCadence
 from elastic_ddp.snapshot.training_state import TrainingState
 
@@ -67,11 +64,8 @@ class SnapshotSchedule:
         if not cadence.on_budget:
             return
         measured = cadence.clock_started  # read before rank 0's next_due, which may start the clock
-        next_due = cadence.next_due(global_step, blocked_seconds, writer_cpu_seconds) if context.is_main else 0
-        if context.in_process_group:
-            agreed = torch.tensor([next_due], dtype=torch.int64, device=context.collective_device)
-            dist.broadcast(agreed, src=0)
-            next_due = int(agreed.item())
+        next_due = rank_0s(context, cadence.next_due(global_step, blocked_seconds, writer_cpu_seconds)
+                           if context.is_main else 0)
         cadence.agree(next_due, probe_measured=measured)
         interval = cadence.interval
         if context.is_main and interval is not None:
