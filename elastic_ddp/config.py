@@ -4,7 +4,7 @@ The CLI is derived from the dataclass fields, so a field, its type, its default 
 live in one place (docs/configuration.md is generated from the same fields). Booleans become
 `--flag/--no-flag`; a `tuple[float, float]` field takes two numbers. A subclass with fields of its
 own gets flags for them from `from_args`. `--config FILE.toml` supplies values for any of them
-(elastic_ddp/config_file.py); the command line wins over the file. Flags are never abbreviated:
+(elastic_ddp/run_files/config_file.py); the command line wins over the file. Flags are never abbreviated:
 `--dataset x` is `--dataset`, never a prefix of `--dataset_size`.
 
 Validation happens in `__post_init__`, before any process group exists, and raises `ValueError`
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.config_file import ConfigFileError, load_config_file
-from elastic_ddp.locations import check_usable_url, local_path
+from elastic_ddp.run_files.config_file import ConfigFileError, load_config_file
+from elastic_ddp.run_files.locations import check_usable_url, local_path
 from elastic_ddp.workload.sampler import steps_per_epoch
 from elastic_ddp.workload.user_code import has_import_path_form
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 if __name__ == "__main__":
     # Before any other import: under torchrun with our rendezvous, this process hands the run to a
     # warm worker forked from the agent's warm-worker server (no torch import here) and ends as it ends.
-    from elastic_ddp.warm_client import become_warm_worker
+    from elastic_ddp.handoff.warm_client import become_warm_worker
 
     become_warm_worker("elastic_ddp.train")
 

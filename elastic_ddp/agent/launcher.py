@@ -11,9 +11,9 @@ worker as a new `python -m MODULE` process, which imports torch and, at the firs
 call, torch._dynamo: seconds per restart. The launcher forks the agent's warm-worker server
 (elastic_ddp/agent/warm_workers.py) as soon as it has imported torchrun (and so torch), so that it
 imports the rest while the agent enters its rendezvous, and has torchrun start each worker as `python -m
-elastic_ddp.warm_start MODULE ARGS...`: a thin client that hands its run to the server, which forks
+elastic_ddp.handoff.warm_start MODULE ARGS...`: a thin client that hands its run to the server, which forks
 the worker from its warm state and runs MODULE as `python -m MODULE ARGS...` would
-(elastic_ddp/warm_client.py). Plain torchrun gets the same server from our rendezvous plugin, but
+(elastic_ddp/handoff/warm_client.py). Plain torchrun gets the same server from our rendezvous plugin, but
 only with our backends and for the modules of `warm_client.WARM_MODULES`; under the launcher the
 plugin finds the server running and starts none. The agent enters the rendezvous once its server
 has its imports (at most `warm_workers.READY_WAIT_S`) when it joins a running job (the plugin's
@@ -41,9 +41,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from elastic_ddp import warm_start
 from elastic_ddp.agent.rendezvous.plugin import WARM_WORKERS_KEY
 from elastic_ddp.agent.warm_workers import start_warm_worker_server
+from elastic_ddp.handoff import warm_start
 
 # `warm_workers=0` in an `--rdzv_conf` value (`--rdzv_conf=a=1,warm_workers=0` or a separate argument).
 WARM_WORKERS_OFF_CONF = re.compile(rf"(?:^|[=,]){WARM_WORKERS_KEY}=0(?:,|$)")
@@ -60,7 +60,7 @@ def may_run_warm(argv: Sequence[str]) -> bool:
 
 
 def warm_arguments(argv: Sequence[str]) -> list[str]:
-    """`argv` with `-m MODULE ARGS...` run as `-m elastic_ddp.warm_start MODULE ARGS...`, wherever
+    """`argv` with `-m MODULE ARGS...` run as `-m elastic_ddp.handoff.warm_start MODULE ARGS...`, wherever
     `-m` stands among torchrun's options; other entry points (`--no-python`, `--run-path`, a script
     path) unchanged."""
     from torch.distributed.run import parse_args

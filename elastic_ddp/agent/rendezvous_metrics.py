@@ -7,7 +7,7 @@ counted, and its `reform_in_process`, the rounds it runs for its running workers
 survivors re-form in process, issue 44): one taken in process counts as a round; one given up
 counts its time only (torchrun's restart then enters that round through `next_rendezvous`).
 After each change this agent writes its figures to `rendezvous_file(its pid)`, the file
-whose format and checks `elastic_ddp.rendezvous_figures` holds, the whole contract with the node's
+whose format and checks `elastic_ddp.handoff.rendezvous_figures` holds, the whole contract with the node's
 metrics server (runlog/metrics_agent.py), which serves them as `elastic_ddp_agent_rendezvous_*`.
 
 The file is removed when the agent exits normally, by the metrics server when the agent has ended
@@ -33,7 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from elastic_ddp.rendezvous_figures import FILE_PREFIX, remove_file_and_empty_directory, rendezvous_file, write_figures
+from elastic_ddp.handoff.rendezvous_figures import (
+    FILE_PREFIX,
+    remove_file_and_empty_directory,
+    rendezvous_file,
+    write_figures,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Two callers start it in the agent, and one agent runs one server at most: `python -m
 elastic_ddp.agent.launcher` once it has imported torchrun, for any `-m MODULE` (its workers run
-`python -m elastic_ddp.warm_start MODULE`), and, for plain torchrun, the rendezvous plugin when
+`python -m elastic_ddp.handoff.warm_start MODULE`), and, for plain torchrun, the rendezvous plugin when
 torchrun creates an `elastic-c10d` or `etcd-v3` handler for a job whose training module is one of
 `warm_client.WARM_MODULES` (`-m elastic_ddp.train`). `start_warm_worker_server()` binds a listening
 socket in Linux's abstract namespace (`@elastic_ddp-warm-<agent pid>-<random>`: no file, gone with
@@ -19,7 +19,7 @@ nodes for its imports; a job's first round and a member's next ones do not wait.
 starting a new interpreter, saves the server torch's own import (1.0-1.5 s of CPU here, per node
 start: docs/benchmarks.md).
 A worker that connects before the imports are done (the wait timed out) waits in the socket's
-backlog. Each worker's first lines (elastic_ddp/warm_client.py) connect; the server accepts, closes
+backlog. Each worker's first lines (elastic_ddp/handoff/warm_client.py) connect; the server accepts, closes
 a connection of another uid unread, proves it holds the key and has the client prove it (a nonce each
 way, HMAC-SHA256; warm_client's docstring), all within `HANDSHAKE_TIMEOUT_S` and without blocking on
 any client, and only then forks. It relays each child's exit status to its client when the child
@@ -80,7 +80,7 @@ import threading
 import time
 import traceback
 
-from elastic_ddp.warm_client import (
+from elastic_ddp.handoff.warm_client import (
     CLIENT_LABEL,
     EXITED,
     KEY_BYTES,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     # Before any other import, as in elastic_ddp.train: run warm under torchrun with our rendezvous.
-    from elastic_ddp.warm_client import become_warm_worker
+    from elastic_ddp.handoff.warm_client import become_warm_worker
 
     become_warm_worker("elastic_ddp.chaos.held_train")
 

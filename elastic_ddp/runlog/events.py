@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_ddp.locations import local_path
+from elastic_ddp.run_files.locations import local_path
 from elastic_ddp.runlog.schema import EVENT_KINDS, EVENT_LOG_NAME, STEP, EventKind
 
 logger = logging.getLogger(__name__)

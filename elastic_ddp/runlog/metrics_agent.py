@@ -1,7 +1,7 @@
 """The node's torchrun agent's rendezvous rounds, as the node's metrics server shows them.
 
 The agent (elastic_ddp/agent/rendezvous_metrics.py, which this module never imports: the agent
-side and the worker side live apart) writes its figures to the file of `elastic_ddp.rendezvous_figures`,
+side and the worker side live apart) writes its figures to the file of `elastic_ddp.handoff.rendezvous_figures`,
 the one contract of the two; the node's metrics server knows the agent's pid (it watches the agent)
 and serves the file through `AgentRendezvousCollector`, read at each scrape. These series are every node's own (one per
 endpoint), unlike the run's, which come from rank 0's node:
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from elastic_ddp.rendezvous_figures import read_figures, remove_file_and_empty_directory, rendezvous_file
+from elastic_ddp.handoff.rendezvous_figures import read_figures, remove_file_and_empty_directory, rendezvous_file
 
 NAME = "elastic_ddp_agent_rendezvous"
 

@@ -23,8 +23,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.handoff.warm_client import SERVER_PROCESS_NAME as WARM_SERVER_NAME
 from elastic_ddp.runtime.procfs import command_line, process_name, read_stat
-from elastic_ddp.warm_client import SERVER_PROCESS_NAME as WARM_SERVER_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DistributedContext:
 def agent_pid() -> int:
     """The pid of the torchrun agent that started this worker (this process's parent, or its
     grandparent when the worker was forked from the agent's warm-worker server,
-    elastic_ddp/warm_client.py, or from a multiprocessing fork server: torchrun's `--run-path` with
+    elastic_ddp/handoff/warm_client.py, or from a multiprocessing fork server: torchrun's `--run-path` with
     `--start-method forkserver`). Without /proc (not Linux) the parent is the answer."""
     parent = os.getppid()
     if process_name(parent) == WARM_SERVER_NAME or b"multiprocessing.forkserver" in command_line(parent):

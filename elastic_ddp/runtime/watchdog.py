@@ -29,7 +29,7 @@ agent for a round without the silent node when connected (training/stop_guard.py
 keeps its last committed step in node memory and ends with `SILENT_PEER_EXIT_CODE`, the same way
 out as a failed collective, so torchrun re-forms the group without the silent node and nothing
 committed is lost.
-With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.verdicts`: their
+With a `verdict_address`, it first sends there which nodes were silent (`elastic_ddp.handoff.verdicts`: their
 `GROUP_RANK`s, which every heartbeat carries; rank 0's node when the store went silent), for this
 node's torchrun agent: our rendezvous (elastic-c10d, etcd-v3) then leaves such a node out of the
 next round as soon as the node's beacon does not answer either, instead of waiting for its lease
@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from elastic_ddp.verdicts import SUSPECT_LEAD_S, send_suspicion, send_verdict
+from elastic_ddp.handoff.verdicts import SUSPECT_LEAD_S, send_suspicion, send_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ class PeerWatchdog:
 
     def _suspect(self, nodes: set[int | None]) -> None:
         """Name `nodes` to this node's agent as suspects: it asks their beacons while this watchdog
-        confirms (`elastic_ddp.verdicts`); a hint, which alone leaves nobody out."""
+        confirms (`elastic_ddp.handoff.verdicts`); a hint, which alone leaves nobody out."""
         named = {node for node in nodes if node is not None and node != self.node_rank}
         if named:
             try:

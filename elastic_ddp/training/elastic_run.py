@@ -58,8 +58,6 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Self
 
 import torch
@@ -68,39 +66,20 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import TrainingConfig
-from elastic_ddp.runlog.metrics_causes import WATCHDOG_REASON
 from elastic_ddp.runlog.startup import StartupTimeline
 from elastic_ddp.runlog.worker_logging import RankPrefix, installed_rank_prefix
-from elastic_ddp.runtime.distributed import (
-    DistributedContext,
-    agree_on_incarnation,
-    keep_until_exit,
-    remove_autograd_hooks,
-)
+from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runtime.drain import DrainSignal
-from elastic_ddp.snapshot.manager import SnapshotSession, open_snapshot_session
-from elastic_ddp.snapshot.staging import StagingBuffers
 from elastic_ddp.snapshot.training_state import Stateful, TrainingState, run_fingerprint
-from elastic_ddp.training.in_process import (
-    InterruptibleDDP,
-    InterruptibleFSDPCollectives,
-    Regroup,
-    lost_peer,
-    what_broke,
-)
-from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.training.sharding import ShardingError, parameterless_copy, place_model, rebuilt
+from elastic_ddp.training.group_lifecycle import GroupLifecycle, on_success, sharded_skeleton
+from elastic_ddp.training.sharding import ShardingError, place_model
 from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
 from elastic_ddp.training.step_hooks import MinimumStepTime
-from elastic_ddp.training.stop_guard import GroupReformed, StopGuard
 from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
 from elastic_ddp.workload.losses import check_per_sample
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
-
-# How long a rank leaving a working group for a new round (a join) waits for the loss report in flight.
-SWITCH_REPORT_WAIT = timedelta(seconds=1)
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -110,7 +89,7 @@ class LoopContractError(RuntimeError):
     """The loop broke a rule of `ElasticRun`'s contract; raised where it did (module docstring)."""
 
 
-class ElasticRun:
+class ElasticRun(GroupLifecycle):
     """One worker group's part of an elastic run of a loop of the user's own (module docstring).
 
     Build it inside an initialised process group (or none, for one process), enter it once with
@@ -139,7 +118,7 @@ class ElasticRun:
         # Under fsdp a re-form in process shards the model again, over the new group (`_rebuild_sharded`).
         self._skeleton, not_in_process = None, None
         if config.sharding == "fsdp":
-            self._skeleton, not_in_process = _sharded_skeleton(model, scheduler)
+            self._skeleton, not_in_process = sharded_skeleton(model, scheduler)
         self.module = place_model(model, config.sharding, config.shard_blocks, self.context.device)
         self.ddp_model: nn.Module = self.module  # DDP once entered (FSDP2 sharded the module in place)
         self.model: nn.Module = self.module  # what a step calls: ddp_model, compiled with --compile
@@ -154,26 +133,11 @@ class ElasticRun:
         self.log_prefix = log_prefix or installed_rank_prefix()  # its step number follows the commits
         self.drain = DrainSignal(self.context.collective_device)
         self.pacing = MinimumStepTime(config.min_step_time_s) if config.min_step_time_s else None
-        self.stop_guard: StopGuard | None = None  # keeps the last committed step,
-        self.run_log: RunLog | None = None  # what this run reports, and
-        self.snapshots: SnapshotSession | None = None  # its snapshots (all three set while entered)
         self.current_step: Step | None = None
-        self.regroup = Regroup(self.context, timedelta(seconds=config.collective_timeout_s), not_in_process)
-        self.fsdp_collectives = InterruptibleFSDPCollectives(self.regroup.alarm, self._absorbs_fsdps_lost_peer,
-                                                             lambda: self._lost_peer is not None)
-        self._started = 0.0  # time.monotonic() of entering the run
         self._exits: contextlib.ExitStack | None = None
-        self._incarnation_exits: contextlib.ExitStack | None = None  # the log, snapshots and watchdog of this group
-        self._lost_peer: str | None = None  # why the group broke under the step in progress (in-process re-form)
-        self._regrouped_at: int | None = None  # the committed step at the last in-process re-form
-        self._silent_peer: str | None = None  # what the watchdog found, when it handed the re-form over
-        self._warm_staging: StagingBuffers | None = None  # the last incarnation's, for the next (in process)
-        self._peer_switched_after: int | None = None  # a peer left this group for the next round after it
-        self.regroup.alarm.also_when(self._past_a_peers_switch)
         self._entered = False
-        self._runtime_steps_optimizer = False  # inside the commit, or the run's own bookkeeping
-        self._model_calls = 0  # of ddp_model, when plain DDP: what `Step.backward` checks
         self._empty_batch: list[torch.Tensor] | None = None
+        self._start_lifecycle(not_in_process)
 
     def _build_state(self) -> TrainingState:
         """The training state of `module` (placed, under fsdp sharded) with the optimizer, scheduler
@@ -237,7 +201,7 @@ class ElasticRun:
         self._started = time.monotonic()
         with contextlib.ExitStack() as exits:
             # A SIGTERM that came too late to drain is raised again once everything is closed.
-            exits.push(_on_success(self.drain.redeliver_unused))
+            exits.push(on_success(self.drain.redeliver_unused))
             exits.callback(self.regroup.stop)
             # SIGTERM is caught from the first step until the incarnation is closed, its last step
             # kept included: torchrun sends it to a node's workers as soon as one fails or its
@@ -251,7 +215,7 @@ class ElasticRun:
             self.drain.guard_vote = self.regroup.alarm.guard if self.regroup.enabled else None
             self._enter_incarnation()
             self.drain.catch_sigterm()
-            exits.push(_on_success(self.drain.finish))
+            exits.push(on_success(self.drain.finish))
             self._exits = exits.pop_all()
         return self
 
@@ -263,100 +227,6 @@ class ElasticRun:
         if exc_info[0] is not None:  # first: the agent must not run a round in process for a worker on its way out
             self.regroup.stop()
         return exits.__exit__(*exc_info)
-
-    def _enter_incarnation(self, re_formed: _ReFormed | None = None) -> None:
-        """Agree on the incarnation, open its log and snapshots, start the watchdog, restore the
-        newest state the group can read, wrap the model: once per process group. `re_formed`: a
-        group re-formed in this process (in_process.py), whose ranks keep their own state when they
-        all hold the same step."""
-        incarnation = agree_on_incarnation(self.context)
-        with contextlib.ExitStack() as exits:
-            log, snapshots = exits.enter_context(self._incarnation(incarnation))
-            exits.push(_on_success(self._finish))
-            guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
-                                                self.config.epochs, self.config.watchdog_timeout_s,
-                                                self._re_form_without_silent_peer, self._peer_switched)
-            exits.enter_context(guard.watching_peers(incarnation))
-            log.started(in_process=re_formed is not None)
-            snapshots.start()
-            # With newcomers, every rank restores as after a restart (the collectives of a fresh worker's
-            # entry): the survivors' kept step is the newest, served to the newcomers.
-            # Sharded, the model was rebuilt for the new world: every rank restores its parts as after a restart.
-            sharded = self.config.sharding == "fsdp"
-            if re_formed is not None and not self.regroup.joined and not sharded \
-                    and snapshots.resume_live(self.state, re_formed.committed_in):
-                sampler = self.state.sampler
-                log.resumed_live(self.global_step, sampler.epoch, sampler.samples_consumed, re_formed.world_size)
-            else:
-                # Newcomers, or a broken all-reduce let some ranks commit a step the others did not: each
-                # rank keeps its own, as the group that committed it; the newest is served to the others.
-                if re_formed is not None and not sharded:
-                    snapshots.keep_in_memory(self.state, f"in-process re-form: {re_formed.reason}",
-                                             committed_by=(re_formed.committed_in, re_formed.world_size))
-                log.restored(snapshots.restore(self.state))
-            self._wrap_model(restored=self.global_step > 0)
-            exits.enter_context(guard.keeping_the_last_step())
-            self._incarnation_exits = exits.pop_all()
-
-    def _leave_incarnation(self, *exc_info: Any) -> bool:
-        exits, self._incarnation_exits = self._incarnation_exits, None
-        return exits.__exit__(*exc_info) if exits is not None else False
-
-    @contextlib.contextmanager
-    def _incarnation(self, incarnation: int) -> Iterator[tuple[RunLog, SnapshotSession]]:
-        """The run log and snapshot session of one entry, closed whatever happens."""
-        self.run_log = RunLog(self.config, self.context, incarnation, self.state.sampler.steps_per_epoch,
-                              self.startup, self.log_prefix)
-        try:
-            self.snapshots = open_snapshot_session(self.config, self.context, self.run_log.events, self.fingerprint,
-                                                   incarnation, self._warm_staging)
-            re_forming = False
-            try:
-                yield self.run_log, self.snapshots
-            except GroupReformed:
-                re_forming = True  # the next incarnation snapshots at once: an older write in flight stops
-                raise
-            finally:
-                self.snapshots.close(superseded=re_forming)
-                self._warm_staging = self.snapshots.staging_to_reuse()
-        finally:
-            self.run_log.close()
-
-    def _finish(self) -> None:
-        if self.epoch < self.config.epochs:  # the loop left early: keep its place durably, as a drain does
-            logger.info("the loop left the run at step %d, before its end; saving that step", self.global_step)
-            with self._runtime_owns_optimizer():
-                self.snapshots.save(self.state, final=True)
-        self.wait_until_counted()
-        self.snapshots.finish()
-        self.run_log.finished(self.global_step, time.monotonic() - self._started)
-        self.snapshots.forget_memory_copies()
-
-    def _wrap_model(self, restored: bool) -> None:
-        if self.regroup.enabled and self.config.sharding == "fsdp":  # FSDP2 sharded it; its collectives give way
-            try:
-                self.fsdp_collectives.install(self.module)
-                logger.info("FSDP2's all-gathers and reduce-scatters give way to an in-process re-form")
-            except ValueError as exc:
-                logger.info("a lost node restarts this worker (no in-process re-form): FSDP2 refused a custom "
-                            "collective (%s)", exc)
-                self.regroup.stop()
-        if self.context.in_process_group and self.config.sharding == "none":  # FSDP2 sharded it in place_model
-            device_ids = [self.context.device.index] if self.context.device.type == "cuda" else None
-            # Restored, every rank holds the agreed state: DDP's broadcast is redundant (1.4 s per GB).
-            settings = {"device_ids": device_ids, "init_sync": not restored}
-            if self.regroup.enabled:  # its collectives must give way when a peer is lost or the agent re-forms
-                self.ddp_model = InterruptibleDDP(self.module, self.regroup.alarm, self._absorbs_ddps_lost_peer,
-                                                **settings)
-                self.regroup.comm_hook.install(self.ddp_model)
-            else:
-                self.ddp_model = DistributedDataParallel(self.module, **settings)
-            keep_until_exit(self.ddp_model)  # freeing it while Python runs can deadlock in gloo
-            if not self.config.compile:
-                self.ddp_model.register_forward_pre_hook(self._count_model_call)
-        # Compiled around DDP (torch's DDPOptimizer splits the graph at its buckets) or FSDP2's
-        # module; the model itself stays uncompiled, so its state dict keeps its own names.
-        self.model = torch.compile(self.ddp_model) if self.config.compile else self.ddp_model
 
     # ------------------------------------------------------------------------------- steps
 
@@ -390,13 +260,7 @@ class ElasticRun:
                     raise LoopContractError(f"step {step.number} was not committed before the next one was asked "
                                             "for; end every step with step.commit() (or `with step.committing():`)")
                 if self._lost_peer is None:
-                    self._step_boundary()
-                if self._lost_peer is None and (self.regroup.replaced() or self._peer_switched_after is not None):
-                    # A join (or a loss elsewhere): every rank leaves after this step, also one whose
-                    # agent has not taken the round yet, told by the first that left (`_peer_switched`).
-                    self.run_log.training_interrupted(wait_at_most=SWITCH_REPORT_WAIT)
-                    self._lost_peer = f"the agent took a new round in process after step {self.global_step}"
-                    logger.info("%s; re-forming the group", self._lost_peer)
+                    self._step_boundary()  # may mark the group for a re-form: a join, or a loss elsewhere
                 if self._lost_peer is not None:
                     self._re_form_in_process()
                     return  # `steps()` plans the rest of the epoch for the new world
@@ -404,186 +268,13 @@ class ElasticRun:
             self.run_log.training_interrupted()
             raise
 
-    def _step_boundary(self) -> None:
-        """Between two committed steps, on every rank (the drain's collective must line up)."""
-        with self._owned_collective("the drain vote"):
-            self.stop_guard.drain_if_agreed()
-        if self.pacing is not None and self._lost_peer is None:
-            self.pacing.wait()
-
-    @contextlib.contextmanager
-    def _owned_collective(self, what: str) -> Iterator[None]:
-        """Around a call of the run's own that holds a collective: a peer lost there (gloo says so
-        at once) marks the group broken, for the iterator to re-form it in process (in_process.py),
-        when this worker can. Anything else propagates, as does a loss right after a re-form with
-        no step committed since (a second loss during the re-form: torchrun's restart takes over)."""
-        try:
-            yield
-        except RuntimeError as exc:
-            if not self._absorbs_lost_peer(what, exc):
-                raise
-
-    def _absorbs_lost_peer(self, what: str, exc: RuntimeError) -> bool:
-        """Whether `exc`, raised by `what`, marks the group broken under the step in progress (the
-        first such error names it): a lost peer, this worker re-forms in process, a step is in
-        progress, and a step was committed since the last re-form."""
-        if (not (self.regroup.enabled and lost_peer(exc)) or self._regrouped_at == self.global_step
-                or self.current_step is None):
-            return False
-        if self._lost_peer is None:
-            self._lost_peer = f"{what}: {what_broke(exc)}"
-            logger.warning("a peer is lost (%s); re-forming the group in process", self._lost_peer)
-        return True
-
-    def _re_form_without_silent_peer(self, reason: str) -> bool:
-        """From the watchdog's thread, which found a peer silent: whether this worker re-forms without
-        it in process (the agent is asked for the round), under `_absorbs_lost_peer`'s rules and
-        only while one of the run's collectives waits through the alarm, which then ends it: a
-        training thread blocked in any other collective could not come out to re-form."""
-        if (not self.regroup.enabled or self.current_step is None or self._regrouped_at == self.global_step
-                or not self.regroup.alarm.waiting()):
-            return False
-        try:
-            self.regroup.ask_for_round(f"peer watchdog: {reason}")
-        except OSError as exc:
-            logger.warning("could not ask this node's agent for a round without the silent peer (%s)", exc)
-            return False
-        logger.warning("peer watchdog: %s; re-forming the group in process", reason)
-        self._silent_peer = reason
-        return True
-
-    def _peer_switched(self, step: int) -> None:
-        """From the watchdog's thread: a peer left this group for the agent's next round after the
-        committed step `step` (its agent took the round first). This rank leaves at that step's
-        boundary too, and a collective of a later step that waits (begun before this was known)
-        is failed by the alarm (`_past_a_peers_switch`): that peer takes part in none."""
-        if self.regroup.enabled and (self._peer_switched_after is None or step < self._peer_switched_after):
-            self._peer_switched_after = step
-
-    def _past_a_peers_switch(self) -> bool:
-        """(The alarm's thread.) Whether the step in progress comes after the one a peer left after."""
-        left_after, step = self._peer_switched_after, self.current_step
-        return left_after is not None and step is not None and step.number > left_after
-
-    def _absorbs_fsdps_lost_peer(self, what: str, exc: RuntimeError) -> bool:
-        if self.current_step is None:  # (outside a step: an evaluation) never absorbed
-            return False
-        return self._absorbs_lost_peer(f"step {self.current_step.number}'s {what}", exc)
-
-    def _absorbs_ddps_lost_peer(self, exc: RuntimeError) -> bool:
-        if self.current_step is None:  # (a forward outside a step: an evaluation) never absorbed
-            return False
-        return self._absorbs_lost_peer(f"step {self.current_step.number}'s forward (DDP's own collectives)", exc)
-
-    def _re_form_in_process(self) -> None:
-        """The group broke under the step in progress, or the agent took a new round at this step
-        boundary (a join): stop the watchdog, leave the group, join the round the agent runs for
-        its workers, close this group's incarnation, open the next on the new group (each rank
-        keeps its own state when all hold the same step and nobody is new; else they restore as
-        after a restart) and go on from the last committed step. RejoinRefused when the agent falls
-        back to torchrun's restart."""
-        reason, self._lost_peer = self._lost_peer, None
-        self.current_step = None
-        self.run_log.training_interrupted()
-        self.stop_guard.stop_watching(switched_after=self.global_step)  # the re-form has its own deadline
-        sharded = self.config.sharding == "fsdp"
-        silent_peer, self._silent_peer = self._silent_peer, None
-        # A keep also reports the step whose exchange ended meanwhile (sharded) and writes every rank's
-        # audit share of the last counted step: a lost rank that committed it never wrote its line.
-        if silent_peer is not None:  # kept as the watchdog's way out keeps it, and said so (the restart's cause)
-            self.stop_guard.keep(f"{WATCHDOG_REASON}: {silent_peer}", after_silence=True)
-        elif sharded:  # each rank's parts (its own, its partner's copy) to its node's memory, for the restore
-            self.stop_guard.keep(f"in-process re-form: {reason}")
-        else:
-            # Nothing is kept here: the survivors usually hold the same step and keep their own state
-            # (at large states a keep costs seconds); a re-form that needs copies keeps them in the
-            # new incarnation, and a fallback keeps the step on its way out (`__exit__`).
-            self.run_log.record_every_ranks_share()
-        self.drain.forget_vote()
-        self.state.optimizer.zero_grad(set_to_none=True)
-        self._unhook_the_broken_wrapper()
-        committed_in = None if sharded else self.snapshots.committed_in(self.global_step)  # (a part says its own)
-        re_formed = _ReFormed(reason, committed_in, self.context.world_size)
-        # RejoinRefused propagates with this incarnation still open: on its way out it keeps the last
-        # committed step in node memory (already there), which torchrun's restart then restores.
-        context = self.regroup.rejoin(reason, lambda: self.drain.requested)
-        self._peer_switched_after = None  # (the old group's watchdog reports no more: `stop_watching`)
-        self._leave_incarnation(GroupReformed, GroupReformed(reason), None)  # closes its log and snapshots
-        self.context = context
-        if self.log_prefix is not None:
-            self.log_prefix.rank, self.log_prefix.world_size = context.rank, context.world_size
-        if sharded:
-            self._rebuild_sharded()
-        self._enter_incarnation(re_formed)
-        self._regrouped_at = self.global_step
-
-    def _rebuild_sharded(self) -> None:
-        """The model sharded again over the new group, from the copy taken before it was first
-        sharded, and its optimizer, schedule and scaler built anew as at the start (factories
-        called again; the extra state's objects carried over): the restore that follows loads all
-        of it. The old model and optimizer are let go (their group is kept: `Regroup.rejoin`)."""
-        self.module = rebuilt(self._skeleton, self.config.shard_blocks, self.context.device)
-        self.ddp_model = self.model = self.module
-        self.state = self._build_state()
-
-    def _unhook_the_broken_wrapper(self) -> None:
-        """Take the DDP of the broken group off the module: its gradient hooks go (its reducer may
-        still expect the abandoned backward). The wrapper itself stays referenced until exit
-        (`keep_until_exit`): freeing it frees the broken group, whose destructor waits for the
-        collectives still in its threads (seen: until their timeout)."""
-        if isinstance(self.ddp_model, DistributedDataParallel):
-            remove_autograd_hooks(self.ddp_model)
-        self.ddp_model = self.model = self.module
-
-    def _after_commit(self, step: Step) -> None:
-        """Each component decides for itself what a committed step means to it, in this order on
-        every rank (their collectives must line up)."""
-        with self._owned_collective(f"the run's work after step {self.global_step}"):
-            self._count_the_commit(step)
-
-    def _count_the_commit(self, step: Step) -> None:
-        number, plan = self.global_step, step.plan
-        self.run_log.step_committed(plan, number, step.loss_sum, self.state.scheduler.get_last_lr()[0])
-        if step.amp_skipped:
-            self.run_log.amp_step_skipped(number, self.state.grad_scaler.scaler.get_scale())
-        if step.epoch_ended:
-            self.run_log.epoch_ended(plan.epoch, number)
-        self._report_counted()  # under sharding, the step before (its parts are on two nodes now)
-        with self._runtime_owns_optimizer():  # a sharded save may step a stateless optimizer to build its state
-            self.snapshots.save(self.state, epoch_ended=step.epoch_ended)
-        self._report_counted()  # a step saved durably counted first
-
-    def wait_until_counted(self) -> None:
-        """Wait until the last committed step counts, and report it (its `step` event, its audit
-        line). Under `--sharding fsdp` with memory copies a step counts once its parts are on two
-        nodes, which the next step's commit waits for; call this before the loop pauses for long
-        between steps (the chaos harness's hold does), so that the step is reported meanwhile. A
-        drain and the end of training do it themselves. Raises PartExchangeError when the exchange
-        failed."""
-        self.snapshots.wait_until_counted()
-        self._report_counted()
-
-    def _report_counted(self) -> None:
-        self.run_log.steps_counted(self.snapshots.counted_step(self.state))
-
     # ------------------------------------------------------------------------------- the contract's checks
-
-    @contextlib.contextmanager
-    def _runtime_owns_optimizer(self) -> Iterator[None]:
-        self._runtime_steps_optimizer = True
-        try:
-            yield
-        finally:
-            self._runtime_steps_optimizer = False
 
     def _refuse_the_loops_optimizer_step(self, *_: Any) -> None:
         if self.current_step is not None and not self._runtime_steps_optimizer:
             raise LoopContractError(f"optimizer.step() called by the loop during step {self.current_step.number}; "
                                     "the run steps the optimizer (through the grad scaler) in step.commit(), once "
                                     "per step: remove this call")
-
-    def _count_model_call(self, *_: Any) -> None:
-        self._model_calls += 1
 
     def _device_batch(self, indices: list[int], batches: Iterator[Any]) -> list[Any]:
         """The loader's next batch on this rank's device; for no `indices`, an empty batch shaped
@@ -739,25 +430,6 @@ class Step:
                                     f"and {self._backwards} went through step.backward(); every one must, first")
 
 
-def _sharded_skeleton(model: nn.Module, scheduler: object) -> tuple[nn.Module | None, str | None]:
-    """What `_rebuild_sharded` builds from (`sharding.parameterless_copy` of `model`, before it is
-    sharded), or why the run cannot re-form in process under fsdp."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        return None, "--sharding fsdp with a scheduler built outside the run (pass a factory of the optimizer)"
-    try:
-        return parameterless_copy(model), None
-    except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises for this model: the restart path then
-        return None, f"--sharding fsdp with a model that cannot be copied ({type(exc).__name__}: {exc})"
-
-
-@dataclass(frozen=True)
-class _ReFormed:
-    """What the incarnation after an in-process re-form needs of the one before."""
-
-    reason: str  # why the group broke
-    committed_in: int | None  # the incarnation that committed the state the survivors hold (None under fsdp)
-    world_size: int  # of the group that broke
-
 
 def check_extra_state(extra_state: Any) -> None:
     """Raise TypeError (ValueError for an empty name) naming `extra_state` unless it maps names to objects that save and load
@@ -775,10 +447,3 @@ def check_extra_state(extra_state: Any) -> None:
                              "load_state_dict(); expected a Stateful (wrap plain values in an object that has both)")
 
 
-def _on_success(action: Callable[[], None]) -> Callable[..., bool]:
-    """An ExitStack exit callback that runs `action` only when the block ended without an exception."""
-    def exit_callback(exc_type: type[BaseException] | None, *_: Any) -> bool:
-        if exc_type is None:
-            action()
-        return False
-    return exit_callback

@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ddp import round_handoff
-from elastic_ddp.round_handoff import IN_PROCESS_ENV, RoundAnnouncement
+from elastic_ddp.handoff import rounds as round_handoff
+from elastic_ddp.handoff.rounds import IN_PROCESS_ENV, RoundAnnouncement
 from elastic_ddp.runtime.distributed import (
     DistributedContext,
     agent_pid,

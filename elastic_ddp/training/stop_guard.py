@@ -42,6 +42,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
+from elastic_ddp.handoff.verdicts import worker_verdict_address
 from elastic_ddp.runlog.metrics_causes import WATCHDOG_REASON
 from elastic_ddp.runtime.distributed import DistributedContext, end_worker_now
 from elastic_ddp.runtime.drain import DrainRequested, DrainSignal
@@ -50,7 +51,6 @@ from elastic_ddp.snapshot.manager import SnapshotSession
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.in_process import ROUND_WAIT_S
 from elastic_ddp.training.reporting import RunLog
-from elastic_ddp.verdicts import worker_verdict_address
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class StopGuard:
         """The peer watchdog for the block (none when off, or without a process group). On the way
         out this rank is marked as left, unless it failed: then its peers must find it silent, as
         a dead one (under NCCL nothing else would tell them). Under torchrun a firing watchdog
-        leaves its verdict for this node's agent (`elastic_ddp.verdicts`)."""
+        leaves its verdict for this node's agent (`elastic_ddp.handoff.verdicts`)."""
         if not self.watchdog_timeout_s:
             yield
             return

@@ -22,11 +22,11 @@ import time
 
 import pytest
 
-from elastic_ddp import round_handoff
 from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs
 from elastic_ddp.chaos.held_train import pause_at
-from elastic_ddp.round_handoff import IN_PROCESS_ENV
+from elastic_ddp.handoff import rounds as round_handoff
+from elastic_ddp.handoff.rounds import IN_PROCESS_ENV
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER, free_port, signal_tree, wait_for
 from tests.support.cluster import (
     EXTRA_TRAINING_ARGS,
@@ -137,7 +137,7 @@ AGENT_STAND_IN = ("import subprocess, sys; sys.stdin.readline(); "
 
 
 class StandInNode:
-    """One worker under a stand-in agent whose handoff directory (elastic_ddp/round_handoff.py) the test writes."""
+    """One worker under a stand-in agent whose handoff directory (elastic_ddp/handoff/rounds.py) the test writes."""
 
     def __init__(self, run_dir, group_rank: int, world_size: int, port: int, training_args: list[str], env: dict):
         self.group_rank = group_rank

@@ -33,7 +33,7 @@ def test_a_warm_worker_trains_reports_its_rank_and_exits_like_a_cold_one(local_j
     assert start["world_size"] == 2 and {r["agent_pid"] for r in start["ranks"]} == {node.pid}
     assert any(e["event"] == "startup" for e in events)
     assert any(e["event"] == "finished" and e["global_step"] == 8 for e in events)
-    assert_workers_started_warm(job, node, starts=2)  # through elastic_ddp.warm_start, by the agent's server
+    assert_workers_started_warm(job, node, starts=2)  # through elastic_ddp.handoff.warm_start, by the agent's server
 
 
 def test_the_launcher_shows_torchruns_help():

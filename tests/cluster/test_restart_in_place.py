@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.rendezvous_figures import DIRECTORY_PREFIX, FILE_PREFIX
+from elastic_ddp.handoff.rendezvous_figures import DIRECTORY_PREFIX, FILE_PREFIX
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
 from tests.support.cluster import hold_settings, node_logs, release, world_reached
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_ddp import round_handoff
-from elastic_ddp.round_handoff import RoundAnnouncement
+from elastic_ddp.handoff import rounds as round_handoff
+from elastic_ddp.handoff.rounds import RoundAnnouncement
 from elastic_ddp.training.in_process import (
     REPLACED_GROUP,
     BrokenGroupAlarm,

@@ -1,4 +1,4 @@
-"""`python -m elastic_ddp.agent.launcher`'s arguments: `-m MODULE` runs through `elastic_ddp.warm_start`
+"""`python -m elastic_ddp.agent.launcher`'s arguments: `-m MODULE` runs through `elastic_ddp.handoff.warm_start`
 (warm), `--rdzv_backend=c10d` runs as `elastic-c10d` (probes), everything else is torchrun's.
 """
 
@@ -14,7 +14,7 @@ from elastic_ddp.agent.launcher import may_run_warm, probed_c10d_arguments, warm
 from elastic_ddp.testbed.local_cluster import LAUNCHER, STOCK_LAUNCHER
 
 REPO = Path(__file__).resolve().parents[2]
-SHIM = "elastic_ddp.warm_start"
+SHIM = "elastic_ddp.handoff.warm_start"
 
 
 @pytest.mark.parametrize("options", [

@@ -20,7 +20,6 @@ from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.utils import store as store_util
 
-from elastic_ddp import round_handoff
 from elastic_ddp.agent.rendezvous import handler as handler_module
 from elastic_ddp.agent.rendezvous.agent_setup import prepare_agent
 from elastic_ddp.agent.rendezvous.boards.c10d import C10D_KEYS, StoreRoundBoard
@@ -29,9 +28,10 @@ from elastic_ddp.agent.rendezvous.handler import RoundRendezvousHandler
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
-from elastic_ddp.round_handoff import IN_PROCESS_ENV
+from elastic_ddp.handoff import rounds as round_handoff
+from elastic_ddp.handoff.rounds import IN_PROCESS_ENV
+from elastic_ddp.handoff.verdicts import send_verdict, verdict_address
 from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.verdicts import send_verdict, verdict_address
 from tests.support.rendezvous import Background, each_together, ranks_by_node, serving_board
 
 pytestmark = pytest.mark.timeout(60)

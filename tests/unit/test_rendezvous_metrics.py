@@ -1,7 +1,7 @@
 """The agent's rendezvous rounds as metrics: counted around `next_rendezvous` in the agent
 (elastic_ddp/agent/rendezvous_metrics.py), written to a file, served by the node's metrics server
 (elastic_ddp/runlog/metrics_agent.py). The two sides import nothing of each other; the file is
-their contract, in one module of its own (elastic_ddp/rendezvous_figures.py). A real agent and server are in tests/cluster/test_metrics_endpoint.py."""
+their contract, in one module of its own (elastic_ddp/handoff/rendezvous_figures.py). A real agent and server are in tests/cluster/test_metrics_endpoint.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_ddp import rendezvous_figures as figures_file
 from elastic_ddp.agent import rendezvous_metrics as agent_side
+from elastic_ddp.handoff import rendezvous_figures as figures_file
 from elastic_ddp.runlog import metrics_agent as server_side
 from elastic_ddp.runlog.metrics_server import node_registry
 

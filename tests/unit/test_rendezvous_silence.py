@@ -23,8 +23,7 @@ from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.silence import Reply, ask
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
-from elastic_ddp.testbed.local_cluster import wait_for
-from elastic_ddp.verdicts import (
+from elastic_ddp.handoff.verdicts import (
     MAX_VERDICT_BYTES,
     VERDICT_SEND_S,
     VerdictInbox,
@@ -32,6 +31,7 @@ from elastic_ddp.verdicts import (
     send_verdict,
     verdict_address,
 )
+from elastic_ddp.testbed.local_cluster import wait_for
 from tests.support.rendezvous import ranks_by_node, serving_board
 
 pytestmark = pytest.mark.timeout(60)

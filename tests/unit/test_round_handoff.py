@@ -1,4 +1,4 @@
-"""The agent <-> worker hand-off of an in-process re-form (elastic_ddp/round_handoff.py): each file
+"""The agent <-> worker hand-off of an in-process re-form (elastic_ddp/handoff/rounds.py): each file
 written by one side and read by the other, and the reader's refusals of what is not ours (links,
 another user's files, open directories, torn, oversize or ill-typed JSON), none of which raises."""
 
@@ -12,8 +12,8 @@ import tempfile
 
 import pytest
 
-from elastic_ddp import round_handoff as handoff
-from elastic_ddp.round_handoff import ReformRequest, RoundAnnouncement
+from elastic_ddp.handoff import rounds as handoff
+from elastic_ddp.handoff.rounds import ReformRequest, RoundAnnouncement
 
 pytestmark = pytest.mark.timeout(60)
 AGENT = 4242  # any pid: the directory is named after it, nothing signals it

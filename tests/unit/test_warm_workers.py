@@ -1,4 +1,4 @@
-"""Warm workers (elastic_ddp/warm_client.py, elastic_ddp/agent/warm_workers.py) with real processes.
+"""Warm workers (elastic_ddp/handoff/warm_client.py, elastic_ddp/agent/warm_workers.py) with real processes.
 
 A stand-in agent (a Python process that starts the server as the rendezvous plugin does) and clients
 run as torchrun runs a worker: `python -m tests.unit.test_warm_workers ACTION ...`, this very file,
@@ -11,7 +11,7 @@ this file imports, not torch (ELASTIC_DDP_PRELOAD): what is tested is the hand-o
 from __future__ import annotations
 
 if __name__ == "__main__":
-    from elastic_ddp.warm_client import become_warm_worker
+    from elastic_ddp.handoff.warm_client import become_warm_worker
 
     become_warm_worker("tests.unit.test_warm_workers")
 
@@ -33,8 +33,7 @@ import pytest
 
 from elastic_ddp.agent.rendezvous.plugin import start_warm_workers, take_warm_workers
 from elastic_ddp.agent.warm_workers import MAX_HANDSHAKES
-from elastic_ddp.runtime.procfs import command_line, process_is_alive, process_name, read_stat
-from elastic_ddp.warm_client import (
+from elastic_ddp.handoff.warm_client import (
     CLIENT_LABEL,
     LENGTH,
     NONCE_BYTES,
@@ -46,6 +45,7 @@ from elastic_ddp.warm_client import (
     parse_variable,
     proof,
 )
+from elastic_ddp.runtime.procfs import command_line, process_is_alive, process_name, read_stat
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,7 +276,7 @@ def test_without_a_server_the_worker_starts_cold():
     assert "no warm-worker server answered" in err
 
 
-# A module of the user's, for elastic_ddp.warm_start: it reports what it was given, and exits with its last argument.
+# A module of the user's, for elastic_ddp.handoff.warm_start: it reports what it was given, and exits with its last argument.
 TOOL = """
 import json, os, sys
 with open(os.environ["TOOL_REPORT"], "w") as report:
@@ -302,10 +302,10 @@ def run_tool(tmp_path: Path, variable: str | None, *launch: str) -> tuple[subpro
 
 
 def test_warm_start_runs_any_module_forked_warm_as_python_m_would(agent, tmp_path):
-    """`python -m elastic_ddp.warm_start my_tool ARGS` (the launcher's workers): forked by the server, the
+    """`python -m elastic_ddp.handoff.warm_start my_tool ARGS` (the launcher's workers): forked by the server, the
     module sees the argv, `__name__` and `__main__` that `python -m my_tool ARGS` gives it."""
     cold, expected = run_tool(tmp_path, None, "-m")
-    warm, given = run_tool(tmp_path, agent.variable, "-m", "elastic_ddp.warm_start")
+    warm, given = run_tool(tmp_path, agent.variable, "-m", "elastic_ddp.handoff.warm_start")
     assert cold.returncode == warm.returncode == 3, warm.stderr
     assert expected["argv"] == [str(tmp_path / "my_tool.py"), *TOOL_ARGS] and expected["name"] == "__main__"
     assert {key: given[key] for key in ("argv", "name", "main")} == {key: expected[key] for key in ("argv", "name", "main")}
@@ -314,7 +314,7 @@ def test_warm_start_runs_any_module_forked_warm_as_python_m_would(agent, tmp_pat
 
 @pytest.mark.parametrize("variable", [None, "0", "@elastic_ddp-warm-nobody-listens#" + "00" * 32])
 def test_warm_start_without_a_server_runs_the_module_cold_in_its_own_process(tmp_path, variable):
-    done, given = run_tool(tmp_path, variable, "-m", "elastic_ddp.warm_start")
+    done, given = run_tool(tmp_path, variable, "-m", "elastic_ddp.handoff.warm_start")
     assert done.returncode == 3, done.stderr
     assert given["argv"] == [str(tmp_path / "my_tool.py"), *TOOL_ARGS] and given["name"] == "__main__" and given["main"]
     assert not given["torch"]  # the client imports no torch, whichever way it runs
@@ -323,9 +323,9 @@ def test_warm_start_without_a_server_runs_the_module_cold_in_its_own_process(tmp
 
 
 def test_warm_start_needs_a_module():
-    done = subprocess.run([sys.executable, "-m", "elastic_ddp.warm_start"], check=False, cwd=REPO, text=True,
+    done = subprocess.run([sys.executable, "-m", "elastic_ddp.handoff.warm_start"], check=False, cwd=REPO, text=True,
                           capture_output=True, timeout=BOUND_S)
-    assert done.returncode == 1 and done.stderr == "usage: python -m elastic_ddp.warm_start MODULE [ARGS...]\n"
+    assert done.returncode == 1 and done.stderr == "usage: python -m elastic_ddp.handoff.warm_start MODULE [ARGS...]\n"
 
 
 def test_the_agent_ending_ends_the_server(own_agent):

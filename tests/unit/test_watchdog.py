@@ -15,8 +15,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from elastic_ddp.handoff.verdicts import VerdictInbox, verdict_address
 from elastic_ddp.runtime.watchdog import PeerWatchdog
-from elastic_ddp.verdicts import VerdictInbox, verdict_address
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -34,7 +34,7 @@ from elastic_ddp.agent.rendezvous import addresses
 from elastic_ddp.agent.rendezvous.defaults import SHARED_STORE_OPT_OUT
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings
 from elastic_ddp.agent.rendezvous.state import NodeDesc
-from elastic_ddp.round_handoff import IN_PROCESS_ENV
+from elastic_ddp.handoff.rounds import IN_PROCESS_ENV
 
 logger = logging.getLogger(__name__)
 _local_ids = itertools.count()  # the handlers of this process, numbered as torch numbers its own

@@ -110,14 +110,14 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp import round_handoff
 from elastic_ddp.agent.rendezvous.defaults import REFORM_POLL_S, REFORM_TIMEOUT_S, SYNC_POLL_S
 from elastic_ddp.agent.rendezvous.probes import ExitWitness
 from elastic_ddp.agent.rendezvous.rounds import RendezvousSettings, closed_round, may_close, waiting_count
 from elastic_ddp.agent.rendezvous.silence import ANSWER_S, SilenceJudge
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord, node_name
 from elastic_ddp.agent.rendezvous.torch_internals import exit_barrier_keys, take_part_in_rank_assignment
-from elastic_ddp.round_handoff import RoundAnnouncement
+from elastic_ddp.handoff import rounds as round_handoff
+from elastic_ddp.handoff.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
 

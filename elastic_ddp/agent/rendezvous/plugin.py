@@ -143,7 +143,7 @@ def start_warm_workers(params, argv: Sequence[str] | None = None):
     if not take_warm_workers(params):
         return None
     from elastic_ddp.agent.warm_workers import server_started_here, start_warm_worker_server
-    from elastic_ddp.warm_client import WARM_MODULES
+    from elastic_ddp.handoff.warm_client import WARM_MODULES
 
     server = server_started_here()  # the launcher's, started before torchrun
     if server is None and training_module(sys.argv[1:] if argv is None else argv) in WARM_MODULES:

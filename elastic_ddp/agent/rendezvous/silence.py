@@ -9,7 +9,7 @@ that has not arrived counts as not alive once both of these hold:
 
 1. **its workers' verdict**: this node's own workers' peer watchdog (elastic_ddp/runtime/watchdog.py)
    found that member's workers silent for the watchdog's bound (3 s shipped) and wrote so before
-   ending (`elastic_ddp.verdicts`: one datagram naming node ranks of the round that started them); and
+   ending (`elastic_ddp.handoff.verdicts`: one datagram naming node ranks of the round that started them); and
 2. **its beacon's silence**: asked by this agent, the member's beacon did not answer within
    `ANSWER_S`; asked when the verdict comes, or up to `FRESH_S` before it, when the workers named
    the member as *suspect* (`SUSPECT_LEAD_S`, 0.5 s, before their watchdog's deadline: the answer
@@ -51,7 +51,7 @@ from collections.abc import Callable
 from elastic_ddp.agent.rendezvous.liveness import BEACON_ANSWER
 from elastic_ddp.agent.rendezvous.probes import ExitWitness, Ports
 from elastic_ddp.agent.rendezvous.state import NodeDesc, RoundRecord
-from elastic_ddp.verdicts import SUSPECT_LEAD_S, VerdictInbox, verdict_address
+from elastic_ddp.handoff.verdicts import SUSPECT_LEAD_S, VerdictInbox, verdict_address
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 # 1 s) makes a live node miss it: then it is left out only if its workers were silent for the
 # watchdog's bound as well, and it rejoins the round after (module docstring).
 ANSWER_S = 0.3
-# How long a beacon found silent on a suspicion (`elastic_ddp.verdicts.SUSPECT_LEAD_S` before the
+# How long a beacon found silent on a suspicion (`elastic_ddp.handoff.verdicts.SUSPECT_LEAD_S` before the
 # workers' deadline) still counts when their verdict comes: the lead, the answer and a margin.
 FRESH_S = SUSPECT_LEAD_S + ANSWER_S + 0.5
 # Errors of a connect that say the peer's machine is out of reach: no answer, as a timeout.

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-# is_url is re-exported: elastic_ddp/tools/inspection.py imports it from here (until it imports elastic_ddp.locations).
-from elastic_ddp.locations import (
+# is_url is re-exported: elastic_ddp/tools/inspection.py imports it from here (until it imports elastic_ddp.run_files.locations).
+from elastic_ddp.run_files.locations import (
     is_url,  # noqa: F401
     local_path,
     url_filesystem,

@@ -61,7 +61,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_ddp.rendezvous_figures import DIRECTORY_PREFIX, make_private_directory
+from elastic_ddp.handoff.rendezvous_figures import DIRECTORY_PREFIX, make_private_directory
 
 # Our files hold a few short fields (round.json is about 150 bytes): a larger one is not ours.
 MAX_FILE_BYTES = 4 * 1024

@@ -5,7 +5,7 @@ and the trainer again after every failure (seconds: docs/operations.md). When th
 ours (`elastic-c10d`, `etcd-v3`), the agent runs a warm-worker server that has imported them once
 (elastic_ddp/agent/warm_workers.py) and puts its address in `ELASTIC_DDP_WARM_WORKERS`, which the
 workers inherit. The first lines of `elastic_ddp.train` (and `elastic_ddp.chaos.held_train`) then call
-`become_warm_worker` before any other import, and so does `elastic_ddp.warm_start` for any module
+`become_warm_worker` before any other import, and so does `elastic_ddp.handoff.warm_start` for any module
 (`python -m elastic_ddp.agent.launcher` starts the server itself and every worker through it): this
 process, the one torchrun started and watches, becomes a thin client. It sends the server its argv,
 working directory, `sys.path`, environment and its stdin/stdout/stderr (SCM_RIGHTS); the server
@@ -55,7 +55,7 @@ import sys
 VARIABLE = "ELASTIC_DDP_WARM_WORKERS"
 OFF = "0"
 # The modules whose first lines call `become_warm_worker`: the rendezvous plugin starts a server for no other.
-WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train", "elastic_ddp.warm_start")
+WARM_MODULES = ("elastic_ddp.train", "elastic_ddp.chaos.held_train", "elastic_ddp.handoff.warm_start")
 # The server's process name (/proc/PID/comm, `ps -o comm`; at most 15 bytes). It is forked from its
 # agent, so its command line is the agent's; `runtime.distributed.agent_pid` looks for this name.
 SERVER_PROCESS_NAME = "edp-warm-server"
@@ -131,7 +131,7 @@ def become_warm_worker(module: str) -> None:
         pid = _request(connection, module)
     except (OSError, ValueError, WarmWorkerUnavailable) as exc:
         relay.restore()
-        sys.stderr.write(f"elastic_ddp.warm_client: no warm-worker server answered at {address} ({exc}); "
+        sys.stderr.write(f"elastic_ddp.handoff.warm_client: no warm-worker server answered at {address} ({exc}); "
                          f"starting {module} cold\n")
         sys.stderr.flush()
         return
@@ -197,7 +197,7 @@ def _end_as_the_child(connection: socket.socket, pid: int) -> None:
     while True:
         kind, value = _read_record(connection)
         if kind is None:
-            sys.stderr.write(f"elastic_ddp.warm_client: the warm-worker server ended before the worker (pid {pid}), "
+            sys.stderr.write(f"elastic_ddp.handoff.warm_client: the warm-worker server ended before the worker (pid {pid}), "
                              "which ended with it\n")
             sys.stderr.flush()
             os._exit(SERVER_GONE_EXIT_CODE)

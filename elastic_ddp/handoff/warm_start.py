@@ -1,9 +1,9 @@
-"""`python -m elastic_ddp.warm_start MODULE ARGS...`: `python -m MODULE ARGS...`, forked warm when it can be.
+"""`python -m elastic_ddp.handoff.warm_start MODULE ARGS...`: `python -m MODULE ARGS...`, forked warm when it can be.
 
 `python -m elastic_ddp.agent.launcher` has torchrun start each worker this way in place of `python -m
 MODULE ARGS...`, so that any module's workers start warm, not only those whose first lines call
 `warm_client.become_warm_worker` themselves (`warm_client.WARM_MODULES`). With plain torchrun and our
-backends, `-m elastic_ddp.warm_start my_project.train ARGS...` does the same for a module of yours.
+backends, `-m elastic_ddp.handoff.warm_start my_project.train ARGS...` does the same for a module of yours.
 
 This process hands MODULE and its arguments to the agent's warm-worker server
 (`warm_client.become_warm_worker`), which forks the worker from its warm state; when no server
@@ -22,9 +22,9 @@ from __future__ import annotations
 import runpy
 import sys
 
-from elastic_ddp.warm_client import become_warm_worker
+from elastic_ddp.handoff.warm_client import become_warm_worker
 
-USAGE = "usage: python -m elastic_ddp.warm_start MODULE [ARGS...]"
+USAGE = "usage: python -m elastic_ddp.handoff.warm_start MODULE [ARGS...]"
 
 
 def main(argv: list[str]) -> None:
