@@ -17,7 +17,7 @@ set to None, the loss is read on rank 0 only every `--log_interval` steps. What 
 what elastic_ddp adds for fault tolerance and elasticity: snapshots, memory copies, the event log
 and progress windows, the watchdog and the drain vote, the elastic sampler with its per-sample
 seeded augmentation and per-sample loss, the loop contract's checks, restore on start.
-docs/benchmarks.md ("What ours costs per step") lists each difference and where it sits.
+docs/benchmarks-history.md ("What ours costs per step") lists each difference and where it sits.
 
 Each rank prints one `BENCH_RESULT {json}` line at exit: its peak resident memory, and on rank 0 the
 wall and CPU time at the end of every optimizer step and the steady-state samples per second (the
@@ -164,7 +164,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int,
             targets = targets.to(device, non_blocking=use_cuda)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=args.use_amp):
                 # Mean-reduced: cheaper than elastic_ddp's per-sample loss with a seeded backward,
-                # which it needs for shares of any size (docs/benchmarks.md, "What ours costs per step").
+                # which it needs for shares of any size (docs/benchmarks-history.md, "What ours costs per step").
                 loss = torch.nn.functional.cross_entropy(ddp_model(inputs), targets)
             scaler.scale(loss).backward()
             scaler.step(optimizer)

@@ -1,7 +1,7 @@
 """The files through which a node's torchrun agent and its workers hand over a rendezvous round in process.
 
 When a node is lost, the surviving workers re-form their process group in their own processes
-instead of being restarted by torchrun (docs/in-process-design.md). The round is run by the node's
+instead of being restarted by torchrun (docs/design/in-process-re-form.md). The round is run by the node's
 agent (our rendezvous handler, in torchrun's process); its workers only learn the result. This
 module is the whole contract between the two sides, which otherwise import nothing of each other:
 torch-free, standard library only.

@@ -198,7 +198,7 @@ def init_default_group(context: DistributedContext, timeout: timedelta) -> None:
 def destroy_default_group() -> None:
     """Destroy the default process group, if any, without raising: after a peer died the group
     may be unusable, and tearing it down must not mask the real error (gloo's returns at once
-    then: docs/in-process-regroup.md)."""
+    then: docs/design/in-process-regroup.md)."""
     if not dist.is_initialized():
         return
     try:

@@ -1,7 +1,7 @@
 """What the torchrun command that started this job will cost on a failure, said once at start.
 
 Users copy torchrun's documented command line, and two of torch's defaults decide what a failure
-costs them without a word in the log (docs/benchmarks.md, findings 8):
+costs them without a word in the log (docs/benchmarks.md):
 
 - torch's own rendezvous backends (`c10d`, `etcd`, `etcd-v2`) wait a *last call* of 30 s
   (`last_call_timeout`) before a round with fewer than the maximum nodes completes, so in an

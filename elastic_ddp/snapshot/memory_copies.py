@@ -48,7 +48,7 @@ memory copy (it resumes from its snapshot files).
 
 Limits: a copy is written at memory speed (its pages allocated in tmpfs as it is written, the hash
 on a second thread alongside: 0.42 s per GB alone on this project's 2-core VM, 0.6-2.1 s per GB at a
-kill beside a snapshot write; docs/benchmarks.md, "Large state"), while torchrun waits for
+kill beside a snapshot write; docs/benchmarks.md), while torchrun waits for
 the worker (it SIGKILLs it 30 s after SIGTERM: a state that takes longer to write is not kept, and
 the temporary file the kill leaves is removed by the next keep or restore on that node). A state
 that does not fit in the memory directory's free space is not kept (a warning says so, and the

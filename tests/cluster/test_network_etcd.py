@@ -1,4 +1,4 @@
-"""Promise 10 (docs/design.md) on etcd-v3: a training node cut off together with the etcd leader
+"""The network may fail like a node (docs/failure-semantics.md) on etcd-v3: a training node cut off together with the etcd leader
 never trains as a group of its own, the majority trains on, and the node rejoins by itself.
 
 Six hosts on one bridge, each a network namespace with its own address (elastic_ddp/testbed/netns.py):

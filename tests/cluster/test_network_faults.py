@@ -1,4 +1,4 @@
-"""Promise 10 (docs/design.md): the network may fail like a node. The test bed itself.
+"""The network may fail like a node (docs/failure-semantics.md). The test bed itself.
 
 Every node of a bed is a host of its own: a network namespace with its own address on a bridge
 (elastic_ddp/testbed/netns.py). Faults are links set down on the switch: packets vanish, nothing

@@ -1,4 +1,4 @@
-"""Promise 10 (docs/design.md): a partitioned node is left behind like a frozen one, never trains
+"""The network may fail like a node (docs/failure-semantics.md): a partitioned node is left behind like a frozen one, never trains
 as a group of its own, and rejoins by itself when its link returns.
 
 Three nodes, each a host of its own (a network namespace with its own address on a bridge:

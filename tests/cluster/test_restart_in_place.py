@@ -1,4 +1,4 @@
-"""Promise 11 (docs/design.md): a restarted node can always rejoin, also with the same identity.
+"""A restarted node can always rejoin, also with the same identity (docs/failure-semantics.md).
 
 A container restarted in place (`restartPolicy: OnFailure`) runs torchrun as PID 1 again, at the
 same address: torch names the new agent exactly as the old one (address, pid, counter). Here every

@@ -1,6 +1,6 @@
 """Probe, pinned as tests: what torch 2.13 + gloo do when surviving workers re-form their process
 group in the same process, without a restart (issue #44; the findings are in
-docs/in-process-regroup.md). Real spawned processes, real gloo over 127.0.0.1, env:// rendezvous
+docs/design/in-process-regroup.md). Real spawned processes, real gloo over 127.0.0.1, env:// rendezvous
 (rank 0 hosts the TCPStore) on a fresh port per group.
 
 - A lost peer (SIGKILL): the survivors' next DDP backward raises a plain `RuntimeError` (not a

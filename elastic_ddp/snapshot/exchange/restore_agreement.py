@@ -35,7 +35,7 @@ into the model, one pass, where they were loaded into new memory and then copied
 from a peer are hashed once, on every core, and loaded the same way: a receiver holds them and the
 rest of the state (the optimizer's), not a second copy of the model. No step of this holds the GIL
 for long, so the peer watchdog's heartbeat goes on during a restore
-(tests/unit/test_large_state_restore.py, docs/benchmarks.md "Large state").
+(tests/unit/test_large_state_restore.py, docs/benchmarks.md).
 
 When no rank has a usable state but some rank found only snapshots of an incompatible run, every
 rank raises `IncompatibleSnapshotError` (naming the file and the differences) rather than silently

@@ -1,7 +1,7 @@
 """Whether a sharded state has diverged: a NaN or an infinity in any rank's shards.
 
-A diverged state is never kept as the newest, restored or made durable (docs/design.md, promise
-12), in any tier: the durable snapshots (session.py) and the restores from memory ask all the ranks
+A diverged state is never kept as the newest, restored or made durable (docs/failure-semantics.md,
+the promises), in any tier: the durable snapshots (session.py) and the restores from memory ask all the ranks
 (`any_rank_diverged`, a collective); the memory parts are checked by each rank at each step
 (`local_shards` with training_state.non_finite_tensors, no collective), and a diverged part is not
 kept (memory_shards.py). The check itself is training_state's, as in DDP mode.
