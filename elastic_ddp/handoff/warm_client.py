@@ -28,7 +28,10 @@ socket, and is never logged nor handed to the training process's environment.
 No server, a server that is gone, refuses (it could not fork, or runs as many children as it
 takes) or does not prove the key, or one that does not answer within `ANSWER_TIMEOUT_S` (it has
 not finished its imports): the module runs cold in this process, after one line on stderr that
-names the address, never the key. `ELASTIC_DDP_WARM_WORKERS=0` (or unset) runs it cold without a word.
+names the address, never the key. Only a listener that is a child of this worker's own agent (the
+server forked from it) gets that long; any other (a process that bound a dead server's name) must
+accept and prove the key within `PROOF_TIMEOUT_S`, so it delays each new worker by that much at
+most, and learns nothing. `ELASTIC_DDP_WARM_WORKERS=0` (or unset) runs it cold without a word.
 
 Not guaranteed: the pid torchrun knows is the client's, not the training process's. Signals sent to
 the client by pid are not forwarded except those five: `kill -STOP <client>` stops the client only
@@ -49,6 +52,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 # The server's address and the key that proves who speaks ("@name#KEY": the abstract namespace, 64
 # hex digits) in the workers' environment, or OFF.
@@ -66,6 +70,11 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # start even on a busy 2-core machine (the imports started earlier). A server that does not answer
 # in this time is taken as stuck, and the client runs cold.
 ANSWER_TIMEOUT_S = 60.0
+# How long the client waits to connect, and for the proof of a listener that is not its own agent's
+# child (the server is forked from the agent that started this worker): a process that took the
+# name of a dead server and never answers costs each new worker this long, then it runs cold. The
+# server's backlog holds every worker of a node, so a connect to our own server never waits.
+PROOF_TIMEOUT_S = 2.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 STANDARD_FDS = (0, 1, 2)
 # Messages on a connection: the request's length, then (server to client) fixed-size records.
@@ -146,16 +155,26 @@ def _connect(address: bytes, key: bytes) -> socket.socket:
     try:
         # A Unix socket's connect() to a full backlog waits, up to SO_SNDTIMEO; with Python's own
         # timeout (a non-blocking socket) it would fail at once with EAGAIN instead.
-        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, TIMEVAL.pack(int(ANSWER_TIMEOUT_S), 0))
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, TIMEVAL.pack(int(PROOF_TIMEOUT_S), 0))
         connection.connect(address)
-        connection.settimeout(ANSWER_TIMEOUT_S)
-        if peer_credentials(connection)[1] != os.getuid():
+        pid, uid = peer_credentials(connection)
+        if uid != os.getuid():
             raise WarmWorkerUnavailable("the server runs as another user: refused")
+        # Our agent's server may still be importing its preload: it is given the time to. Any other
+        # listener (a process that took a dead server's name) must prove the key at once.
+        ours = parent_pid(pid) == os.getppid()
+        connection.settimeout(PROOF_TIMEOUT_S)
         asked = os.urandom(NONCE_BYTES)
         connection.sendall(asked)
-        answer = receive_exactly(connection, NONCE_BYTES + PROOF_BYTES)
+        try:
+            answer = receive_exactly(connection, NONCE_BYTES + PROOF_BYTES,
+                                     within_s=ANSWER_TIMEOUT_S if ours else PROOF_TIMEOUT_S)
+        except TimeoutError:
+            raise WarmWorkerUnavailable(f"the listener (pid {pid}, not this agent's server) did not prove the "
+                                        f"agent's key within {PROOF_TIMEOUT_S:g} s: refused") from None
         if answer is None:
             raise WarmWorkerUnavailable("the server closed the connection")
+        connection.settimeout(ANSWER_TIMEOUT_S)
         answered, server_proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not hmac.compare_digest(server_proof, proof(key, SERVER_LABEL, asked, answered)):
             raise WarmWorkerUnavailable("the server did not prove the agent's key: refused")
@@ -164,6 +183,19 @@ def _connect(address: bytes, key: bytes) -> socket.socket:
         connection.close()
         raise
     return connection
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` as this process sees it (/proc/PID/stat), or None: gone, or
+    not visible (pid 0: a process of another PID namespace, another container)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()  # the name, in parentheses, may hold spaces
+        return int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _request(connection: socket.socket, module: str) -> int:
@@ -219,10 +251,17 @@ def _read_record(connection: socket.socket) -> tuple[bytes | None, int]:
     return (None, 0) if data is None else RECORD.unpack(data)
 
 
-def receive_exactly(connection: socket.socket, size: int) -> bytes | None:
-    """`size` bytes, or None when the other side closes first (a reset too: it closed with data unread)."""
+def receive_exactly(connection: socket.socket, size: int, within_s: float | None = None) -> bytes | None:
+    """`size` bytes, or None when the other side closes first (a reset too: it closed with data unread).
+    `within_s`: TimeoutError unless all of them came within that many seconds, however they trickle."""
     data = b""
+    deadline = None if within_s is None else time.monotonic() + within_s
     while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(data)} of {size} bytes in {within_s:g} s")
+            connection.settimeout(left)
         try:
             chunk = connection.recv(size - len(data))
         except ConnectionResetError:

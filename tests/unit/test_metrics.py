@@ -33,7 +33,7 @@ from elastic_ddp.runlog.metrics_node import (
     remove_files_of_ended_processes,
     served_elsewhere,
 )
-from elastic_ddp.runlog.metrics_server import MAX_CONNECTIONS, MetricsHTTPServer
+from elastic_ddp.runlog.metrics_server import MAX_ANSWERING, MAX_PENDING, MetricsHTTPServer
 from elastic_ddp.runlog.reader import PreviousIncarnation
 from elastic_ddp.testbed.local_cluster import wait_for
 
@@ -325,8 +325,8 @@ def test_operations_md_lists_every_metric():
 
 
 def test_clients_that_trickle_their_requests_are_dropped_at_the_deadline_and_scrapes_go_on():
-    """A slowloris: every slot taken by a client that sends a byte every 0.25 s and never ends its
-    headers. Each is dropped at its connection's deadline (not reset by every byte as a timeout per
+    """A slowloris: as many clients as there are answering slots, each sending a byte every 0.25 s
+    and never ending its headers. Each is dropped at its connection's deadline (not reset by every byte as a timeout per
     read was), and a scrape is answered after."""
     server = MetricsHTTPServer(("127.0.0.1", 0), CollectorRegistry(), connection_timeout_s=1.0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -342,15 +342,70 @@ def test_clients_that_trickle_their_requests_are_dropped_at_the_deadline_and_scr
             except OSError:
                 dropped.append(True)
 
-    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_CONNECTIONS)]
+    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_ANSWERING)]
     for thread in slow:
         thread.start()
     try:
-        wait_for(lambda: len(dropped) == MAX_CONNECTIONS, 30, "every trickling client dropped", interval=0.05)
+        wait_for(lambda: len(dropped) == MAX_ANSWERING, 30, "every trickling client dropped", interval=0.05)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
             assert answer.status == 200
     finally:
         stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def scrape(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return answer.status
+
+
+def test_scrapes_are_answered_while_slow_clients_reconnect_as_soon_as_they_are_dropped():
+    """Eight clients that trickle their headers and reconnect the moment they are dropped (at a 1 s
+    deadline here) once kept the endpoint nearly unanswered: they held every connection slot. A
+    request now takes a slot only once complete: every scrape is answered while they come and go."""
+    server = MetricsHTTPServer(("127.0.0.1", 0), CollectorRegistry(), connection_timeout_s=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port, stop, reconnects = server.server_address[1], threading.Event(), []
+
+    def trickle_and_reconnect() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                    for byte in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"x" * 10_000:
+                        client.sendall(bytes([byte]))
+                        if stop.wait(0.05):
+                            return
+            except OSError:
+                reconnects.append(True)
+
+    slow = [threading.Thread(target=trickle_and_reconnect, daemon=True) for _ in range(8)]
+    for thread in slow:
+        thread.start()
+    try:
+        wait_for(lambda: len(reconnects) >= 8, 30, "the slow clients dropped and back", interval=0.05)
+        answered = [scrape(port) for _ in range(20)]
+        assert answered == [200] * 20
+        assert len(reconnects) >= 8  # they kept coming meanwhile
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_scrape_pushes_out_the_oldest_of_too_many_silent_connections():
+    """More connections than the reception holds, none sending a byte: the newest, a scrape, is
+    answered; the oldest was pushed out (closed) to make room."""
+    server = MetricsHTTPServer(("127.0.0.1", 0), CollectorRegistry())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_PENDING + 8)]
+    try:
+        assert scrape(port) == 200
+        assert silent[0].recv(1) == b""  # closed by the server
+    finally:
+        for connection in silent:
+            connection.close()
         server.shutdown()
         server.server_close()
 

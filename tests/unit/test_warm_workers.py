@@ -477,6 +477,61 @@ def test_a_squatter_on_a_dead_servers_name_gets_nothing_from_a_worker(own_agent)
     assert b"hunter2" not in received["data"]
 
 
+# A process of its own (not the worker's agent) that binds a dead server's name and never answers;
+# with "full", its backlog is filled first, so that a connect() waits in the kernel.
+SILENT_SQUATTER = """
+import os, socket, sys, time
+if os.fork():  # its parent is not the worker's (a child of the worker's agent would be given time)
+    os._exit(0)
+address = b"\\0" + sys.argv[1].encode()
+squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+deadline = time.monotonic() + 15
+while True:
+    try:
+        squatter.bind(address)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.01)
+squatter.listen(0)
+fillers = []
+while sys.argv[2] == "full":
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    filler.setblocking(False)
+    try:
+        filler.connect(address)
+    except BlockingIOError:
+        break
+    fillers.append(filler)
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("backlog", ["open", "full"])
+def test_a_silent_squatter_on_a_dead_servers_name_delays_a_worker_a_few_seconds_at_most(own_agent, backlog):
+    """The server died; a process of its own took the name and never accepts or answers (its
+    backlog open, or full so that a connect waits): each new worker starts cold within
+    PROOF_TIMEOUT_S of trying, not after the minute a still-importing server of its own agent gets."""
+    os.kill(own_agent.server_pid(), signal.SIGKILL)
+    name = own_agent.address[1:].decode()
+    starter = subprocess.Popen([sys.executable, "-c", SILENT_SQUATTER, name, backlog], stdout=subprocess.PIPE,
+                               text=True)
+    squatter = int(starter.stdout.readline())  # listening once it says its pid
+    starter.wait(timeout=BOUND_S)
+    try:
+        env = {**os.environ, VARIABLE: own_agent.variable}
+        client = subprocess.Popen([sys.executable, "-m", THIS_MODULE, "exit", "0"], cwd=REPO, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = client.communicate(timeout=BOUND_S)  # the old client waited 60 s here
+    finally:
+        os.kill(squatter, signal.SIGKILL)
+        starter.stdout.close()
+    assert client.returncode == 0 and f"pid {client.pid} " in out, err  # cold, in torchrun's process
+    assert "no warm-worker server answered" in err and own_agent.variable.partition("#")[2] not in err
+
+
 def try_bind(listener: socket.socket, address: bytes) -> bool:
     try:
         listener.bind(address)
