@@ -90,7 +90,7 @@ REJOIN_TIMED_OUT_EXIT_CODE = 1
 ALARM_POLL_S = 0.01  # how often a worker waiting on a collective looks for the agent's next round
 # What a collective that the agent's next round made pointless fails with (`BrokenGroupAlarm`).
 REPLACED_GROUP = "elastic_ddp: the agent re-formed the group while this collective waited"
-# What gloo's TCP transport says when a peer's process is gone (docs/in-process-regroup.md): it
+# What gloo's TCP transport says when a peer's process is gone (docs/design/in-process-regroup.md): it
 # raises a plain RuntimeError, so the message is what tells a lost peer from a bug.
 _LOST_PEER_MARKS = ("gloo/transport/tcp", "by peer", REPLACED_GROUP)
 
@@ -171,7 +171,7 @@ class BrokenGroupAlarm:
 
     def _watch(self) -> None:
         # A poll, not a wake-up per collective: a thread woken at every step costs the step a
-        # thread switch (docs/benchmarks.md, "What in-process re-forms cost in steady state").
+        # thread switch (docs/benchmarks.md, "Steady state and memory").
         while True:
             time.sleep(ALARM_POLL_S)
             if not self._waiting or not (self._regroup.abandons_the_group() or self._also()):
