@@ -17,8 +17,8 @@ sees). It owns what happens to the worker group under the loop:
 
 What the run in front provides (set in its `__init__` before `_start_lifecycle`): `config`,
 `context`, `module`, `ddp_model`, `model`, `state`, `fingerprint`, `startup`, `log_prefix`,
-`drain`, `pacing`, `current_step`, `_skeleton` (the copy a sharded rebuild starts from), and
-`_build_state()`. This module never imports elastic_run.py (an import-linter contract checks it).
+`drain`, `pacing`, `current_step`, `_skeleton` (the copy a sharded rebuild starts from), the
+accessors `global_step` and `epoch`, and `_build_state()`. This module never imports elastic_run.py (an import-linter contract checks it).
 
 Not guaranteed: a second peer lost while the group re-forms, or before a step is committed in
 the re-formed group, is not absorbed: the error propagates and torchrun's restart takes over.
