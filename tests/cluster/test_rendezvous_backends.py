@@ -132,6 +132,22 @@ def fresh_interpreter(argv: list[str]) -> str:
     return result.stdout.strip()
 
 
+def test_the_torchrun_console_script_gives_our_trainers_workers_their_own_store():
+    """The `torchrun` command imports torch.distributed.run, whose import loads the plugins: the
+    plugin then cannot import torchrun's own parser (half imported) and decides by its arguments."""
+    console_script = ("import os, sys; sys.argv = {argv!r}\n"
+                      "from torch.distributed.run import main\n"  # what the console script does first
+                      f"print(os.environ.get({SHARED_STORE_OPT_OUT!r}, 'unset'))\n")
+    for argv, expected in [(["--rdzv_backend=c10d", "-m", "elastic_ddp.train", "--epochs", "1"], "1"),
+                           (["--rdzv_backend=c10d", "--nnodes", "2", OWN_LOOP_SCRIPT], "1"),
+                           (["--rdzv_backend=c10d", "--no-python", OWN_LOOP_SCRIPT], "unset"),
+                           (["--rdzv_backend=c10d", "-m", "my_project.train"], "unset")]:
+        result = subprocess.run([sys.executable, "-c", console_script.format(argv=["torchrun", *argv])], check=False,
+                                capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected, (argv, result.stdout, result.stderr[-2000:])
+
+
 def test_torchs_shared_store_default_is_untouched_unless_our_trainer_runs():
     """torch's own test_use_agent_store_is_true_by_default failed once the plugin set the variable
     at load; now only an agent that runs our trainer gets it."""

@@ -31,6 +31,7 @@ stays its dynamic rendezvous.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -55,11 +56,28 @@ def _torchrun_arguments(argv: Sequence[str]):
         return None
     try:
         from torch.distributed.run import parse_args
-
+    except ImportError:
+        # The `torchrun` command imports torch.distributed.run, whose own imports load the plugins:
+        # its parser is not defined yet. Decide by the arguments themselves.
+        return _scanned_arguments(argv)
+    try:
         with contextlib.redirect_stderr(io.StringIO()):
             return parse_args(list(argv))
     except BaseException:  # noqa: BLE001 - not torchrun's arguments (argparse exits): not our job to decide
         return None
+
+
+def _scanned_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """torchrun's arguments as far as the plugin needs them, without torchrun's parser: `-m` or
+    `--module` anywhere, the first module of ours or script (`.py`) as the training script. It may
+    take an option's value for the script; what it decides (a store of its own for the workers)
+    costs nothing when wrong."""
+    module = "-m" in argv or "--module" in argv
+    wanted = (lambda argument: argument.startswith(OUR_TRAINING_MODULES)) if module else (
+        lambda argument: argument.endswith(".py"))
+    script = next((argument for argument in argv if wanted(argument)), "")
+    no_python = "--no-python" in argv or "--no_python" in argv
+    return argparse.Namespace(module=module, training_script=script, no_python=no_python)
 
 
 def script_imports_elastic_ddp(path: str) -> bool:
