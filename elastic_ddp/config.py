@@ -10,7 +10,7 @@ own gets flags for them from `from_args`. `--config FILE.toml` supplies values f
 Validation happens in `__post_init__`, before any process group exists, and raises `ValueError`
 with one line naming the flag, the value and what is accepted; the checks of more than a few lines
 are the `check_*` functions after the class. Import paths (`--model`, `--dataset`, `--eval_dataset`,
-`--loss`) are checked for their form here and imported by elastic_ddp/workload/user_code.py, also
+`--loss`, `--collate`) are checked for their form here and imported by elastic_ddp/workload/user_code.py, also
 before any process group.
 """
 
@@ -40,7 +40,7 @@ TOKENS = "tokens"  # windows of --token_file (elastic_ddp/workload/tokens.py)
 GPT_SIZE_DEFAULTS = {"vocab_size": 256, "block_size": 64, "gpt_layers": 2, "gpt_heads": 2, "gpt_embed": 64}
 SYNTHETIC_SIZE = 4096  # its default length
 OPTIMIZERS = ("sgd", "adamw")
-LOSSES = ("cross_entropy", "mse")
+LOSSES = ("cross_entropy", "mse", "token_cross_entropy")
 # timedelta's limit is far above this; a collective that may block for more than a week is a mistake.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # The peer watchdog's bound (elastic_ddp/runtime/watchdog.py) and the least it may be. Heartbeats every
@@ -126,7 +126,14 @@ class TrainingConfig:
     eval_every_steps: int = _help("Evaluate every N optimizer steps as well; 0: at each epoch end only.", default=0)
     loss: str = _help(
         f"Per-sample loss: {' or '.join(LOSSES)} or {IMPORT_PATH_FORM}: loss(outputs, targets) returning one "
-        "loss per sample (reduction='none').", default="cross_entropy")
+        "loss per sample (reduction='none'), or a pair (losses, weights) for the mean weighted by them. "
+        "token_cross_entropy weighs each sample by its target tokens (labels not -100): the mean over every "
+        "target token of the global batch.", default="cross_entropy")
+    collate: str | None = _help(
+        f"How a micro-batch's samples become a batch: {IMPORT_PATH_FORM}, collate(samples) -> batch, run in the "
+        "DataLoader workers (default: torch's default_collate). A dict batch holds the targets under 'labels' and "
+        "the model's keyword arguments under its other keys. elastic_ddp.workload.collate:pad_token_sequences "
+        "pads dict samples of input_ids and labels to the longest of the micro-batch.", default=None)
     checkpoint_dir: str = _help(
         "Where snapshots go: a local directory (each node's own disk is fine), or an fsspec URL such as "
         "s3://bucket/run (needs the object-store extra; see docs/snapshots.md).", default="checkpoints")
@@ -203,6 +210,13 @@ class TrainingConfig:
         "it); 0 turns the watchdog off. A live peer "
         "heartbeats from a thread of its own, however slow its steps (docs/failure-semantics.md).",
         default=WATCHDOG_TIMEOUT_S)
+    straggler_threshold: float = _help(
+        "A rank whose own work per sample (before its first wait in a step) is this fraction of the fastest "
+        "rank's speed or less, for --straggler_patience_s, is named slow: a straggler event, a metric, a log line "
+        "(docs/failure-semantics.md, \"A node slows down\"); 0 turns the detection off.", default=0.6)
+    straggler_patience_s: float = _help(
+        "Seconds a rank must stay below --straggler_threshold to be named, and back above it to be reported "
+        "recovered.", default=15.0)
     device: str = _help("auto (CUDA when available), cpu or cuda.", default="auto")
     dist_backend: str = _help(
         "Process-group backend: auto (nccl on CUDA, gloo on the CPU), nccl or gloo. gloo on CUDA lets several "
@@ -258,6 +272,12 @@ class TrainingConfig:
             raise ValueError(f"--watchdog_timeout_s: got {self.watchdog_timeout_s}; expected 0 (off) or at least "
                              f"{MIN_WATCHDOG_TIMEOUT_S:g} s and below --collective_timeout_s "
                              f"({self.collective_timeout_s:g} s)")
+        if not (self.straggler_threshold == 0 or 0 < self.straggler_threshold < 1):
+            raise ValueError(f"--straggler_threshold: got {self.straggler_threshold}; expected 0 (off) or a fraction "
+                             "of the fastest rank's speed between 0 and 1, such as 0.6")
+        if not 0 < self.straggler_patience_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"--straggler_patience_s: got {self.straggler_patience_s}; expected a positive number of "
+                             f"seconds, at most {MAX_TIMEOUT_S:.0f}")
         check_seed(self.seed)
         check_metrics_endpoint(self.metrics_port, self.metrics_addr, self.memory_dir)
         check_sharding(self, torch.cuda.is_available())
@@ -275,6 +295,8 @@ class TrainingConfig:
         check_choice_or_import_path("dataset", self.dataset, (SYNTHETIC, TOKENS))
         self._check_language_model()
         check_choice_or_import_path("loss", self.loss, LOSSES)
+        if self.collate is not None:
+            check_choice_or_import_path("collate", self.collate, ())
         if self.eval_dataset is not None:
             check_choice_or_import_path("eval_dataset", self.eval_dataset, (SYNTHETIC,))
             if self.eval_dataset == SYNTHETIC != self.dataset:
@@ -354,8 +376,8 @@ def check_finite(config: TrainingConfig) -> None:
 
 def check_choice_or_import_path(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices and not has_import_path_form(value):
-        raise ValueError(f"--{name}: got {value!r}; expected {' or '.join(choices)}, or an import path "
-                         f"{IMPORT_PATH_FORM}")
+        named = f"{' or '.join(choices)}, or " if choices else ""
+        raise ValueError(f"--{name}: got {value!r}; expected {named}an import path {IMPORT_PATH_FORM}")
 
 
 def check_checkpoint_dir(location: str) -> None:

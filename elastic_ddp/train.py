@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None, after_step: Callable[[Trainer], None
             loss_fn=workload.loss_fn,
             config=config,
             sample_transform=workload.sample_transform,
+            collate_fn=workload.collate_fn,
             context=context,
             log_prefix=log_prefix,
             startup=startup,

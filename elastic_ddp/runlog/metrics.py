@@ -77,6 +77,9 @@ GAUGES = {
     "watchdog_longest_heartbeat_gap_seconds": "The longest a live peer's heartbeat stayed unchanged, as rank 0's peer "
                                               "watchdog saw it in the current worker group (0 at its start).",
     "watchdog_bound_seconds": "--watchdog_timeout_s: a peer silent this long is left behind (0: the watchdog is off).",
+    "slowest_rank_speed_ratio": "The slowest rank's own work per sample against the fastest's, as rank 0 scored it "
+                                "at its last heartbeat read (1: every rank as fast; 0.5: one at half speed).",
+    "stragglers": "Ranks named slow and not yet back to speed (the straggler events say which).",
 }
 # name: (help, the label and its values, or None)
 COUNTERS: dict[str, tuple[str, tuple[str, tuple[str, ...]] | None]] = {
@@ -128,7 +131,9 @@ class RunMetrics:
             self.counters[name] = counter
         if snapshot_interval_steps is not None:
             self.gauges["snapshot_interval_steps"].set(snapshot_interval_steps)
-        self._set(watchdog_bound_seconds=watchdog_bound_s, watchdog_longest_heartbeat_gap_seconds=0)
+        self._set(watchdog_bound_seconds=watchdog_bound_s, watchdog_longest_heartbeat_gap_seconds=0,
+                  slowest_rank_speed_ratio=1, stragglers=0)
+        self._stragglers: set[int] = set()  # ranks named and not back, in this worker group
         self._handlers: dict[str, EventHandler] = {
             schema.START.name: self._started,
             schema.RESTORE.name: self._restored,
@@ -147,6 +152,7 @@ class RunMetrics:
             schema.REPLICATION_FAILED.name: self._count("replication_failures"),
             schema.MEMORY_COPY.name: self._count("memory_copies"),
             schema.MEMORY_COPY_FAILED.name: self._count("memory_copy_failures"),
+            schema.STRAGGLER.name: self._straggler,
         }
 
     def record(self, kind: schema.EventKind, fields: dict[str, Any], time: float) -> None:
@@ -162,6 +168,10 @@ class RunMetrics:
     def peer_evicted(self) -> None:
         """Rank 0's peer watchdog found a peer silent and stops this worker group (from its thread)."""
         self.counters["watchdog_evictions"].inc()
+
+    def rank_speeds(self, slowest_ratio: float) -> None:
+        """Rank 0 scored the ranks' speeds (from the watchdog's thread)."""
+        self.gauges["slowest_rank_speed_ratio"].set(slowest_ratio)
 
     # ---------------------------------------------------------------------------- the handlers
 
@@ -208,6 +218,10 @@ class RunMetrics:
 
     def _replicated(self, fields: dict[str, Any], now: float) -> None:
         self._set(last_replicated_step=fields["global_step"], last_replication_seconds=fields["seconds"])
+
+    def _straggler(self, fields: dict[str, Any], now: float) -> None:
+        (self._stragglers.add if fields["state"] == "named" else self._stragglers.discard)(fields["rank"])
+        self._set(stragglers=len(self._stragglers))
 
     def _set_from(self, gauge: str, field: str) -> EventHandler:
         return lambda fields, now: self.gauges[gauge].set(fields[field])

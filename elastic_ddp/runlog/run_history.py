@@ -98,6 +98,7 @@ class RunHistory:
     memory_copies: list[dict[str, Any]] = field(default_factory=list)
     memory_copy_failures: list[dict[str, Any]] = field(default_factory=list)
     amp_skipped_steps: list[dict[str, Any]] = field(default_factory=list)  # fp16 updates GradScaler skipped
+    stragglers: list[dict[str, Any]] = field(default_factory=list)  # ranks named slow, and back
     epochs_completed: int = 0
     other_events: dict[str, int] = field(default_factory=dict)
 
@@ -183,6 +184,7 @@ RECORDERS: dict[str, Callable[[RunHistory, Incarnation, dict[str, Any]], None]] 
     schema.AMP_STEP_SKIPPED.name: _appending_to("amp_skipped_steps"),
     schema.DRAIN.name: _marking("drained"),
     schema.FINISHED.name: _marking("finished"),
+    schema.STRAGGLER.name: _appending_to("stragglers"),
 }
 
 

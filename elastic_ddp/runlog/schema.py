@@ -94,8 +94,13 @@ AMP_STEP_SKIPPED = EventKind(
     "fp16 gradients held inf or NaN: GradScaler skipped this step's optimizer update (the step and its data still "
     "count, as in torch's AMP) and lowered its loss scale to `scale`")
 FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is trained and the last snapshot is durable")
+STRAGGLER = EventKind(
+    "straggler", ("state", "rank", "node", "score", "own_score", "pace_seconds", "best_pace_seconds"),
+    "rank 0 named a rank slow (`state`: named) or back to the others' speed (recovered): `score` is the best "
+    "rank's own work per sample over this rank's (1: as fast as the fastest), `own_score` its own best over its "
+    "pace now, `pace_seconds` its own work per sample before its first wait (training/stragglers.py)")
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT_CADENCE, SNAPSHOT, SNAPSHOT_FAILED,
     REPLICATION, SNAPSHOT_REPLICATED, REPLICATION_FAILED, MEMORY_COPY, MEMORY_COPY_FAILED, DRAIN, AMP_STEP_SKIPPED,
-    FINISHED)}
+    FINISHED, STRAGGLER)}

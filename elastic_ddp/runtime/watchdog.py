@@ -37,6 +37,10 @@ to expire (elastic_ddp/agent/rendezvous/silence.py); it names them as suspects `
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
 gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 
+Its heartbeats also carry each rank's pace, its own work per sample (`pace`, given by the
+training layer: training/stragglers.py), and it hands every rank's, as read, to `on_paces`: so the
+straggler judge needs no collective and no thread of its own.
+
 What it never does: judge a peer by how fast it trains. A heartbeat comes from a thread that does
 nothing else, so a slow step, a long snapshot write or a busy CPU delays it by scheduling jitter
 only; `bound_s` (default `--watchdog_timeout_s`) leaves a wide margin for that (docs/failure-semantics.md,
@@ -79,8 +83,10 @@ LEFT = b"left"
 # What a rank that left the group for the agent's next round, in process, writes in place of its
 # heartbeat: the committed step it left after (its peers then leave after that step too).
 SWITCHED_PREFIX = b"switched after "
-# A heartbeat is b"<count>@<GROUP_RANK>": its writer's node travels with it, for the verdict.
+# A heartbeat is b"<count>@<GROUP_RANK>": its writer's node travels with it, for the verdict; then,
+# once its writer has one, b" <pace>": its own work per sample (training/stragglers.py), in seconds.
 _NODE_SEPARATOR = b"@"
+_PACE_SEPARATOR = b" "
 
 
 def switched_after(heartbeat: bytes | None) -> int | None:
@@ -95,8 +101,20 @@ def node_rank_of(heartbeat: bytes | None) -> int | None:
     """The GROUP_RANK a heartbeat names, or None (none yet, `LEFT`, or a heartbeat without one)."""
     if not heartbeat or _NODE_SEPARATOR not in heartbeat:
         return None
-    text = heartbeat.rpartition(_NODE_SEPARATOR)[2]
+    text = heartbeat.partition(_PACE_SEPARATOR)[0].rpartition(_NODE_SEPARATOR)[2]
     return int(text) if text.isdigit() and len(text) < 10 else None
+
+
+def pace_of(heartbeat: bytes | None) -> float | None:
+    """The pace a heartbeat carries (positive and finite), or None."""
+    if not heartbeat or _PACE_SEPARATOR not in heartbeat or heartbeat.startswith(SWITCHED_PREFIX):
+        return None
+    text = heartbeat.partition(_PACE_SEPARATOR)[2]
+    try:
+        pace = float(text) if len(text) < 32 else None
+    except ValueError:
+        return None
+    return pace if pace is not None and 0 < pace < float("inf") else None
 
 
 class _Answer(NamedTuple):
@@ -175,13 +193,15 @@ class PeerWatchdog:
                  on_silent: Callable[[str, bool], None], interval_s: float | None = None,
                  store: dist.Store | None = None, on_gap: Callable[[float], None] | None = None,
                  node_rank: int | None = None, verdict_address: bytes | None = None,
-                 on_switched: Callable[[int], None] | None = None):
+                 on_switched: Callable[[int], None] | None = None, pace: Callable[[], float | None] | None = None,
+                 on_paces: Callable[[dict[int, tuple[float, int | None]]], None] | None = None):
         self.rank, self.world_size = rank, world_size
         self.bound_s = bound_s
         self.interval_s = interval_s if interval_s is not None else min(1.0, bound_s / 8)
         self.on_silent = on_silent
         self.on_gap = on_gap
         self.on_switched = on_switched
+        self.pace, self.on_paces = pace, on_paces  # this rank's pace, to carry; every rank's, as read
         self.node_rank = node_rank  # this rank's GROUP_RANK, carried by its heartbeats
         self.verdict_address = verdict_address
         self._suspect_lead_s = min(SUSPECT_LEAD_S, bound_s / 2)
@@ -196,6 +216,7 @@ class PeerWatchdog:
         self._thread: threading.Thread | None = None  # watches
         self._exchanger: threading.Thread | None = None  # beats and reads
         self._beats = 0
+        self._last_pace = ""  # the pace part of this rank's last heartbeat
         self.longest_gap_s = 0.0  # the longest a live peer's heartbeat stayed unchanged, for the record
 
     def start(self) -> PeerWatchdog:
@@ -260,7 +281,9 @@ class PeerWatchdog:
     def _beat(self) -> None:
         self._beats += 1
         node = "" if self.node_rank is None else f"{_NODE_SEPARATOR.decode()}{self.node_rank}"
-        self._store.set(str(self.rank), f"{self._beats}{node}")
+        pace = self.pace() if self.pace is not None else None
+        self._last_pace = f"{_PACE_SEPARATOR.decode()}{pace:.6g}" if pace is not None else ""
+        self._store.set(str(self.rank), f"{self._beats}{node}{self._last_pace}")
 
     def _exchange(self) -> None:
         """The heartbeat thread: beat and read the peers' heartbeats every interval, and at once when
@@ -320,6 +343,7 @@ class PeerWatchdog:
                 judged = answer
                 silent = judge.read(answer)
                 self._hand_on_switches(judge)
+                self._hand_on_paces(answer)
                 if silent:
                     self._fire(f"rank(s) {silent} sent no heartbeat for over {self.bound_s:g} s (frozen, or gone "
                                "without closing their connections)", silent_nodes=judge.nodes_of(silent),
@@ -351,6 +375,20 @@ class PeerWatchdog:
             logger.info("peer watchdog: a peer left the group for the next round after step %d", step)
             if self.on_switched is not None:
                 self.on_switched(step)
+
+    def _hand_on_paces(self, answer: _Answer) -> None:
+        """Every rank's pace (this one's included) as of this read, to `on_paces`."""
+        if self.on_paces is None:
+            return
+        paces = {rank: (pace, node_rank_of(value)) for rank, value in answer.values.items()
+                 if (pace := pace_of(value)) is not None}
+        own = pace_of(self._last_pace.encode())
+        if own is not None:
+            paces[self.rank] = (own, self.node_rank)
+        try:
+            self.on_paces(paces)
+        except Exception as exc:  # noqa: BLE001 - reporting must never stop the watching
+            logger.warning("peer watchdog: judging the ranks' paces failed: %s", exc)
 
     def _new_longest_gap(self, gap_s: float) -> None:
         self.longest_gap_s = gap_s

@@ -51,6 +51,7 @@ class RunSummary:
     throughput: dict[str, Any]
     loss: dict[str, Any]
     evaluation: dict[str, Any]
+    stragglers: list[dict[str, Any]] = field(default_factory=list)  # each naming and recovery, in order
     other_events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +87,9 @@ def summarise(history: RunHistory) -> RunSummary:
         throughput=_throughput_numbers(history.progress),
         loss=_loss_numbers(history.progress),
         evaluation=_evaluation_numbers(history.evaluations),
+        stragglers=[{"at_seconds": round(float(event["time"]) - started, 3),
+                     **{key: event[key] for key in ("state", "rank", "node", "score", "pace_seconds")}}
+                    for event in history.stragglers],
         other_events=history.other_events,
     )
 
@@ -292,6 +296,11 @@ def format_summary(summary: RunSummary, plot_path: str | None = None) -> str:
             line += (f"; {plural(replication['failed'], 'delivery', 'deliveries')} FAILED (last: {replication['last_failure']}; "
                      "see the replication_failed events)")
         lines.append(line)
+    for straggler in summary.stragglers:
+        node = "" if straggler["node"] is None else f" (node {straggler['node']})"
+        lines.append(f"Straggler    at {format_clock(straggler['at_seconds'])}  rank {straggler['rank']}{node} "
+                     f"{'named slow' if straggler['state'] == 'named' else 'back to speed'}: "
+                     f"{straggler['score']:.2f} of the fastest rank's speed")
     if summary.restart_seconds:
         stages = ", ".join(f"{stage.replace('_', ' ')} {seconds:.1f} s"
                            for stage, seconds in summary.restart_seconds.items())

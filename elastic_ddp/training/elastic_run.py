@@ -7,6 +7,7 @@
                 with run.autocast():            # --use_amp / --amp_dtype (does nothing without)
                     losses = my_loss(run.model(inputs), targets)   # one loss per sample
                 step.backward(losses)           # scaled: the gradient is the global batch's mean
+                                                # (weights=: its weighted mean, e.g. by target tokens)
             step.clip_grad_norm_(1.0)           # optional: unscaled first, as AMP needs
             with step.committing():             # the optimizer has stepped; the step counts on exit
                 ema.update(run.module)          # your state that changes with the step
@@ -21,7 +22,12 @@ this way. docs/your-own-loop.md gives each rule of the contract with its reason;
   all but the last micro-batch run under DDP's `no_sync`, entered by the iterator.
 - `step.backward` takes one loss per sample (reduction="none"): the run scales it so that the
   averaged gradient is the mean over the *global* batch whatever the world size; a mean-reduced
-  loss would make the maths depend on how the batch was split.
+  loss would make the maths depend on how the batch was split. `weights=` (one per sample, e.g.
+  its target tokens) makes it the weighted mean: sample_weights.py; give them in every backward
+  of the run on every rank, or in none.
+- The dataset is map-style (a stream is refused: exactly once needs samples by index); a batch
+  is `collate_fn`'s of the micro-batch's samples (default_collate's without), of any structure,
+  moved to the device tensor by tensor (workload/collate.py, which also has the empty batch's rule).
 - The run steps the optimizer (through the grad scaler), the scheduler it was given (or its own
   warm-up plus cosine), the data position and the step count, all in the commit, which is all or
   nothing: a failure before the commit ends leaves the previous step as the last committed one.
@@ -72,10 +78,13 @@ from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.runtime.drain import DrainSignal
 from elastic_ddp.snapshot.training_state import Stateful, TrainingState, run_fingerprint
 from elastic_ddp.training.group_lifecycle import GroupLifecycle, on_success, sharded_skeleton
+from elastic_ddp.training.sample_weights import StepWeights, divide_gradients
 from elastic_ddp.training.sharding import ShardingError, place_model
 from elastic_ddp.training.state_builder import autocast_dtype, build_optimizer, build_training_state
 from elastic_ddp.training.step_hooks import MinimumStepTime
-from elastic_ddp.workload.data import EpochSampleView, SampleTransform, empty_batch_like, plan_loader
+from elastic_ddp.training.stragglers import StepPace
+from elastic_ddp.workload.collate import Collate, to_device
+from elastic_ddp.workload.data import EpochSampleView, SampleTransform, check_map_style, plan_loader
 from elastic_ddp.workload.losses import check_per_sample
 from elastic_ddp.workload.sampler import StepPlan
 
@@ -95,7 +104,10 @@ class ElasticRun(GroupLifecycle):
     Build it inside an initialised process group (or none, for one process), enter it once with
     `with`, iterate `steps()` inside. `optimizer` and `scheduler` may be factories, called with the
     model once placed (sharded under `--sharding fsdp`, where only a factory can be given) and with
-    the optimizer; without them the run builds `--optimizer` and its warm-up plus cosine schedule. Accessors: `model` (call it), `module` (your model),
+    the optimizer; without them the run builds `--optimizer` and its warm-up plus cosine schedule.
+    `dataset` is map-style (a stream is refused here, TypeError); `collate_fn` makes each
+    micro-batch of its samples, in the DataLoader's workers (default: torch's default_collate).
+    Accessors: `model` (call it), `module` (your model),
     `optimizer`, `scheduler`, `global_step` (committed steps), `epoch`, `rank`, `world_size` (the current
     group's: a lost node's survivors re-form it in process, in_process.py), `group_broken`.
     """
@@ -105,10 +117,12 @@ class ElasticRun(GroupLifecycle):
                  scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
                  extra_state: dict[str, Stateful] | None = None,
                  sample_transform: SampleTransform | None = None,
+                 collate_fn: Collate | None = None,
                  context: DistributedContext | None = None,
                  log_prefix: RankPrefix | None = None,
                  startup: StartupTimeline | None = None):
         check_extra_state(extra_state)
+        check_map_style(dataset, "ElasticRun(dataset=...): got")
         if isinstance(optimizer, torch.optim.Optimizer) and config.sharding == "fsdp":
             raise ShardingError("--sharding fsdp: got an optimizer built before the model was sharded; expected none "
                                 "(the run builds --optimizer over the sharded parameters) or a factory, "
@@ -127,7 +141,10 @@ class ElasticRun(GroupLifecycle):
         self.state = self._build_state()
         self.fingerprint = run_fingerprint(self.module, len(dataset), config.global_batch_size, config.seed,
                                            config.drop_last)
-        self.samples = EpochSampleView(dataset, config.seed, sample_transform)
+        self.samples = EpochSampleView(dataset, config.seed, sample_transform, collate_fn)
+        # Made now, so that a collate that cannot make one fails before training, not at the first
+        # step whose share on this rank is empty (a join, the short last step of an epoch).
+        self._empty_batch = self.samples.empty_batch()
         self.autocast_dtype = autocast_dtype(config, self.context.device)
         self.startup = startup or StartupTimeline()
         self.log_prefix = log_prefix or installed_rank_prefix()  # its step number follows the commits
@@ -136,7 +153,9 @@ class ElasticRun(GroupLifecycle):
         self.current_step: Step | None = None
         self._exits: contextlib.ExitStack | None = None
         self._entered = False
-        self._empty_batch: list[torch.Tensor] | None = None
+        self._weighs_samples: bool | None = None  # whether step.backward is given weights (the first call says)
+        self._batches: Iterator[Any] | None = None  # the loader of the epoch in progress
+        self.step_pace = StepPace()  # this rank's own time per sample, for the straggler judge
         self._start_lifecycle(not_in_process)
 
     def _build_state(self) -> TrainingState:
@@ -224,6 +243,7 @@ class ElasticRun(GroupLifecycle):
         first (then it propagates); without one, the last step's snapshot is waited for."""
         exits, self._exits = self._exits, None
         self.current_step = None
+        self._stop_loader()
         if exc_info[0] is not None:  # first: the agent must not run a round in process for a worker on its way out
             self.regroup.stop()
         return exits.__exit__(*exc_info)
@@ -248,8 +268,8 @@ class ElasticRun(GroupLifecycle):
         # A committed state never holds a finished epoch (the rollover is part of the commit), so
         # there is always a step to plan; without one this loop would never end.
         assert plans, f"epoch {sampler.epoch} has no step left at sample {sampler.samples_consumed}"
-        batches = iter(plan_loader(self.samples, sampler.epoch, plans, self.config.num_workers,
-                                   pin_memory=ctx.device.type == "cuda"))
+        batches = self._batches = iter(plan_loader(self.samples, sampler.epoch, plans, self.config.num_workers,
+                                                   pin_memory=ctx.device.type == "cuda"))
         self.ddp_model.train()
         self.run_log.epoch_started(sampler.epoch, steps_done=sampler.steps_per_epoch - len(plans))
         try:
@@ -276,17 +296,30 @@ class ElasticRun(GroupLifecycle):
                                     "the run steps the optimizer (through the grad scaler) in step.commit(), once "
                                     "per step: remove this call")
 
-    def _device_batch(self, indices: list[int], batches: Iterator[Any]) -> list[Any]:
-        """The loader's next batch on this rank's device; for no `indices`, an empty batch shaped
-        like the data's (the loader holds only the non-empty micro-batches)."""
-        if indices:
-            batch = next(batches)
-        else:
-            if self._empty_batch is None:
-                self._empty_batch = empty_batch_like(self.samples)
-            batch = self._empty_batch
-        non_blocking = self.context.device.type == "cuda"
-        return [item.to(self.context.device, non_blocking=non_blocking) for item in batch]
+    def _device_batch(self, indices: list[int], batches: Iterator[Any]) -> Any:
+        """The loader's next batch on this rank's device; for no `indices`, the empty batch
+        (collate.empty_batch: the loader holds only the non-empty micro-batches)."""
+        batch = next(batches) if indices else self._empty_batch
+        return to_device(batch, self.context.device, non_blocking=self.context.device.type == "cuda")
+
+    def _stop_loader(self) -> None:
+        """End the loader's worker processes now: they ignore SIGTERM (the run drains), so left to
+        the garbage collector after an exception (its traceback keeps them), they would hold up
+        the interpreter's exit, whose multiprocessing clean-up terminates them with SIGTERM."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)  # (torch's iterator with worker processes)
+        if shutdown is not None:
+            shutdown()
+
+    def _check_weighing(self, weighted: bool, step_number: int) -> None:
+        """The run's first step.backward says whether its samples are weighted; the others must agree."""
+        if self._weighs_samples is None:
+            self._weighs_samples = weighted
+        elif self._weighs_samples != weighted:
+            raise LoopContractError(
+                f"step.backward(): called {'with' if weighted else 'without'} weights in step {step_number}, "
+                f"{'without' if weighted else 'with'} them before; give weights in every backward of the run on "
+                "every rank (an empty micro-batch's are an empty tensor), or in none")
 
 
 class Step:
@@ -314,6 +347,8 @@ class Step:
         # DDP averages gradients over ranks: seeding each sample's gradient with this makes the
         # result the global batch's mean (the numbers of `scaler.scale(sum * scale)`, 2 nodes fewer).
         self._loss_scale = run.world_size / plan.global_samples
+        run.step_pace.step_started(self.samples)
+        self._weights: StepWeights | None = None  # with step.backward(weights=...)
 
     def micro_batches(self) -> Iterator[Any]:
         """This rank's micro-batches of the step, on its device, each collated as the dataset's
@@ -338,28 +373,50 @@ class Step:
                         "was not called for it inside the loop body; call it once per micro-batch (an empty "
                         "one too: every rank takes part in the gradients' all-reduce)")
 
-    def backward(self, losses: torch.Tensor) -> None:
+    def backward(self, losses: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Backward of the last micro-batch read, from one loss per sample (reduction="none"),
         scaled so that the step's averaged gradient is the global batch's mean (and by the grad
-        scaler under fp16)."""
+        scaler under fp16). `weights` (one non-negative finite weight per sample, such as its
+        number of target tokens): the weighted mean sum(w_i * loss_i) / sum(w_i) over the global
+        batch instead, exactly, in any world (sample_weights.py). Give weights in every backward
+        of the run on every rank, or in none (LoopContractError)."""
         if self._backwards >= self._read:
             raise LoopContractError(f"step.backward(): called {'twice for one' if self._read else 'before any'} "
                                     f"micro-batch of step {self.number}; call it once for each micro-batch read")
         check_per_sample(losses, len(self.plan.micro_batches[self._read - 1]), "step.backward")
         run = self.run
+        run._check_weighing(weights is not None, self.number)
         if isinstance(run.model, DistributedDataParallel) and run._model_calls == self._calls_at_read:
             raise LoopContractError("step.backward(): the loss was not computed through run.model (DDP); calling "
                                     "your own module skips the gradients' all-reduce and the ranks drift apart")
+        if weights is not None:
+            if self._weights is None:
+                self._weights = StepWeights(self.number, self.plan.global_samples)
+            weights = self._weights.add(weights, losses)  # its shape checked; float32, on the losses' device
         if run._lost_peer is not None:  # abandoned (its forward ran on the module alone): nothing to reduce
             self._backwards += 1
             return
         losses = losses.float()
+        seeds = torch.full_like(losses, self._loss_scale) if weights is None else weights * self._loss_scale
         scaler = run.state.grad_scaler.scaler
         with run._owned_collective(f"step {self.number}'s gradient all-reduce"):
-            torch.autograd.backward(losses, scaler.scale(torch.full_like(losses, self._loss_scale)))
+            torch.autograd.backward(losses, scaler.scale(seeds))
         self._backwards += 1
-        summed = losses.detach().sum()
+        summed = (losses.detach() if weights is None else losses.detach() * weights).sum()
         self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
+
+    def _weigh_gradients(self) -> None:
+        """Once per weighted step, before its gradient is first read (clipping, the commit): the
+        ranks agree on the weight sum W and divide the gradients (sample_weights.py); the loss
+        reported becomes the weighted mean. A lost peer here abandons the step."""
+        if self._weights is None or self._weights.divisor is not None:
+            return
+        run = self.run
+        with run._owned_collective(f"step {self.number}'s weight sum"):
+            divisor = self._weights.agree(run.context)
+            divide_gradients(run.module, divisor)
+            if self.loss_sum is not None:  # the report divides by the samples: sum(w * loss) / W that way
+                self.loss_sum = self.loss_sum / divisor
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of every parameter to `max_norm` (their total norm, returned):
@@ -371,7 +428,10 @@ class Step:
         if self.run._lost_peer is not None:
             return torch.zeros((), device=self.run.context.device)  # an abandoned step: nothing to clip
         self._check_all_read("step.clip_grad_norm_()")
+        self._weigh_gradients()
         run = self.run
+        if run._lost_peer is not None:  # lost in the weight sum's all-reduce: the step is abandoned
+            return torch.zeros((), device=run.context.device)
         state = run.state
         state.grad_scaler.scaler.unscale_(state.optimizer)
         with run._owned_collective(f"step {self.number}'s gradient norm"):  # (sharded: an all-reduce of the norms)
@@ -395,12 +455,14 @@ class Step:
 
         A step abandoned because a peer was lost (in_process.py) changes nothing here: the block
         runs, and `extra_state` is put back as it was; the step is redone in the re-formed group."""
-        if self.run._lost_peer is not None:
+        if self.run._lost_peer is None:
+            self._check_all_read("step.commit()")
+            if self.committed:
+                raise LoopContractError(f"step.commit(): step {self.number} is already committed")
+            self._weigh_gradients()
+        if self.run._lost_peer is not None:  # (perhaps lost in the weight sum's all-reduce)
             yield from self._abandoned_commit()
             return
-        self._check_all_read("step.commit()")
-        if self.committed:
-            raise LoopContractError(f"step.commit(): step {self.number} is already committed")
         run, state = self.run, self.run.state
         with state.updating():
             with run._runtime_owns_optimizer():

@@ -27,13 +27,13 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from elastic_ddp.runtime.distributed import DistributedContext
-from elastic_ddp.workload.losses import LossFn
+from elastic_ddp.workload.losses import LossFn, losses_and_weights
 from elastic_ddp.workload.sampler import even_split
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float  # mean per-sample loss over the held-out set
+    loss: float  # mean per-sample loss over the held-out set (weighted, for a loss that returns weights)
     accuracy: float | None  # fraction of correct predictions, None when targets are not class indices
     samples: int
 
@@ -66,6 +66,7 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
             dist.broadcast(buffer, src=0)
     start, stop = even_split(len(dataset), world_size, rank)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    weight_sum = torch.zeros((), dtype=torch.float64, device=device)  # for a loss that returns weights (else 0)
     correct = torch.zeros((), dtype=torch.float64, device=device)
     classified = torch.zeros((), dtype=torch.float64, device=device)  # samples whose targets are class indices
     was_training = model.training
@@ -82,7 +83,12 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
                                    default_collate([dataset[i] for i in range(first, min(stop, first + batch_size))]))
                 outputs = model(inputs)
                 calls -= 1
-                loss_sum += loss_fn(outputs, targets).double().sum()
+                losses, weights = losses_and_weights(loss_fn(outputs, targets), len(targets))
+                if weights is None:
+                    loss_sum += losses.double().sum()
+                else:
+                    loss_sum += (losses.double() * weights.double()).sum()
+                    weight_sum += weights.double().sum()
                 if _are_class_indices(outputs, targets):
                     correct += (outputs.argmax(dim=1) == targets).sum()
                     classified += len(targets)
@@ -90,13 +96,15 @@ def evaluate(model: nn.Module, dataset: Dataset, loss_fn: LossFn, rank: int, wor
                 model(default_collate([dataset[0]])[0].to(device))
     finally:
         model.train(was_training)
-    sums = torch.stack([loss_sum, correct, classified])
+    sums = torch.stack([loss_sum, weight_sum, correct, classified])
     if distributed:
         dist.all_reduce(sums)
-    loss_total, correct_total, classified_total = sums.tolist()
+    loss_total, weight_total, correct_total, classified_total = sums.tolist()
     samples = len(dataset)
     accuracy = correct_total / classified_total if classified_total == samples else None
-    return EvalResult(loss=loss_total / samples, accuracy=accuracy, samples=samples)
+    # Unweighted, each rank divides by the whole set's length: the ranks' shares add up to the mean.
+    mean = loss_total / weight_total if weight_total else loss_total / samples
+    return EvalResult(loss=mean, accuracy=accuracy, samples=samples)
 
 
 def _are_class_indices(outputs: torch.Tensor, targets: torch.Tensor) -> bool:

@@ -17,8 +17,9 @@ sees). It owns what happens to the worker group under the loop:
 
 What the run in front provides (set in its `__init__` before `_start_lifecycle`): `config`,
 `context`, `module`, `ddp_model`, `model`, `state`, `fingerprint`, `startup`, `log_prefix`,
-`drain`, `pacing`, `current_step`, `_skeleton` (the copy a sharded rebuild starts from), the
-accessors `global_step` and `epoch`, and `_build_state()`. This module never imports elastic_run.py (an import-linter contract checks it).
+`drain`, `pacing`, `step_pace` (this rank's own time per sample, stragglers.py), `current_step`,
+`_skeleton` (the copy a sharded rebuild starts from), the accessors `global_step` and `epoch`, and
+`_build_state()`. This module never imports elastic_run.py (an import-linter contract checks it).
 
 Not guaranteed: a second peer lost while the group re-forms, or before a step is committed in
 the re-formed group, is not absorbed: the error propagates and torchrun's restart takes over.
@@ -53,6 +54,7 @@ from elastic_ddp.training.in_process import (
 from elastic_ddp.training.reporting import RunLog
 from elastic_ddp.training.sharding import parameterless_copy, rebuilt
 from elastic_ddp.training.stop_guard import GroupReformed, StopGuard
+from elastic_ddp.training.stragglers import StragglerJudge
 from elastic_ddp.workload.sampler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -105,13 +107,16 @@ class GroupLifecycle:
         group re-formed in this process (in_process.py), whose ranks keep their own state when they
         all hold the same step."""
         incarnation = agree_on_incarnation(self.context)
+        self.step_pace.reset()
         with contextlib.ExitStack() as exits:
             log, snapshots = exits.enter_context(self._incarnation(incarnation))
             exits.push(on_success(self._finish))
             guard = self.stop_guard = StopGuard(self.state, log, snapshots, self.context, self.drain,
                                                 self.config.epochs, self.config.watchdog_timeout_s,
                                                 self._re_form_without_silent_peer, self._peer_switched)
-            exits.enter_context(guard.watching_peers(incarnation))
+            judge = self._straggler_judge(log)
+            exits.enter_context(guard.watching_peers(incarnation, pace=self.step_pace.pace,
+                                                     on_paces=judge.read if judge is not None else None))
             log.started(in_process=re_formed is not None)
             snapshots.start()
             # With newcomers, every rank restores as after a restart (the collectives of a fresh worker's
@@ -132,6 +137,15 @@ class GroupLifecycle:
             self._wrap_model(restored=self.global_step > 0)
             exits.enter_context(guard.keeping_the_last_step())
             self._incarnation_exits = exits.pop_all()
+
+    def _straggler_judge(self, log: RunLog) -> StragglerJudge | None:
+        """Rank 0's judge of the ranks' paces for this group (stragglers.py); None elsewhere, or when off."""
+        if self.context.rank != 0 or not self.config.straggler_threshold:
+            return None
+        return StragglerJudge(self.config.straggler_threshold, self.config.straggler_patience_s,
+                              on_named=lambda report: log.straggler(report, named=True),
+                              on_recovered=lambda report: log.straggler(report, named=False),
+                              on_scores=log.rank_speeds)
 
     def _leave_incarnation(self, *exc_info: Any) -> bool:
         exits, self._incarnation_exits = self._incarnation_exits, None
@@ -217,7 +231,8 @@ class GroupLifecycle:
         when this worker can. Anything else propagates, as does a loss right after a re-form with
         no step committed since (a second loss during the re-form: torchrun's restart takes over)."""
         try:
-            yield
+            with self.step_pace.waiting():  # not this rank's own work: a straggler's peers wait here
+                yield
         except RuntimeError as exc:
             if not self._absorbs_lost_peer(what, exc):
                 raise

@@ -44,6 +44,7 @@ from elastic_ddp.runtime.distributed import DistributedContext, agent_pid
 from elastic_ddp.snapshot.exchange.restore_agreement import RestoredSnapshot
 from elastic_ddp.training.evaluation import EvalResult
 from elastic_ddp.training.loss_window import LossWindow, WindowReport
+from elastic_ddp.training.stragglers import StragglerReport
 from elastic_ddp.workload.sampler import StepPlan
 
 if TYPE_CHECKING:
@@ -171,6 +172,23 @@ class RunLog:
         """The peer watchdog found a peer silent: the group is re-formed without it (from its thread)."""
         if self.metrics is not None:
             self.metrics.peer_evicted()
+
+    def straggler(self, report: StragglerReport, named: bool) -> None:
+        """Rank 0's straggler judge named a rank slow, or found it back to speed (from the watchdog's thread)."""
+        state = "named" if named else "recovered"
+        where = "" if report.node is None else f" on node {report.node}"
+        (logger.warning if named else logger.info)(
+            "straggler: rank %d%s %s: %.2f of the fastest rank's speed (%.3g s of its own work per sample, the "
+            "fastest %.3g s)", report.rank, where, "is slow" if named else "is back to speed", report.score,
+            report.pace_seconds, report.best_pace_seconds)
+        self.events.emit(schema.STRAGGLER, state=state, rank=report.rank, node=report.node,
+                         score=round(report.score, 4), own_score=round(report.own_score, 4),
+                         pace_seconds=report.pace_seconds, best_pace_seconds=report.best_pace_seconds)
+
+    def rank_speeds(self, scores: dict[int, float]) -> None:
+        """Rank 0 scored every rank's speed (from the watchdog's thread; live metrics)."""
+        if self.metrics is not None and scores:
+            self.metrics.rank_speeds(min(scores.values()))
 
     def close(self) -> None:
         for close in (self.audit.close if self.audit else None, self.progress.close,

@@ -144,11 +144,14 @@ class StopGuard:
             raise
 
     @contextlib.contextmanager
-    def watching_peers(self, incarnation: int) -> Iterator[None]:
+    def watching_peers(self, incarnation: int, pace: Callable[[], float | None] | None = None,
+                       on_paces: Callable[[dict[int, tuple[float, int | None]]], None] | None = None
+                       ) -> Iterator[None]:
         """The peer watchdog for the block (none when off, or without a process group). On the way
         out this rank is marked as left, unless it failed: then its peers must find it silent, as
         a dead one (under NCCL nothing else would tell them). Under torchrun a firing watchdog
-        leaves its verdict for this node's agent (`elastic_ddp.handoff.verdicts`)."""
+        leaves its verdict for this node's agent (`elastic_ddp.handoff.verdicts`). Its heartbeats
+        carry this rank's `pace` and hand every rank's to `on_paces` (training/stragglers.py)."""
         if not self.watchdog_timeout_s:
             yield
             return
@@ -157,7 +160,8 @@ class StopGuard:
             self.context.rank, self.context.world_size, incarnation, self.watchdog_timeout_s,
             on_silent=self._stop_for_silent_peer, on_gap=self.run_log.heartbeat_gap,
             node_rank=int(node_rank) if node_rank.isdigit() else None, verdict_address=worker_verdict_address(),
-            on_switched=self._on_peer_switched if self.peer_switched is not None else None).start()
+            on_switched=self._on_peer_switched if self.peer_switched is not None else None, pace=pace,
+            on_paces=on_paces).start()
         try:
             yield
         except DrainRequested:

@@ -6,12 +6,18 @@ Usable as a library with your own objects:
     trainer.fit()
 
 Contracts:
-- `dataset` is map-style and returns (input, target) samples that the default collate can batch;
-  so is `eval_dataset` (optional): held-out data evaluated every `--eval_every_steps` steps and at
-  each epoch end on every rank, reported by rank 0 (elastic_ddp/training/evaluation.py). Evaluation draws no
-  random number and moves no data cursor: the training trajectory is the same without it.
+- `dataset` is map-style; `collate_fn` (default: torch's default_collate) makes each micro-batch
+  of its samples. A batch that is a dict has its targets under `labels` and the model's inputs as
+  its other keys: the model is called `model(**inputs)` (a Hugging Face model's way); any other
+  batch is (inputs, targets), the model called `model(inputs)` (workload/collate.py, `split_batch`).
+- `eval_dataset` (optional): held-out (input, target) samples that the default collate can batch,
+  evaluated every `--eval_every_steps` steps and at each epoch end on every rank, reported by rank 0
+  (elastic_ddp/training/evaluation.py). Evaluation draws no random number and moves no data
+  cursor: the training trajectory is the same without it.
 - `loss_fn(outputs, targets)` returns one loss per sample (reduction="none", checked); the trainer scales
   the sum so that the averaged gradient is the mean over the *global* batch, whatever the split.
+  It may return a pair (losses, weights) instead: the mean is then weighted by them
+  (`token_cross_entropy`: by each sample's target tokens; elastic_ddp/workload/losses.py).
 - `optimizer` was built on `model.parameters()`; `scheduler` (optional) is stepped once per optimizer
   step (without one: warm-up plus cosine over all epochs).
 - Per-sample randomness goes through `sample_transform(sample, generator)`, whose generator is
@@ -50,8 +56,9 @@ from elastic_ddp.runtime.distributed import DistributedContext
 from elastic_ddp.snapshot.training_state import TrainingState
 from elastic_ddp.training.elastic_run import ElasticRun, Step
 from elastic_ddp.training.evaluation import Evaluator
+from elastic_ddp.workload.collate import Collate, call_model, split_batch
 from elastic_ddp.workload.data import SampleTransform
-from elastic_ddp.workload.losses import LossFn, check_per_sample, per_sample_cross_entropy
+from elastic_ddp.workload.losses import LossFn, losses_and_weights, per_sample_cross_entropy
 
 StepHook = Callable[["Trainer"], None]
 
@@ -68,11 +75,12 @@ class Trainer:
                  context: DistributedContext | None = None,
                  log_prefix: RankPrefix | None = None,
                  after_step: StepHook | None = None,
-                 startup: StartupTimeline | None = None):
+                 startup: StartupTimeline | None = None,
+                 collate_fn: Collate | None = None):
         self.config = config
         self.run = ElasticRun(model, dataset, config, optimizer=optimizer, scheduler=scheduler,
-                              sample_transform=sample_transform, context=context, log_prefix=log_prefix,
-                              startup=startup)
+                              sample_transform=sample_transform, collate_fn=collate_fn, context=context,
+                              log_prefix=log_prefix, startup=startup)
         self.evaluator = (Evaluator(eval_dataset, loss_fn, config.eval_every_steps, config.micro_batch_size)
                           if eval_dataset is not None else None)
         self.loss_fn = loss_fn
@@ -104,11 +112,12 @@ class Trainer:
         """
         with self.run as run:
             for step in run.steps():
-                for inputs, targets in step.micro_batches():
+                for batch in step.micro_batches():
+                    inputs, targets = split_batch(batch)
                     with run.autocast():
-                        losses = self.loss_fn(run.model(inputs), targets)
-                    check_per_sample(losses, len(inputs))  # names --loss, the flag that chose it
-                    step.backward(losses)
+                        result = self.loss_fn(call_model(run.model, inputs), targets)
+                    losses, weights = losses_and_weights(result, len(targets))  # names --loss, the flag that chose it
+                    step.backward(losses, weights)
                 if self.config.max_grad_norm > 0:
                     step.clip_grad_norm_(self.config.max_grad_norm)
                 step.commit()

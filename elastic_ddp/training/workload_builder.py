@@ -1,7 +1,8 @@
 """What to train, from the config: the model, the data, the held-out data, the loss, the augmentation.
 
 `build_workload(config)` builds the built-ins (`--model mini_resnet|mlp|gpt`, `--dataset
-synthetic|tokens`, `--loss cross_entropy|mse`) or imports yours (`package.module:callable`, elastic_ddp/workload/user_code.py).
+synthetic|tokens`, `--loss cross_entropy|mse|token_cross_entropy`) or imports yours
+(`package.module:callable`, also `--collate`: elastic_ddp/workload/user_code.py).
 Call it before the process group starts: a bad import path, a model that is not an nn.Module, an
 empty dataset or one too small for `--drop_last` raises `UserCodeError` (a ValueError) with one line,
 and no peer waits for this rank in a collective meanwhile.
@@ -15,13 +16,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from elastic_ddp.config import MODELS, SYNTHETIC, TOKENS, TrainingConfig
+from elastic_ddp.workload.collate import Collate
 from elastic_ddp.workload.data import SampleTransform, SyntheticImageDataset, random_horizontal_flip
-from elastic_ddp.workload.losses import LossFn, per_sample_cross_entropy, per_sample_mse
+from elastic_ddp.workload.losses import LossFn, per_sample_cross_entropy, per_sample_mse, token_cross_entropy
 from elastic_ddp.workload.models import build_model
 from elastic_ddp.workload.tokens import TokenWindows
 from elastic_ddp.workload.user_code import UserCodeError, build_user_dataset, build_user_model, resolve
 
-BUILTIN_LOSSES: dict[str, LossFn] = {"cross_entropy": per_sample_cross_entropy, "mse": per_sample_mse}
+BUILTIN_LOSSES: dict[str, LossFn] = {"cross_entropy": per_sample_cross_entropy, "mse": per_sample_mse,
+                                     "token_cross_entropy": token_cross_entropy}
 HELD_OUT_FRACTION = 4  # the built-in held-out set is a quarter of the training set's length
 
 
@@ -34,6 +37,7 @@ class Workload:
     eval_dataset: Dataset | None
     loss_fn: LossFn
     sample_transform: SampleTransform | None
+    collate_fn: Collate | None
 
 
 def build_workload(config: TrainingConfig) -> Workload:
@@ -50,6 +54,7 @@ def build_workload(config: TrainingConfig) -> Workload:
         eval_dataset=eval_dataset,
         loss_fn=BUILTIN_LOSSES[config.loss] if config.loss in BUILTIN_LOSSES else resolve("--loss", config.loss),
         sample_transform=random_horizontal_flip if config.dataset == SYNTHETIC and config.augment else None,
+        collate_fn=None if config.collate is None else resolve("--collate", config.collate),
     )
 
 

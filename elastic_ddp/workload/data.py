@@ -6,6 +6,9 @@ sees the same data without any file. `EpochSampleView` wraps any map-style datas
 the same whichever rank, world size or DataLoader worker produces it. A transform that can also work
 on a whole batch (`BatchedSampleTransform`, such as the built-in flip) gets the draws of every
 sample of an epoch's loader computed at once, and returns exactly what the per-sample calls would.
+With a collate of the user's (collate.py), each micro-batch is that collate of its samples, made
+in the DataLoader's workers; the built-in fast paths are then not taken (they make what
+`default_collate` makes). `check_map_style` refuses a stream where the run is built.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from elastic_ddp.workload.collate import Collate, CollateError, empty_batch
 from elastic_ddp.workload.generator_draws import first_uniform_floats
 from elastic_ddp.workload.sampler import StepPlan, derive_seed, mix_seed, mix_seeds
 
@@ -143,18 +147,20 @@ random_horizontal_flip = RandomHorizontalFlip()
 class EpochSampleView(Dataset):
     """`dataset` indexed by (epoch, index), with `transform` seeded from (seed, epoch, index).
 
-    `batch` makes a collated batch at once, through the dataset's `collated(indices)` when it has
-    one (the default_collate of those samples), and the transform's `apply_to_batch` when it is a
-    `BatchedSampleTransform` given its draws.
+    `batch` makes a collated batch at once: with `collate_fn`, that collate of the transformed
+    samples; without, `default_collate`'s, through the dataset's `collated(indices)` when it has
+    one, and the transform's `apply_to_batch` when it is a `BatchedSampleTransform` given its draws.
 
     The transform gets one generator per view, reseeded for every sample (creating a generator per
     sample cost a few microseconds each, on the training thread): use it within the call only.
     """
 
-    def __init__(self, dataset: Dataset, seed: int, transform: SampleTransform | None = None):
+    def __init__(self, dataset: Dataset, seed: int, transform: SampleTransform | None = None,
+                 collate_fn: Collate | None = None):
         self.dataset = dataset
         self.seed = seed
         self.transform = transform
+        self.collate_fn = collate_fn
         self._generator = torch.Generator()
         self._epoch_bases: dict[int, int] = {}
 
@@ -182,16 +188,42 @@ class EpochSampleView(Dataset):
 
     def batch(self, epoch: int, indices: list[int], draws: np.ndarray | None = None) -> Any:
         """The samples `indices` of `epoch`, transformed and collated. `draws`: the transform's
-        draws for them (a `BatchedSampleTransform` only); without, one transform call per sample."""
-        if self.transform is not None and draws is None:
-            return default_collate([self[(epoch, index)] for index in indices])
+        draws for them (a `BatchedSampleTransform` without `collate_fn` only); without, one
+        transform call per sample."""
+        if self.collate_fn is not None or (self.transform is not None and draws is None):
+            return self.collate([self[(epoch, index)] for index in indices], indices, epoch)
         collated = getattr(self.dataset, "collated", None)  # a dataset's own batched fetch, if it has one
-        batch = collated(indices) if collated is not None else default_collate([self.dataset[i] for i in indices])
+        if collated is not None:
+            batch = collated(indices)
+        else:
+            batch = self.collate([self.dataset[index] for index in indices], indices, epoch)
         return batch if self.transform is None else self.transform.apply_to_batch(batch, draws)
 
+    def collate(self, samples: list[Any], indices: list[int], epoch: int) -> Any:
+        """`collate_fn(samples)` (default_collate's without one); CollateError naming the samples
+        when it raises (a sample of another structure than the others', unequal lengths)."""
+        try:
+            return (self.collate_fn or default_collate)(samples)
+        except Exception as exc:
+            shown = indices if len(indices) <= 8 else [*indices[:8], "..."]
+            if self.collate_fn is None:
+                name, hint = "default_collate", ("; samples of unequal length need a collate that pads (collate_fn=, "
+                                                 "--collate), such as elastic_ddp.workload.collate:pad_token_sequences")
+            else:
+                name, hint = getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__), ""
+            said = " ".join(str(exc).split())  # one line
+            raise CollateError(f"collate_fn: {name} raised {type(exc).__name__}: {said} on samples {shown} of "
+                               f"epoch {epoch}{hint}") from exc
+
+    def empty_batch(self) -> Any:
+        """The batch of a rank whose share of a step is empty (collate.empty_batch's rule), made
+        from sample 0 as epoch 0 sees it."""
+        return empty_batch(lambda samples: self.collate(samples, [0] * len(samples), 0), self[(0, 0)])
+
     def draw_all(self, epoch: int, indices: np.ndarray) -> np.ndarray | None:
-        """The batched transform's draws for `indices` of `epoch`; None when the transform is per sample."""
-        if not isinstance(self.transform, BatchedSampleTransform):
+        """The batched transform's draws for `indices` of `epoch`; None when the transform is per
+        sample, or a collate of the user's makes the batch (the transform then runs per sample)."""
+        if self.collate_fn is not None or not isinstance(self.transform, BatchedSampleTransform):
             return None
         return self.transform.draw(self.sample_seeds(epoch, indices))
 
@@ -227,11 +259,16 @@ def plan_loader(samples: EpochSampleView, epoch: int, plans: list[StepPlan], num
                       pin_memory=pin_memory, worker_init_fn=_ignore_sigterm)
 
 
-def empty_batch_like(samples: EpochSampleView) -> list[torch.Tensor]:
-    """A batch of zero samples shaped like the dataset's: for a rank whose share of a step is empty
-    (it still runs the forward and backward passes that synchronise the gradients)."""
-    collated = default_collate([samples[(0, 0)]])
-    return [item[:0] for item in collated]
+def check_map_style(dataset: Any, what: str) -> None:
+    """Raise TypeError, `what` (e.g. "dataset: got") first, unless `dataset` is map-style: a stream
+    cannot be split by sample index, which exactly once across world sizes rests on."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(f"{what} a {type(dataset).__name__}; expected a map-style dataset (__len__ and __getitem__, "
+                        "not an IterableDataset): exactly once across world sizes needs samples by index (each "
+                        "step's global batch is split over the ranks by index, a resume starts at a sample count); "
+                        "use a map-style one instead: Hugging Face datasets' Dataset (Arrow, memory-mapped), a "
+                        "memory-mapped token file (--dataset tokens), or a map-style view over shards of known "
+                        "length")
 
 
 def _ignore_sigterm(worker_id: int) -> None:

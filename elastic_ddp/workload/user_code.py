@@ -4,16 +4,18 @@
         --eval_dataset my_pkg.data:test_set --loss cross_entropy ...
 
 Each of `--model`, `--dataset`, `--eval_dataset` and `--loss` takes a built-in name or an import
-path `package.module:callable` (the module is imported as `import package.module` would: it must be
-on `sys.path`, e.g. installed or in `PYTHONPATH`). The contracts:
+path `package.module:callable`, and `--collate` an import path (the module is imported as `import
+package.module` would: it must be on `sys.path`, e.g. installed or in `PYTHONPATH`). The contracts:
 
 - `--model`: the callable takes no arguments and returns a `torch.nn.Module`. torch's RNG is
   seeded from `--seed` just before the call, so every rank builds the same initial weights.
 - `--dataset`, `--eval_dataset`: the callable takes no arguments and returns a map-style dataset
-  (`__len__` and `__getitem__`, not an IterableDataset) of `(input, target)` samples that the
-  default collate can batch, with at least one sample.
+  (`__len__` and `__getitem__`, not an IterableDataset: exactly once needs samples by index) of
+  samples that `--collate` can batch, with at least one sample.
 - `--loss`: the callable itself is the loss: `loss(outputs, targets)` returns one loss per sample
-  (`reduction="none"`), as the Trainer requires.
+  (`reduction="none"`), or a pair (losses, weights), as the Trainer requires.
+- `--collate`: the callable itself is the collate: `collate(samples)` returns the batch (a dict
+  with `labels` for a model called with keyword arguments; training/trainer.py has the rule).
 
 A bad value fails before any process group starts, with one line naming the flag, the value and
 what went wrong (`UserCodeError`, a ValueError). Importing runs the module's code: these flags are
@@ -28,11 +30,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
+
+from elastic_ddp.workload.data import check_map_style
 
 
 class UserCodeError(ValueError):
-    """A `--model`/`--dataset`/`--eval_dataset`/`--loss` value that cannot be used; one line."""
+    """A `--model`/`--dataset`/`--eval_dataset`/`--loss`/`--collate` value that cannot be used; one line."""
 
 
 def has_import_path_form(value: str) -> bool:
@@ -84,9 +88,10 @@ def build_user_model(flag: str, value: str, seed: int) -> nn.Module:
 def build_user_dataset(flag: str, value: str) -> Dataset:
     """The map-style dataset `value` builds; UserCodeError for anything else, or an empty one."""
     dataset = _call(flag, value, resolve(flag, value))
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise UserCodeError(f"{flag}: {value!r} returned a {type(dataset).__name__}; expected a map-style dataset "
-                            "(__len__ and __getitem__, not an IterableDataset)")
+    try:
+        check_map_style(dataset, f"{flag}: {value!r} returned")
+    except TypeError as exc:
+        raise UserCodeError(str(exc)) from None
     if len(dataset) == 0:
         raise UserCodeError(f"{flag}: {value!r} returned an empty dataset; expected at least one sample")
     return dataset

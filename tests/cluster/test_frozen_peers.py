@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from tests.support.cluster import (
     pace,
     pause_at,
     release,
+    run_to,
     world_reached,
 )
 
@@ -116,11 +118,27 @@ def test_etcd_v3_leaves_a_frozen_node_behind_in_process(local_jobs, etcd_server:
     assert_workers_started_warm(job, survivor, starts=1)
 
 
-def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):
-    """SIGSTOP for half the watchdog's bound, then the CPU taken by busy loops (two per core): the
-    group never restarts."""
+# Enough steps for a brief stop, a slowdown named as a straggler (at full speed) and a starved CPU.
+SLOW_EPOCHS = 60
+STRAGGLER_PATIENCE_S = 3
+
+
+def slowed_down(node, stop_fraction: float, period_s: float, until: threading.Event) -> None:
+    """A node slowed by a stop/continue duty cycle (`stop_fraction` of every `period_s` stopped)."""
+    while not until.is_set():
+        node.freeze()
+        until.wait(period_s * stop_fraction)
+        node.thaw()
+        until.wait(period_s * (1 - stop_fraction))
+
+
+def test_a_briefly_stopped_slowed_or_starved_peer_is_not_evicted_and_a_slow_one_is_named(local_jobs, tmp_path):
+    """SIGSTOP for half the watchdog's bound; then the node slowed by a stop/continue duty cycle,
+    which rank 0 names as a straggler (training/stragglers.py); then the CPU taken by busy loops
+    (two per core): the group never restarts."""
     hold = tmp_path / "hold"
-    job = local_jobs(TRAINING_ARGS, launcher=STOCK_LAUNCHER, nnodes="1:2", **held_until_both_joined(hold))
+    args = [*TRAINING_ARGS, "--epochs", str(SLOW_EPOCHS), "--straggler_patience_s", str(STRAGGLER_PATIENCE_S)]
+    job = local_jobs(args, launcher=STOCK_LAUNCHER, nnodes="1:2", **held_until_both_joined(hold))
     job.add_node("host")
     slow = job.add_node("slow")
     paced_with_both(job, hold)
@@ -130,6 +148,22 @@ def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):
     wait_for(lambda: time.monotonic() - stopped_at > 1.5, 10, "half the watchdog's bound")
     slow.thaw()
     job.wait_for_step(job.last_step() + 5, timeout=60)
+    # Full speed while slowed (the held pace's sleep would be most of either rank's own time), up
+    # to a step the job cannot reach before the verdict: the job then stops until paced again.
+    run_to(hold, job.last_step() + (SLOW_EPOCHS - EPOCHS) * DATASET // BATCH)
+    slowed_at, stop_slowing = time.time(), threading.Event()
+    duty_cycle = threading.Thread(target=slowed_down, args=(slow, 0.75, 0.04, stop_slowing), daemon=True)
+    duty_cycle.start()
+    try:
+        named = job.wait_for_event(lambda e: e["event"] == "straggler" and e["state"] == "named", 90,
+                                   "the slowed node named as a straggler")
+    finally:
+        stop_slowing.set()
+        duty_cycle.join(timeout=10)
+        slow.thaw()
+        pace(hold)
+    print(f"named {named['time'] - slowed_at:.1f} s after the slowdown: {named}")
+    assert named["rank"] == 1 and named["score"] < 0.6, named
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
     try:
         steps_before = job.last_step()
@@ -142,8 +176,9 @@ def test_a_briefly_stopped_or_starved_peer_is_not_evicted(local_jobs, tmp_path):
     assert job.wait(timeout=180) == {"host": 0, "slow": 0}, node_logs(job)
     assert len(job.events("start")) == 1, "the group restarted: a live peer was evicted"
     logs = "\n".join(node.log_text() for node in job.nodes)
+    assert "straggler: rank 1 on node 1 is slow" in logs
     assert "peer watchdog:" not in logs.replace("peer watchdog: the longest", "")
     gaps = [float(gap) for gap in re.findall(r"heartbeat stayed unchanged was ([0-9.]+) s", logs)]
     print(f"longest heartbeat gaps seen: {gaps}")
     assert gaps, "every rank reports its longest gap when it leaves"
-    assert_exactly_once(job, DATASET, EPOCHS, BATCH)
+    assert_exactly_once(job, DATASET, SLOW_EPOCHS, BATCH)

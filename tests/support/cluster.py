@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 # The hold file's writers are the held module's own (the tests used to carry copies of two of them).
-from elastic_ddp.chaos.held_train import HOLD_VARIABLE, pace, pause_at, release  # noqa: F401 - re-exported
+from elastic_ddp.chaos.held_train import HOLD_VARIABLE, pace, pause_at, release, run_to  # noqa: F401 - re-exported
 from elastic_ddp.runlog.audit import exactly_once_violations, read_entries
 from elastic_ddp.testbed.local_cluster import LocalJob
 

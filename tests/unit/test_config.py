@@ -139,7 +139,7 @@ def test_optimizer_betas_loss_and_evaluation_flags():
     ({"optimizer": "adam"}, "--optimizer: got 'adam'; expected one of sgd, adamw"),
     ({"betas": (0.9, 1.0)}, "--betas: got 0.9 1.0; expected two numbers in [0, 1)"),
     ({"betas": (0.9,)}, "--betas: got 0.9; expected two numbers in [0, 1)"),
-    ({"loss": "hinge"}, "--loss: got 'hinge'; expected cross_entropy or mse, or an import path package.module:callable"),
+    ({"loss": "hinge"}, "--loss: got 'hinge'; expected cross_entropy or mse or token_cross_entropy, or an import path package.module:callable"),
     ({"dataset": "cifar10"}, "--dataset: got 'cifar10'; expected synthetic or tokens, or an import path"),
     ({"model": "pkg.mod:"}, "--model: got 'pkg.mod:'; expected mini_resnet or mlp or gpt, or an import path"),
     ({"eval_dataset": "a-b:c"}, "--eval_dataset: got 'a-b:c'; expected synthetic, or an import path"),

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEAD_PID = 2**22 + 1  # above Linux's largest pid_max: never a running process
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_steps", "_step", "_total")
 UNITLESS = {"global_step", "epoch", "samples_per_second", "training_loss", "learning_rate", "eval_loss",
-            "world_size", "nodes", "training_finished", "snapshot_replica_nodes"}
+            "world_size", "nodes", "training_finished", "snapshot_replica_nodes", "stragglers"}
 
 
 def feed(metrics: RunMetrics, kind: schema.EventKind, at: float = 1000.0, **fields) -> None:
