@@ -1,12 +1,9 @@
 """A loop of the user's own (docs/examples/gpt_own_loop.py, through `ElasticRun`) keeps every promise
-when a node is lost mid-epoch and another joins, under DDP and under `--sharding fsdp`: real torchrun
-agents as nodes on 127.0.0.1, real gloo, a real SIGKILL.
-
-The DDP job is the README's plain-torchrun path: stock torchrun, torch's own `c10d` backend with the
-`--rdzv_conf` its start-up warning names (defaults.RDZV_CONF), and no TORCH_DISABLE_SHARE_RDZV_TCP_STORE in the agents'
-environment (without the plugin's fix, the agent-shared TCPStore makes restarted workers hang in
-init_process_group: findings.md, trap 2). The fsdp job runs our `elastic-c10d` with torch's
-defaults for `--rdzv_conf` and `--monitor_interval`. (A whole job killed and relaunched:
+when a node is lost mid-epoch and another joins, under `--sharding fsdp`: real torchrun agents as
+nodes of two workers on 127.0.0.1, real gloo, a real SIGKILL. The job runs our `elastic-c10d` with
+torch's defaults for `--rdzv_conf` and `--monitor_interval`. The same under DDP on the README's
+plain-torchrun path (torch's own `c10d`, no TORCH_DISABLE_SHARE_RDZV_TCP_STORE in the agents'
+environment: findings.md, trap 2) is the Hugging Face example's test, tests/cluster/test_hf_example.py. (A whole job killed and relaunched:
 tests/cluster/test_chaos.py, the c10d store host's loss; etcd-v3's kill and join:
 tests/cluster/test_etcd_e2e.py.)
 
@@ -69,14 +66,13 @@ def restore_after(job, world_size: int, previous_world_size: int, after: float) 
     return restore
 
 
-# torch's c10d with torch's defaults waits a last call of 30 s per change, and a join hung in torch's
-# agent on the shared store (role_info, 60 s; seen here): the settings the plugin's warning names.
-PLAIN_TORCHRUN = {"rdzv_backend": "c10d", "agent_env": {"OMP_NUM_THREADS": "1"}}
 OURS_WITH_TORCH_DEFAULTS = {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None}
 
 
-@pytest.mark.parametrize(("sharding", "agent_settings"), [("none", PLAIN_TORCHRUN), ("fsdp", OURS_WITH_TORCH_DEFAULTS)],
-                         ids=["ddp-c10d", "fsdp-elastic-c10d"])
+# The DDP job of plain torchrun with torch's c10d and a script run by its path is the Hugging Face
+# example's (tests/cluster/test_hf_example.py), which took this file's DDP variant's place.
+@pytest.mark.parametrize(("sharding", "agent_settings"), [("fsdp", OURS_WITH_TORCH_DEFAULTS)],
+                         ids=["fsdp-elastic-c10d"])
 def test_a_node_lost_and_one_joining_mid_epoch_cost_the_users_loop_no_step_and_no_sample(
         local_jobs, tmp_path, example_on_path, sharding, agent_settings):
     training_args = [*TRAINING_ARGS, "--sharding", sharding]
