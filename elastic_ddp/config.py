@@ -211,9 +211,9 @@ class TrainingConfig:
         "heartbeats from a thread of its own, however slow its steps (docs/failure-semantics.md).",
         default=WATCHDOG_TIMEOUT_S)
     straggler_threshold: float = _help(
-        "A rank whose own work per sample (before its first wait in a step) is this fraction of the fastest "
-        "rank's speed or less, for --straggler_patience_s, is named slow: a straggler event, a metric, a log line "
-        "(docs/failure-semantics.md, \"A node slows down\"); 0 turns the detection off.", default=0.6)
+        "A rank whose own time per sample (a step's time outside the run's collectives) is this fraction of the "
+        "fastest rank's speed or less, for --straggler_patience_s, is named slow: a straggler event, a metric, a log "
+        "line (docs/failure-semantics.md, \"A node slows down\"); 0 turns the detection off.", default=0.6)
     straggler_patience_s: float = _help(
         "Seconds a rank must stay below --straggler_threshold to be named, and back above it to be reported "
         "recovered.", default=15.0)

@@ -77,7 +77,7 @@ GAUGES = {
     "watchdog_longest_heartbeat_gap_seconds": "The longest a live peer's heartbeat stayed unchanged, as rank 0's peer "
                                               "watchdog saw it in the current worker group (0 at its start).",
     "watchdog_bound_seconds": "--watchdog_timeout_s: a peer silent this long is left behind (0: the watchdog is off).",
-    "slowest_rank_speed_ratio": "The slowest rank's own work per sample against the fastest's, as rank 0 scored it "
+    "slowest_rank_speed_ratio": "The slowest rank's own time per sample against the fastest's, as rank 0 scored it "
                                 "at its last heartbeat read (1: every rank as fast; 0.5: one at half speed).",
     "stragglers": "Ranks named slow and not yet back to speed (the straggler events say which).",
 }

@@ -97,8 +97,8 @@ FINISHED = EventKind("finished", ("global_step", "seconds"), "every epoch is tra
 STRAGGLER = EventKind(
     "straggler", ("state", "rank", "node", "score", "own_score", "pace_seconds", "best_pace_seconds"),
     "rank 0 named a rank slow (`state`: named) or back to the others' speed (recovered): `score` is the best "
-    "rank's own work per sample over this rank's (1: as fast as the fastest), `own_score` its own best over its "
-    "pace now, `pace_seconds` its own work per sample before its first wait (training/stragglers.py)")
+    "rank's own time per sample over this rank's (1: as fast as the fastest), `own_score` its own best over its "
+    "pace now, `pace_seconds` its own time per sample outside the run's collectives (training/stragglers.py)")
 
 EVENT_KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, RESTORE, STARTUP, STEP, PROGRESS, EPOCH_END, EVAL, SNAPSHOT_CAPTURED, SNAPSHOT_CADENCE, SNAPSHOT, SNAPSHOT_FAILED,

@@ -37,7 +37,7 @@ to expire (elastic_ddp/agent/rendezvous/silence.py); it names them as suspects `
 `on_gap(seconds)`, when given, is called from the same thread each time a live peer's heartbeat
 gap sets a new longest (`longest_gap_s`): what the layer above reports (the live metrics).
 
-Its heartbeats also carry each rank's pace, its own work per sample (`pace`, given by the
+Its heartbeats also carry each rank's pace, its own time per sample (`pace`, given by the
 training layer: training/stragglers.py), and it hands every rank's, as read, to `on_paces`: so the
 straggler judge needs no collective and no thread of its own.
 
@@ -84,7 +84,7 @@ LEFT = b"left"
 # heartbeat: the committed step it left after (its peers then leave after that step too).
 SWITCHED_PREFIX = b"switched after "
 # A heartbeat is b"<count>@<GROUP_RANK>": its writer's node travels with it, for the verdict; then,
-# once its writer has one, b" <pace>": its own work per sample (training/stragglers.py), in seconds.
+# once its writer has one, b" <pace>": its own time per sample (training/stragglers.py), in seconds.
 _NODE_SEPARATOR = b"@"
 _PACE_SEPARATOR = b" "
 

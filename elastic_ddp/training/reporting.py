@@ -178,7 +178,7 @@ class RunLog:
         state = "named" if named else "recovered"
         where = "" if report.node is None else f" on node {report.node}"
         (logger.warning if named else logger.info)(
-            "straggler: rank %d%s %s: %.2f of the fastest rank's speed (%.3g s of its own work per sample, the "
+            "straggler: rank %d%s %s: %.2f of the fastest rank's speed (%.3g s of its own time per sample, the "
             "fastest %.3g s)", report.rank, where, "is slow" if named else "is back to speed", report.score,
             report.pace_seconds, report.best_pace_seconds)
         self.events.emit(schema.STRAGGLER, state=state, rank=report.rank, node=report.node,

@@ -101,7 +101,7 @@ class StragglerReport:
     node: int | None  # its GROUP_RANK, as its heartbeat says
     score: float  # best rank's pace / its pace
     own_score: float  # its own best pace / its pace now
-    pace_seconds: float  # its own work per sample now
+    pace_seconds: float  # its own time per sample now
     best_pace_seconds: float  # the best rank's
 
 
