@@ -9,7 +9,8 @@ Sections (each module's docstring says exactly what it measures and how):
 
 - throughput, memory  `benchmarks.throughput`: `elastic_ddp.train` against the bare DDP loop
   (`benchmarks.bare_ddp`) under torchrun, interleaved; snapshots at epoch ends and every 50 steps.
-- data_path           `benchmarks.data_path`: the input pipeline alone against the model step.
+- data_path           `benchmarks.data_path`: the input pipeline alone against the model step, and
+  with a collate of variable-length samples against a plain DataLoader (0 and 2 workers).
 - snapshot            `benchmarks.snapshot_sweep` (10 MB, 100 MB, 1 GB against a synchronous save
   and the disk's own bandwidth) and `benchmarks.snapshot_cost` (slowdown of snapshots every 50 steps).
 - checksums           `benchmarks.checksums`: the snapshot writer (BLAKE3, and sha256 of format 1)
@@ -88,8 +89,10 @@ def run_throughput(quick: bool, repetitions: int | None, work_dir: Path, progres
 def run_data_path(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:
     from benchmarks import data_path
 
-    return data_path.measure(data_path.QUICK if quick else data_path.FULL, repetitions or (1 if quick else 5),
-                             progress=progress)
+    repetitions = repetitions or (1 if quick else 5)
+    return (data_path.measure(data_path.QUICK if quick else data_path.FULL, repetitions, progress=progress)
+            + data_path.measure_tokens(data_path.QUICK_TOKENS if quick else data_path.FULL_TOKENS, repetitions,
+                                       progress=progress))
 
 
 def run_snapshot(quick: bool, repetitions: int | None, work_dir: Path, progress: Progress, **_) -> list[Row]:

@@ -43,6 +43,9 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if type(batch) in (list, tuple) and all(isinstance(item, torch.Tensor) for item in batch) and batch:
         # The default collate's (input, target): the same result without the tree walk (1.5 us, not 7).
         return type(batch)(item.to(device, non_blocking=non_blocking) for item in batch)
+    if type(batch) is dict and batch and all(isinstance(item, torch.Tensor) for item in batch.values()):
+        # A padding collate's {"input_ids": ..., "labels": ..., "attention_mask": ...}: the walk cost 16-19 us.
+        return {key: item.to(device, non_blocking=non_blocking) for key, item in batch.items()}
     moved = 0
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
