@@ -50,6 +50,7 @@ class StepPace:
     def __init__(self, window: int = PACE_WINDOW, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
         self._steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=window)  # (own s, samples)
+        self._own_s, self._samples_in_window = 0.0, 0  # the window's sums, kept as steps come and go
         self._pace: float | None = None
         self._started: float | None = None  # when the step in progress was handed to the loop
         self._samples = 0  # its share
@@ -80,9 +81,15 @@ class StepPace:
         return self._pace
 
     def _add(self, own_s: float, samples: int) -> None:
+        if len(self._steps) == self._steps.maxlen:  # the oldest leaves the window as this one comes
+            oldest_s, oldest_samples = self._steps[0]
+            self._own_s -= oldest_s
+            self._samples_in_window -= oldest_samples
         self._steps.append((own_s, samples))
+        self._own_s += own_s
+        self._samples_in_window += samples
         if len(self._steps) == self._steps.maxlen:
-            self._pace = sum(own for own, _ in self._steps) / sum(count for _, count in self._steps)
+            self._pace = max(self._own_s, 0.0) / self._samples_in_window
 
 
 @dataclass

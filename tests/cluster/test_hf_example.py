@@ -29,7 +29,7 @@ import pytest
 from elastic_ddp import load_snapshot
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, DEFAULT_PARAMETER_TOLERANCE, compare_runs
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
-from tests.support.cluster import assert_exactly_once, node_logs, world_reached
+from tests.support.cluster import assert_exactly_once, memory_restore_mid_epoch, node_logs, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,12 +59,7 @@ def two_node_jobs(local_jobs, tmp_path):
 
 
 def restore_after(job, world_size: int, previous_world_size: int, after: float) -> dict:
-    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == world_size
-                                 and e["time"] > after, 120, f"a restore in world {world_size}")
-    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
-    assert restore["previous_world_size"] == previous_world_size and restore["verified"], restore
-    assert 0 < restore["global_step"] < STEPS, ("mid-epoch: no snapshot file holds it", restore)
-    return restore
+    return memory_restore_mid_epoch(job, world_size, previous_world_size, after, STEPS)
 
 
 def test_the_hf_example_loses_a_node_and_gains_one_mid_epoch_without_losing_a_step_or_a_document(two_node_jobs):

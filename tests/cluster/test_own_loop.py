@@ -26,7 +26,7 @@ from elastic_ddp import load_snapshot
 from elastic_ddp.agent.rendezvous.boards.c10d import BACKEND_NAME
 from elastic_ddp.chaos.equivalence import DEFAULT_LOSS_TOLERANCE, compare_runs, run_reference
 from elastic_ddp.testbed.local_cluster import STOCK_LAUNCHER
-from tests.support.cluster import assert_exactly_once, node_logs, world_reached
+from tests.support.cluster import assert_exactly_once, memory_restore_mid_epoch, node_logs, world_reached
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,12 +58,7 @@ def example_on_path(monkeypatch):
 
 
 def restore_after(job, world_size: int, previous_world_size: int, after: float) -> dict:
-    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == world_size
-                                 and e["time"] > after, 120, f"a restore in world {world_size}")
-    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
-    assert restore["previous_world_size"] == previous_world_size and restore["verified"], restore
-    assert restore["global_step"] % STEPS_PER_EPOCH, ("a mid-epoch step: no snapshot file holds it", restore)
-    return restore
+    return memory_restore_mid_epoch(job, world_size, previous_world_size, after, STEPS_PER_EPOCH)
 
 
 OURS_WITH_TORCH_DEFAULTS = {"rdzv_backend": BACKEND_NAME, "rdzv_conf": None, "monitor_interval": None}

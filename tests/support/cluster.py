@@ -55,3 +55,16 @@ def world_reached(job: LocalJob, world_size: int, timeout: float = 90) -> dict:
     """Wait for the `start` event of a worker group of `world_size`; return it."""
     return job.wait_for_event(lambda e: e["event"] == "start" and e["world_size"] == world_size, timeout,
                               f"a worker group of world size {world_size}")
+
+
+def memory_restore_mid_epoch(job: LocalJob, world_size: int, previous_world_size: int, after: float,
+                             steps_per_epoch: int) -> dict:
+    """Wait for the restore of a group of `world_size` after `after` (Unix time); assert it came from
+    memory, lost nothing, followed a group of `previous_world_size` and resumed mid-epoch (a step no
+    snapshot file holds, when files are written only at epoch ends). Return it."""
+    restore = job.wait_for_event(lambda e: e["event"] == "restore" and e["world_size"] == world_size
+                                 and e["time"] > after, 120, f"a restore in world {world_size}")
+    assert restore["source"] == "memory" and restore["lost_steps"] == 0, restore
+    assert restore["previous_world_size"] == previous_world_size and restore["verified"], restore
+    assert restore["global_step"] % steps_per_epoch, ("a mid-epoch step: no snapshot file holds it", restore)
+    return restore
